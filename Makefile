@@ -1,0 +1,46 @@
+# Two commands: `make up` (install, start, serve) and `make test` (install, start, test).
+# Everything is idempotent: a second run skips what is already installed, running or built.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: up test setup host venv images lint typecheck pytest bench clean-sandboxes
+
+up: setup
+	$(BIN)/orchestrator up
+
+test: setup lint typecheck pytest
+
+setup: host venv images
+
+host:
+	./scripts/host-setup.sh
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+images: host venv
+	$(BIN)/orchestrator image build
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: venv
+	$(BIN)/mypy orchestrator tests bench
+
+pytest: venv
+	$(BIN)/pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python -m bench.exec_latency
+
+clean-sandboxes: venv
+	$(BIN)/orchestrator sandbox gc --all

@@ -1,0 +1,3 @@
+"""Sandboxed rollout orchestrator for agent reinforcement learning."""
+
+__version__ = "0.1.0"

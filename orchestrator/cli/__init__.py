@@ -1,0 +1,13 @@
+"""The ``orchestrator`` command: one sub-command group per concept."""
+
+import typer
+
+from orchestrator.cli import codebase, image, sandbox
+from orchestrator.cli.smoke import smoke, up
+
+app = typer.Typer(help="Sandboxed rollout orchestrator for agent RL.", no_args_is_help=True)
+app.add_typer(image.app, name="image")
+app.add_typer(codebase.app, name="codebase")
+app.add_typer(sandbox.app, name="sandbox")
+app.command()(smoke)
+app.command()(up)

@@ -1,0 +1,95 @@
+"""``orchestrator codebase ...``: add, list and remove codebase images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from orchestrator.config import get_settings
+from orchestrator.images.base import ImageBuildError
+from orchestrator.images.codebases import (
+    CodebaseError,
+    CodebaseInfo,
+    add_codebase,
+    list_codebases,
+    remove_codebase,
+)
+from orchestrator.sandbox.backend import BackendUnavailable
+
+app = typer.Typer(help="Manage codebases (images with a tree at /workspace).", no_args_is_help=True)
+
+_ERRORS = (CodebaseError, ImageBuildError, BackendUnavailable)
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    typer.echo(f"error: {exc}", err=True)
+    return typer.Exit(1)
+
+
+@app.command("add")
+def add(
+    name: Annotated[str, typer.Argument(help="Codebase name: [a-z0-9][a-z0-9._-]*, at most 64.")],
+    source: Annotated[Path, typer.Argument(help="A directory or a local git repository.")],
+    rev: Annotated[
+        str | None,
+        typer.Option(help="Git revision to export (default HEAD); only its history is kept."),
+    ] = None,
+    replace: Annotated[bool, typer.Option(help="Replace an existing codebase.")] = False,
+) -> None:
+    """Build the image of a codebase from a directory or a git revision."""
+    try:
+        info = add_codebase(get_settings(), name, source, rev, replace=replace, progress=typer.echo)
+    except _ERRORS as exc:
+        raise _fail(exc) from exc
+    commit = f" at {info.commit[:12]}" if info.commit else ""
+    typer.echo(f"codebase {info.name}{commit}: {info.image} ({info.image_id[7:19]})")
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KB", "MB"):
+        if size < 1000:
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1000
+    return f"{size:.1f}GB"
+
+
+def _table(rows: list[CodebaseInfo]) -> str:
+    header = ("NAME", "IMAGE ID", "COMMIT", "SOURCE", "SIZE")
+    cells = [
+        (
+            r.name,
+            r.image_id.removeprefix("sha256:")[:12],
+            r.commit[:12] or "-",
+            r.source,
+            _size(r.size_bytes),
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in [header, *cells]
+    )
+
+
+@app.command("ls")
+def ls() -> None:
+    """List codebases."""
+    try:
+        rows = list_codebases(get_settings())
+    except _ERRORS as exc:
+        raise _fail(exc) from exc
+    typer.echo(_table(rows))
+
+
+@app.command("rm")
+def rm(name: Annotated[str, typer.Argument(help="Codebase name.")]) -> None:
+    """Remove a codebase's image."""
+    try:
+        remove_codebase(get_settings(), name)
+    except _ERRORS as exc:
+        raise _fail(exc) from exc
+    typer.echo(f"removed codebase {name}")

@@ -1,0 +1,66 @@
+"""The one settings object: every knob, read from ``ORCH_*`` environment variables."""
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+Runtime = Literal["runc", "runsc"]
+
+
+class Settings(BaseSettings):
+    """Deployment-wide settings. Each field maps to ``ORCH_<FIELD>`` (case-insensitive)."""
+
+    model_config = SettingsConfigDict(env_prefix="ORCH_", extra="ignore")
+
+    deployment: str = Field(
+        "default",
+        pattern=r"^[a-z0-9][a-z0-9-]{0,40}$",
+        description="Name stamped on every sandbox; the reaper only touches its own.",
+    )
+    state_dir: Path = Field(
+        Path("/var/lib/orchestrator"),
+        description="Host directory for per-sandbox exec-agent sockets and build scratch.",
+    )
+    docker_host: str | None = Field(
+        None, description="Docker daemon URL; None means DOCKER_HOST or the local socket."
+    )
+
+    base_os_image: str = Field(
+        "debian:bookworm-slim",
+        description="FROM of the base sandbox image; made with debootstrap when unpullable.",
+    )
+    debian_mirror: str = "http://deb.debian.org/debian"
+    debian_suite: str = "bookworm"
+    base_image: str = Field("orchestrator/sandbox-base:latest", description="Base sandbox image.")
+    codebase_image_repo: str = Field(
+        "orchestrator/codebase", description="Repository for codebase images (tag = name)."
+    )
+
+    sandbox_runtime: Runtime = "runc"
+    sandbox_memory_mb: int = Field(1024, ge=64)
+    sandbox_cpus: float = Field(1.0, gt=0)
+    sandbox_pids: int = Field(256, ge=16)
+    sandbox_tmp_mb: int = Field(256, ge=1)
+    sandbox_lifetime_s: int = Field(3600, ge=10, description="Hard expiry stamped on labels.")
+    sandbox_start_timeout_s: float = Field(20.0, gt=0)
+
+    command_timeout_s: float = Field(30.0, gt=0, description="Default per-command timeout.")
+    command_timeout_max_s: float = Field(600.0, gt=0)
+    output_budget_bytes: int = Field(16 * 1024, ge=256, description="Per tool-output budget.")
+    read_file_max_bytes: int = Field(64 * 1024, ge=256)
+
+    log_format: Literal["console", "json"] = "console"
+    log_level: str = "INFO"
+
+    @property
+    def sockets_dir(self) -> Path:
+        return self.state_dir / "sandboxes"
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """Process-wide settings, read once."""
+    return Settings()

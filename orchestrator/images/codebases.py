@@ -1,0 +1,432 @@
+"""Codebases: named images ``<codebase_image_repo>:<name>`` holding a tree at /workspace.
+
+A codebase comes from a plain directory (copied as is) or from a local git repository at a
+revision. From git, /workspace holds a fresh repository whose only history is that revision
+and its ancestors: an agent must not be able to find later commits (the answer to its task)
+through other branches, tags, reflogs, remotes or unreachable objects.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO, Any
+
+from docker.errors import APIError, ImageNotFound
+from pydantic import BaseModel, ConfigDict
+
+from orchestrator.config import Settings
+from orchestrator.docker_client import connect
+from orchestrator.images.base import (
+    BUILD_TIMEOUT_S,
+    ImageBuildError,
+    Progress,
+    drop_if_untagged,
+    run_build,
+    scratch_dir,
+)
+from orchestrator.observability.logging import get_logger
+
+log = get_logger(__name__)
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+
+LABEL_NAME = "orchestrator.codebase"
+LABEL_SOURCE = "orchestrator.codebase.source"
+LABEL_REV = "orchestrator.codebase.rev"
+LABEL_COMMIT = "orchestrator.codebase.commit"
+LABEL_CREATED = "orchestrator.codebase.created"
+
+AGENT_UID = 1000
+AGENT_GID = 1000
+
+# The image adds one layer to the base: the tree, owned by the agent so the per-sandbox
+# volume Docker seeds from /workspace is writable by it.
+_DOCKERFILE = f"""\
+ARG BASE_IMAGE
+FROM ${{BASE_IMAGE}}
+COPY --chown={AGENT_UID}:{AGENT_GID} workspace/ /workspace/
+WORKDIR /workspace
+"""
+
+# Fixed identity and isolation from the host user's git config: a global config could add
+# hooks, templates, or fetch settings that leak refs into the new repository.
+_GIT_ENV = {
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "GIT_AUTHOR_NAME": "orchestrator",
+    "GIT_AUTHOR_EMAIL": "orchestrator@localhost",
+    "GIT_COMMITTER_NAME": "orchestrator",
+    "GIT_COMMITTER_EMAIL": "orchestrator@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
+    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
+    "GIT_TERMINAL_PROMPT": "0",
+    "LC_ALL": "C",
+}
+
+
+class CodebaseError(RuntimeError):
+    """A codebase operation failed; the message is meant for the person who asked."""
+
+
+class InvalidCodebaseName(CodebaseError, ValueError):
+    """The name does not match ``[a-z0-9][a-z0-9._-]*`` (at most 64 characters)."""
+
+
+class UnknownCodebase(CodebaseError, LookupError):
+    """No codebase image by that name exists."""
+
+
+class CodebaseExists(CodebaseError):
+    """A codebase by that name exists and replacing it was not asked for."""
+
+
+class CodebaseSourceError(CodebaseError, ValueError):
+    """The source is not a directory or git repository, or the revision is unknown."""
+
+
+class CodebaseInfo(BaseModel):
+    """One codebase image, as read back from its labels."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    image: str
+    """Image reference, ``<codebase_image_repo>:<name>``."""
+    image_id: str
+    source: str
+    rev: str
+    """The revision asked for ('' for a plain directory)."""
+    commit: str
+    """The commit it resolved to ('' for a plain directory)."""
+    created: datetime | None
+    size_bytes: int
+
+
+def validate_name(name: str) -> str:
+    """Return ``name`` if it is a valid codebase name, else raise :class:`InvalidCodebaseName`."""
+    if not NAME_RE.fullmatch(name):
+        raise InvalidCodebaseName(
+            f"invalid codebase name {name!r}: use lowercase letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit, at most 64 characters"
+        )
+    return name
+
+
+def image_ref(settings: Settings, name: str) -> str:
+    """The image reference a codebase of this name is stored under."""
+    return f"{settings.codebase_image_repo}:{validate_name(name)}"
+
+
+def _info(settings: Settings, image: Any, name: str) -> CodebaseInfo:
+    labels: dict[str, str] = image.labels or {}
+    created_raw = labels.get(LABEL_CREATED, "")
+    try:
+        created = datetime.fromisoformat(created_raw) if created_raw else None
+    except ValueError:
+        created = None
+    return CodebaseInfo(
+        name=name,
+        image=f"{settings.codebase_image_repo}:{name}",
+        image_id=str(image.id),
+        source=labels.get(LABEL_SOURCE, ""),
+        rev=labels.get(LABEL_REV, ""),
+        commit=labels.get(LABEL_COMMIT, ""),
+        created=created,
+        size_bytes=int(image.attrs.get("Size") or 0),
+    )
+
+
+def get_codebase(settings: Settings, name: str) -> CodebaseInfo:
+    """The codebase called ``name``; :class:`UnknownCodebase` if there is none."""
+    ref = image_ref(settings, name)
+    client = connect(settings)
+    try:
+        image = client.images.get(ref)
+    except ImageNotFound:
+        image = None
+    # An image under our repository without our label was not made by us: not a codebase.
+    if image is None or (image.labels or {}).get(LABEL_NAME) != name:
+        raise UnknownCodebase(f"unknown codebase {name!r} (no image {ref})")
+    return _info(settings, image, name)
+
+
+def codebase_image(settings: Settings, name: str) -> str:
+    """The image reference to run for codebase ``name``; :class:`UnknownCodebase` if none."""
+    return get_codebase(settings, name).image
+
+
+def list_codebases(settings: Settings) -> list[CodebaseInfo]:
+    """All codebases, sorted by name."""
+    client = connect(settings)
+    prefix = f"{settings.codebase_image_repo}:"
+    found: dict[str, CodebaseInfo] = {}
+    for image in client.images.list(filters={"label": LABEL_NAME}):
+        name = (image.labels or {}).get(LABEL_NAME, "")
+        # The label survives a re-tag or a replaced (now untagged) image; only the image that
+        # currently holds the tag is the codebase.
+        if f"{prefix}{name}" in (image.tags or []):
+            found[name] = _info(settings, image, name)
+    return [found[n] for n in sorted(found)]
+
+
+def remove_codebase(settings: Settings, name: str) -> None:
+    """Remove codebase ``name``'s image; :class:`UnknownCodebase` if there is none.
+
+    Sandboxes already running from it keep working: Docker only drops the tag while
+    containers use the image.
+    """
+    info = get_codebase(settings, name)
+    client = connect(settings)
+    try:
+        client.images.remove(info.image, noprune=False)
+    except ImageNotFound as exc:
+        raise UnknownCodebase(f"unknown codebase {name!r}") from exc
+    except APIError as exc:
+        raise CodebaseError(f"could not remove codebase {name!r}: {exc.explanation}") from exc
+    log.info("codebase removed", codebase=name, image_id=info.image_id)
+
+
+# --- git -----------------------------------------------------------------------------------
+
+
+def _git(
+    args: list[str], *, cwd: Path, env: dict[str, str], check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        ["git", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    if check and proc.returncode != 0:
+        raise CodebaseSourceError(
+            f"git {' '.join(args[:3])} failed (exit {proc.returncode}): {proc.stderr.strip()}"
+        )
+    return proc
+
+
+def _git_env(global_config: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    env.update(_GIT_ENV)
+    # A private "global" config: it trusts the source repository even when another user owns
+    # it (safe.directory is only honoured there, and the upload-pack git runs for a local
+    # fetch does not see `-c` options), and keeps the host user's own config out.
+    env["GIT_CONFIG_GLOBAL"] = str(global_config)
+    return env
+
+
+def _is_git_source(source: Path, env: dict[str, str]) -> bool:
+    if (source / ".git").exists():
+        return True
+    # A bare repository: git finds one at the path itself. A plain directory nested inside some
+    # other repository's work tree is not a git source.
+    proc = _git(["rev-parse", "--absolute-git-dir"], cwd=source, env=env, check=False)
+    return proc.returncode == 0 and Path(proc.stdout.strip()).resolve() == source.resolve()
+
+
+def _resolve_commit(source: Path, rev: str, env: dict[str, str]) -> str:
+    if rev.startswith("-") or not rev.strip():
+        raise CodebaseSourceError(f"invalid revision {rev!r}")
+    proc = _git(
+        ["rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=source, env=env, check=False
+    )
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise CodebaseSourceError(f"unknown revision {rev!r} in git repository {source}")
+    return proc.stdout.strip()
+
+
+def _has_uncommitted_changes(source: Path, env: dict[str, str]) -> bool:
+    if (source / ".git").exists():
+        # No fsmonitor: a repository's own config must not make us run its programs.
+        args = ["-c", "core.fsmonitor=false", "status", "--porcelain", "--untracked-files=no"]
+        proc = _git(args, cwd=source, env=env, check=False)
+        return proc.returncode == 0 and bool(proc.stdout.strip())
+    return False
+
+
+def _object_ids(lines: str) -> set[str]:
+    return {line.split()[0] for line in lines.splitlines() if line.strip()}
+
+
+def _export_git_revision(source: Path, commit: str, dest: Path, env: dict[str, str]) -> None:
+    """Make ``dest`` a fresh repository holding only ``commit`` and its ancestors, checked out.
+
+    The new repository fetches exactly that commit from ``source``: the pack git sends holds
+    only objects reachable from it, with no tags, no remotes and no other refs. Reflogs,
+    FETCH_HEAD/ORIG_HEAD and hooks are removed, and the object store is verified to hold
+    nothing else, so the agent sees no trace of later history.
+    """
+    _git(
+        ["init", "--quiet", "--template=", "--initial-branch=main", str(dest)],
+        cwd=dest.parent,
+        env=env,
+    )
+    no_reflog = ["-c", "core.logAllRefUpdates=false"]
+    _git(
+        [
+            *no_reflog,
+            "fetch",
+            "--quiet",
+            "--no-tags",
+            "--no-write-fetch-head",
+            "--no-recurse-submodules",
+            "--update-head-ok",
+            str(source),
+            f"+{commit}:refs/heads/main",
+        ],
+        cwd=dest,
+        env=env,
+    )
+    _git([*no_reflog, "reset", "--quiet", "--hard", "main"], cwd=dest, env=env)
+
+    git_dir = dest / ".git"
+    _git(
+        ["reflog", "expire", "--expire=now", "--expire-unreachable=now", "--all"], cwd=dest, env=env
+    )
+    for leftover in ("logs", "hooks", "FETCH_HEAD", "ORIG_HEAD", "description"):
+        path = git_dir / leftover
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+    refs = _git(["for-each-ref", "--format=%(refname)"], cwd=dest, env=env).stdout.split()
+    if refs != ["refs/heads/main"]:
+        raise ImageBuildError(f"unexpected refs in exported repository: {refs}")
+    reachable = _object_ids(_git(["rev-list", "--objects", commit], cwd=dest, env=env).stdout)
+    stored = _object_ids(
+        _git(
+            ["cat-file", "--batch-all-objects", "--batch-check=%(objectname)"], cwd=dest, env=env
+        ).stdout
+    )
+    if not stored <= reachable:
+        extra = sorted(stored - reachable)
+        raise ImageBuildError(
+            f"exported repository holds {len(extra)} objects not reachable from {commit[:12]} "
+            f"(e.g. {extra[0]}); refusing to build an image that could leak later history"
+        )
+
+
+# --- build ---------------------------------------------------------------------------------
+
+
+def _agent_owned(info: tarfile.TarInfo) -> tarfile.TarInfo:
+    info.uid, info.gid = AGENT_UID, AGENT_GID
+    info.uname = info.gname = "agent"
+    return info
+
+
+def _write_context(out: IO[bytes], tree: Path) -> None:
+    # The context is assembled as a tar directly so a plain directory is not copied first;
+    # symlinks stay symlinks and sockets (which tar cannot hold) are left out by tarfile.
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        data = _DOCKERFILE.encode()
+        info = tarfile.TarInfo("Dockerfile")
+        info.size = len(data)
+        info.mode = 0o644
+        tar.addfile(info, io.BytesIO(data))
+        try:
+            tar.add(str(tree), arcname="workspace", recursive=True, filter=_agent_owned)
+        except OSError as exc:
+            raise CodebaseSourceError(f"cannot read {exc.filename}: {exc.strerror}") from exc
+    out.seek(0)
+
+
+def add_codebase(
+    settings: Settings,
+    name: str,
+    source: str | Path,
+    rev: str | None = None,
+    *,
+    replace: bool = False,
+    progress: Progress | None = None,
+) -> CodebaseInfo:
+    """Build the image of codebase ``name`` from ``source`` and return what was built.
+
+    ``source`` is a directory (copied as is) or a local git repository, work tree or bare.
+    For git, ``rev`` (default ``HEAD``) is resolved to a commit and /workspace holds a fresh
+    repository on branch ``main`` with only that commit and its ancestors. ``rev`` with a plain
+    directory is an error. An existing codebase of that name is an error unless ``replace``.
+    Nothing is built when the source or revision is bad.
+    """
+    say: Progress = progress or (lambda line: log.info(line))
+    validate_name(name)
+    ref = image_ref(settings, name)
+    src = Path(source).expanduser()
+    if not src.is_dir():
+        raise CodebaseSourceError(f"source {str(source)!r} is not a directory or git repository")
+    src = src.resolve()
+
+    client = connect(settings, timeout_s=BUILD_TIMEOUT_S)
+    try:
+        client.images.get(settings.base_image)
+    except ImageNotFound as exc:
+        raise CodebaseError(
+            f"base image {settings.base_image} is missing: run `orchestrator image build` first"
+        ) from exc
+    try:
+        existing = client.images.get(ref)
+    except ImageNotFound:
+        existing = None
+    if existing is not None and not replace:
+        raise CodebaseExists(f"codebase {name!r} already exists ({ref}); use --replace")
+
+    with tempfile.TemporaryDirectory(prefix="codebase-", dir=scratch_dir(settings)) as tmp_str:
+        tmp = Path(tmp_str)
+        global_config = tmp / "gitconfig"
+        global_config.write_text("[safe]\n\tdirectory = *\n")
+        env = _git_env(global_config)
+
+        commit = ""
+        if _is_git_source(src, env):
+            rev_label = rev or ""
+            commit = _resolve_commit(src, rev or "HEAD", env)
+            say(f"exporting {src} at {rev or 'HEAD'} ({commit[:12]}) ...")
+            if rev is None and _has_uncommitted_changes(src, env):
+                say("note: uncommitted changes in the source are not included (git uses HEAD)")
+            tree = tmp / "workspace"
+            _export_git_revision(src, commit, tree, env)
+        else:
+            if rev:
+                raise CodebaseSourceError(
+                    f"--rev {rev!r} given but {src} is a plain directory, not a git repository"
+                )
+            rev_label = ""
+            tree = src
+
+        labels = {
+            LABEL_NAME: name,
+            LABEL_SOURCE: str(src),
+            LABEL_REV: rev_label,
+            LABEL_COMMIT: commit,
+            LABEL_CREATED: datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        say(f"building {ref} ...")
+        with tempfile.TemporaryFile(dir=tmp) as context:
+            _write_context(context, tree)
+            image_id = run_build(
+                client,
+                progress=lambda _line: None,
+                what=ref,
+                fileobj=context,
+                custom_context=True,
+                tag=ref,
+                buildargs={"BASE_IMAGE": settings.base_image},
+                labels=labels,
+            )
+    if existing is not None and existing.id != image_id:
+        drop_if_untagged(client, str(existing.id))
+    info = get_codebase(settings, name)
+    say(f"built {ref} ({image_id[:19]}, {info.size_bytes / 1e6:.1f} MB)")
+    log.debug("codebase added", codebase=name, image_id=image_id, commit=commit)
+    return info

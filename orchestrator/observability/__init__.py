@@ -1,0 +1,1 @@
+"""Logging and metrics: one setup each, used by every process."""

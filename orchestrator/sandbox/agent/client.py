@@ -1,0 +1,106 @@
+"""Host side of the exec-agent protocol: one JSON request, one JSON reply per connection."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+from orchestrator.sandbox.backend import (
+    ExecResult,
+    FileReadError,
+    ReadFileResult,
+    SandboxError,
+    SandboxUnavailable,
+)
+
+# Slack on top of a command's own timeout: the agent enforces the timeout itself, then
+# kills the process group and replies; waiting longer than this means the agent is stuck.
+REPLY_SLACK_S = 10.0
+
+
+class AgentProtocolError(SandboxError):
+    """The agent answered something that is not a valid reply."""
+
+
+class CommandSpawnFailed(SandboxError):
+    """The agent could not start the command (fork failed, e.g. the pids limit is hit)."""
+
+
+def call_unix(socket_path: str, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Send one request to the agent listening on ``socket_path``; return its result."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        try:
+            sock.connect(socket_path)
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise SandboxUnavailable(f"exec agent not listening ({exc.strerror})") from exc
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        chunks: list[bytes] = []
+        while True:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if chunk.endswith(b"\n"):
+                break
+    except TimeoutError as exc:
+        raise SandboxUnavailable(f"exec agent did not answer within {timeout_s:.1f} s") from exc
+    except OSError as exc:
+        raise SandboxUnavailable(f"exec agent connection failed: {exc}") from exc
+    finally:
+        sock.close()
+    return parse_reply(b"".join(chunks))
+
+
+def parse_reply(raw: bytes) -> dict[str, Any]:
+    """Unwrap ``{"ok": true, "result": ...}``; anything else is an infrastructure fault."""
+    if not raw:
+        raise SandboxUnavailable("exec agent closed the connection without a reply")
+    try:
+        reply = json.loads(raw)
+    except ValueError as exc:
+        raise AgentProtocolError(f"exec agent sent invalid JSON: {raw[:200]!r}") from exc
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        error = reply.get("error") if isinstance(reply, dict) else reply
+        raise AgentProtocolError(f"exec agent failed: {error}")
+    result = reply.get("result")
+    if not isinstance(result, dict):
+        raise AgentProtocolError("exec agent reply has no result")
+    return result
+
+
+def exec_request(command: str, timeout_s: float, budget: int, cwd: str) -> dict[str, Any]:
+    return {"op": "exec", "command": command, "timeout_s": timeout_s, "budget": budget, "cwd": cwd}
+
+
+def exec_result(result: dict[str, Any]) -> ExecResult:
+    if "spawn_error" in result:
+        raise CommandSpawnFailed(f"could not start the command: {result['spawn_error']}")
+    return ExecResult.model_validate(result)
+
+
+def read_file_request(
+    path: str, start_line: int, end_line: int | None, max_bytes: int
+) -> dict[str, Any]:
+    return {
+        "op": "read_file",
+        "path": path,
+        "start_line": start_line,
+        "end_line": end_line,
+        "max_bytes": max_bytes,
+    }
+
+
+def read_file_result(result: dict[str, Any]) -> ReadFileResult:
+    error = result.get("error")
+    if isinstance(error, dict):
+        kind = error.get("kind")
+        if kind == "internal":
+            raise AgentProtocolError(f"read_file failed inside the agent: {error.get('message')}")
+        raise FileReadError(kind, str(error.get("message")))  # type: ignore[arg-type]
+    return ReadFileResult.model_validate(result)
+
+
+PING_REQUEST: dict[str, Any] = {"op": "ping"}

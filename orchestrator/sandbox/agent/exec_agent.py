@@ -1,0 +1,452 @@
+"""Exec agent: the first process of every sandbox, answering over a Unix socket.
+
+Runs *inside* the sandbox with the image's own python3, so it uses the standard library only
+and must stay compatible with Python 3.9+. One JSON request per connection, one JSON reply.
+
+Why it exists: ``docker exec`` costs ~40 ms per call; a resident process answers in ~1 ms.
+
+Why it cannot be harmed by the commands it runs: it runs as root holding only SETUID,
+SETGID and KILL (the container drops every other capability and sets no-new-privileges),
+drops its whole capability bounding set at start, and runs every command as the
+unprivileged user in a new session. A process of that user can neither signal a root
+process (no CAP_KILL), nor ptrace it, nor reach the socket directory (root-owned, 0700), nor
+write this file (read-only bind mount on a read-only root filesystem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import errno
+import json
+import os
+import selectors
+import signal
+import socketserver
+import subprocess
+import sys
+import time
+
+PROTOCOL_VERSION = 1
+MAX_REQUEST_BYTES = 1 << 20
+READ_CHUNK = 65536
+# How long a finished command's background children may keep its pipes open before the
+# process group is killed: commands must not leave processes behind.
+DRAIN_AFTER_EXIT_S = 0.1
+PR_CAPBSET_DROP = 24
+WORKSPACE = "/workspace"
+# Raises the command's OOM score so the kernel picks the agent's commands, never the agent,
+# then runs the command in the requested directory. Arguments arrive as $0 and $1, never
+# interpolated into the script text.
+SHELL_WRAPPER = (
+    'printf 1000 > /proc/self/oom_score_adj 2>/dev/null; cd -- "$0" || exit 1; eval "$1"'
+)
+
+
+def shell_wrapper(limit_as_mb: int | None, limit_nproc: int | None) -> str:
+    """The wrapper, with per-process limits first where the sandbox needs them.
+
+    Under gVisor the sandbox's memory and pids limits apply to the whole sandbox kernel:
+    hitting them kills the sandbox, agent included, which would look like an infrastructure
+    failure. Per-process limits inside the sandbox make the agent's command fail instead.
+    (Not under runc: there the kernel's cgroup limits already hit the command alone, and
+    RLIMIT_NPROC would count the same uid's processes in every other container.)
+    """
+    limits = []
+    if limit_as_mb:
+        limits.append(f"ulimit -v {int(limit_as_mb) * 1024}")
+    if limit_nproc:
+        limits.append(f"ulimit -u {int(limit_nproc)}")
+    prefix = "".join(f"{limit} 2>/dev/null; " for limit in limits)
+    return prefix + SHELL_WRAPPER
+
+
+class Capture:
+    """Keeps the first and last ``budget / 2`` bytes of a stream and counts the rest."""
+
+    def __init__(self, budget: int) -> None:
+        self.head_limit = budget - budget // 2
+        self.tail_limit = budget // 2
+        self.head = bytearray()
+        self.tail: collections.deque[bytes] = collections.deque()
+        self.tail_len = 0
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        room = self.head_limit - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if not data or self.tail_limit == 0:
+            return
+        data = data[-self.tail_limit :]
+        self.tail.append(data)
+        self.tail_len += len(data)
+        while self.tail_len - len(self.tail[0]) >= self.tail_limit:
+            self.tail_len -= len(self.tail.popleft())
+
+    def result(self) -> dict[str, object]:
+        tail = b"".join(self.tail)
+        excess = self.tail_len - self.tail_limit
+        if excess > 0:
+            tail = tail[excess:]
+        if len(self.head) + len(tail) == self.total:
+            # Nothing was cut: decode as one piece so a character spanning the head/tail
+            # seam survives.
+            self.head += tail
+            tail = b""
+        return {
+            "head": bytes(self.head).decode("utf-8", "replace"),
+            "tail": tail.decode("utf-8", "replace"),
+            "total_bytes": self.total,
+            "kept_bytes": len(self.head) + len(tail),
+        }
+
+
+def drop_bounding_set() -> None:
+    """Empty the capability bounding set so nothing this agent starts can regain a cap."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read().strip())
+    except (OSError, ValueError):
+        last = 63  # gVisor has no cap_last_cap: walk until the kernel says EINVAL
+    for cap in range(last + 1):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            if ctypes.get_errno() == errno.EINVAL and cap > 0:
+                return
+            # Commands still run with no permitted or effective capabilities under
+            # no-new-privileges, so they cannot gain any; the bounding set is a second lock.
+            reason = os.strerror(ctypes.get_errno())
+            log(f"cannot drop capability {cap} from the bounding set: {reason}")
+            return
+
+
+def proc_stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, pgrp) of a process, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    return int(fields[1]), int(fields[2])
+
+
+def descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = proc_stat(int(name))
+            if stat:
+                children[stat[0]].append(int(name))
+    found: set[int] = set()
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL a process group until it is empty (members forking meanwhile included)."""
+    for _ in range(100):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:  # ESRCH: the group is empty
+            return
+        time.sleep(0.002)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a running command: its process group and every process descended from it,
+    including those that left the group with setsid."""
+    tree = descendants(pid)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    for child in tree:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+class Agent:
+    def __init__(self, uid: int, gid: int, home: str, preload: str | None, wrapper: str) -> None:
+        self.uid = uid
+        self.gid = gid
+        self.wrapper = wrapper
+        self.env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": home,
+            "USER": "agent",
+            "LOGNAME": "agent",
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "TERM": "dumb",
+            "PAGER": "cat",
+            "GIT_PAGER": "cat",
+            "NO_COLOR": "1",
+        }
+        if preload:
+            self.env["LD_PRELOAD"] = preload
+
+    def ping(self, _req: dict[str, object]) -> dict[str, object]:
+        return {"version": PROTOCOL_VERSION, "pid": os.getpid(), "time": time.time()}
+
+    def exec(self, req: dict[str, object]) -> dict[str, object]:
+        command = str(req["command"])
+        timeout = float(req["timeout_s"])  # type: ignore[arg-type]
+        budget = int(req["budget"])  # type: ignore[call-overload]
+        cwd = str(req.get("cwd") or WORKSPACE)
+        started = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                ["/bin/bash", "-c", self.wrapper, cwd, command],
+                cwd="/",
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                user=self.uid,
+                group=self.gid,
+                extra_groups=[],
+                start_new_session=True,
+                close_fds=True,
+            )
+        except OSError as exc:
+            # EAGAIN here is the sandbox's pids limit, hit by the agent's own processes.
+            return {"spawn_error": f"{type(exc).__name__}: {exc}"}
+        captures = {proc.stdout: Capture(budget), proc.stderr: Capture(budget)}
+        sel = selectors.DefaultSelector()
+        for stream in captures:
+            assert stream is not None
+            os.set_blocking(stream.fileno(), False)
+            sel.register(stream, selectors.EVENT_READ)
+        # A pidfd makes the command's exit an event like its output, so the loop wakes on it
+        # instead of polling (old gVisor lacks pidfd_open: then poll every few ms).
+        pidfd = open_pidfd(proc.pid)
+        if pidfd is not None:
+            sel.register(pidfd, selectors.EVENT_READ)
+        deadline = started + timeout
+        exited_at: float | None = None
+        try:
+            while True:
+                now = time.monotonic()
+                if exited_at is None and proc.poll() is not None:
+                    exited_at = now
+                    if pidfd is not None:
+                        sel.unregister(pidfd)
+                streams_open = len(sel.get_map()) > (
+                    0 if exited_at is not None or pidfd is None else 1
+                )
+                if exited_at is not None and not streams_open:
+                    break
+                limit = (
+                    deadline if exited_at is None else min(deadline, exited_at + DRAIN_AFTER_EXIT_S)
+                )
+                if now >= limit:
+                    break
+                wait = limit - now if pidfd is not None else min(limit - now, 0.005)
+                for key, _ in sel.select(timeout=wait):
+                    if key.fileobj is pidfd:
+                        continue
+                    try:
+                        data = os.read(key.fd, READ_CHUNK)
+                    except BlockingIOError:
+                        continue
+                    if data:
+                        captures[key.fileobj].feed(data)  # type: ignore[index]
+                    else:
+                        sel.unregister(key.fileobj)
+        finally:
+            sel.close()
+            if pidfd is not None:
+                os.close(pidfd)
+            timed_out = proc.poll() is None
+            if timed_out:
+                kill_tree(proc.pid)
+            returncode = proc.wait()
+            # Whatever the command left running in its process group goes too.
+            kill_group(proc.pid)
+            for stream in captures:
+                stream.close()  # type: ignore[union-attr]
+        duration_ms = (time.monotonic() - started) * 1000
+        sig = -returncode if returncode < 0 else None
+        return {
+            "exit_code": None if timed_out else (128 + sig if sig else returncode),
+            "signal": sig,
+            "timed_out": timed_out,
+            "stdout": captures[proc.stdout].result(),
+            "stderr": captures[proc.stderr].result(),
+            "duration_ms": duration_ms,
+        }
+
+    def read_file(self, req: dict[str, object]) -> dict[str, object]:
+        """Read in a forked child that has become the unprivileged user, so read_file can
+        see exactly what the agent's own shell could, and nothing more."""
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child
+            code = 0
+            try:
+                os.close(rfd)
+                os.setgroups([])
+                os.setgid(self.gid)
+                os.setuid(self.uid)
+                reply = read_lines(req)
+            except BaseException as exc:
+                reply = {"error": {"kind": "internal", "message": repr(exc)}}
+                code = 1
+            data = json.dumps(reply).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(wfd, view) :]
+            os._exit(code)
+        os.close(wfd)
+        chunks = []
+        with os.fdopen(rfd, "rb") as pipe:
+            while True:
+                chunk = pipe.read(READ_CHUNK)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        os.waitpid(pid, 0)
+        return json.loads(b"".join(chunks))  # type: ignore[no-any-return]
+
+
+def file_error(kind: str, message: str) -> dict[str, object]:
+    return {"error": {"kind": kind, "message": message}}
+
+
+def read_lines(req: dict[str, object]) -> dict[str, object]:
+    raw_path = str(req["path"])
+    start = int(req.get("start_line") or 1)  # type: ignore[call-overload]
+    end_value = req.get("end_line")
+    end = int(end_value) if end_value is not None else None  # type: ignore[call-overload]
+    max_bytes = int(req["max_bytes"])  # type: ignore[call-overload]
+    scan_limit = int(req.get("scan_limit") or 64 << 20)  # type: ignore[call-overload]
+    workspace = os.path.realpath(WORKSPACE)
+    path = raw_path
+    if path.startswith(WORKSPACE + "/") or path == WORKSPACE:
+        path = path[len(WORKSPACE) :].lstrip("/") or "."
+    if os.path.isabs(path):
+        return file_error("outside_workspace", f"{raw_path} is outside /workspace")
+    full = os.path.realpath(os.path.join(workspace, path))
+    if full != workspace and not full.startswith(workspace + "/"):
+        return file_error("outside_workspace", f"{raw_path} resolves outside /workspace")
+    try:
+        f = open(full, "rb")  # noqa: SIM115 - closed below on every path
+    except FileNotFoundError:
+        return file_error("not_found", f"{raw_path}: no such file")
+    except IsADirectoryError:
+        return file_error("is_directory", f"{raw_path} is a directory")
+    except PermissionError:
+        return file_error("permission", f"{raw_path}: permission denied")
+    except OSError as exc:
+        return file_error("invalid", f"{raw_path}: {exc.strerror}")
+    with f:
+        if os.path.isdir(full):
+            return file_error("is_directory", f"{raw_path} is a directory")
+        size = os.fstat(f.fileno()).st_size
+        sniff = f.read(8192)
+        if b"\0" in sniff:
+            return file_error("binary", f"{raw_path} is a binary file ({size} bytes)")
+        f.seek(0)
+        out = bytearray()
+        line_no = 0
+        last = start - 1
+        truncated = False
+        scanned = 0
+        complete = True
+        for line in f:
+            line_no += 1
+            scanned += len(line)
+            if line_no >= start and (end is None or line_no <= end) and not truncated:
+                if len(out) + len(line) > max_bytes:
+                    truncated = True
+                else:
+                    out += line
+                    last = line_no
+            if (truncated or (end is not None and line_no >= end)) and scanned > scan_limit:
+                complete = False
+                break
+    return {
+        "path": raw_path,
+        "text": bytes(out).decode("utf-8", "replace"),
+        "start_line": start,
+        "end_line": last,
+        "total_lines": line_no if complete else None,
+        "truncated": truncated,
+        "size_bytes": size,
+    }
+
+
+class Handler(socketserver.StreamRequestHandler):
+    server: Server
+
+    def handle(self) -> None:
+        line = self.rfile.readline(MAX_REQUEST_BYTES)
+        try:
+            req = json.loads(line)
+            op = req["op"]
+            method = {"ping": agent.ping, "exec": agent.exec, "read_file": agent.read_file}[op]
+            reply: dict[str, object] = {"ok": True, "result": method(req)}
+        except Exception as exc:
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        self.wfile.write(json.dumps(reply).encode() + b"\n")
+
+
+class Server(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    request_queue_size = 256
+
+
+def log(message: str) -> None:
+    sys.stderr.write(f"exec-agent: {message}\n")
+    sys.stderr.flush()
+
+
+agent: Agent
+
+
+def main() -> None:
+    global agent
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--uid", type=int, default=1000)
+    parser.add_argument("--gid", type=int, default=1000)
+    parser.add_argument("--home", default="/home/agent")
+    parser.add_argument("--preload", default=None, help="LD_PRELOAD for commands")
+    parser.add_argument("--limit-as-mb", type=int, default=None, help="RLIMIT_AS per command")
+    parser.add_argument("--limit-nproc", type=int, default=None, help="RLIMIT_NPROC per command")
+    args = parser.parse_args()
+    drop_bounding_set()
+    wrapper = shell_wrapper(args.limit_as_mb, args.limit_nproc)
+    agent = Agent(args.uid, args.gid, args.home, args.preload, wrapper)
+    try:
+        os.unlink(args.socket)
+    except FileNotFoundError:
+        pass
+    os.umask(0o077)
+    server = Server(args.socket, Handler)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    log(f"listening on {args.socket} (pid {os.getpid()})")
+    server.serve_forever(poll_interval=0.5)
+
+
+if __name__ == "__main__":
+    main()

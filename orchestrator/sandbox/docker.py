@@ -1,0 +1,397 @@
+"""Docker sandbox backend: one hardened container per sandbox, driven through its exec agent.
+
+Each container runs ``docker-init`` then the exec agent (``agent/exec_agent.py``, bind-mounted
+read-only) as root with only SETUID/SETGID/SETPCAP/KILL; the agent runs every command as the
+unprivileged user. The host reaches the agent over a Unix socket in a per-sandbox host
+directory that is mounted into that sandbox only, so a call costs ~1 ms instead of the
+~40 ms of ``docker exec``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import docker
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.types import Mount
+
+from orchestrator.config import Settings
+from orchestrator.docker_client import connect
+from orchestrator.observability.logging import get_logger
+from orchestrator.sandbox import labels
+from orchestrator.sandbox.agent import EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import client as agent
+from orchestrator.sandbox.backend import (
+    BackendUnavailable,
+    ExecResult,
+    ProbeResult,
+    ReadFileResult,
+    SandboxBackend,
+    SandboxError,
+    SandboxHandle,
+    SandboxSpec,
+    SandboxUnavailable,
+)
+
+log = get_logger(__name__)
+
+SOCKET_DIR_IN_SANDBOX = "/run/orchestrator"
+AGENT_IN_SANDBOX = "/opt/orchestrator/exec_agent.py"
+SOCKET_NAME = "agent.sock"
+# Built into the base image (sandbox_images/base/gvisor-compat): makes coreutils work on
+# old gVisor releases.
+GVISOR_COMPAT_PRELOAD = "/opt/orchestrator/lib/statx_compat.so"
+SANDBOX_UID = 1000
+# The agent keeps just what it needs to become the unprivileged user and to kill that
+# user's process groups; it drops even these from its bounding set before running anything.
+AGENT_CAPABILITIES = ["SETUID", "SETGID", "SETPCAP", "KILL"]
+PING_TIMEOUT_S = 5.0
+
+
+class DockerBackend(SandboxBackend):
+    """Sandboxes as containers on one Docker daemon (this host)."""
+
+    name = "docker"
+
+    def __init__(self, settings: Settings, client: docker.DockerClient | None = None) -> None:
+        self.settings = settings
+        self.client = client or connect(settings)
+        self.host = socket.gethostname()
+        self.sockets_dir = settings.sockets_dir
+        self.sockets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def create(self, spec: SandboxSpec) -> SandboxHandle:
+        sandbox_id = "sbx-" + uuid.uuid4().hex[:16]
+        created_at = datetime.now(UTC)
+        expires_at = created_at + timedelta(seconds=spec.lifetime_s)
+        stamp = labels.sandbox_labels(
+            deployment=self.settings.deployment,
+            sandbox_id=sandbox_id,
+            rollout_id=spec.rollout_id,
+            host=self.host,
+            runtime=spec.runtime,
+            created_at=created_at,
+            expires_at=expires_at,
+        )
+        name = self._resource_name(sandbox_id)
+        handle = SandboxHandle(
+            sandbox_id=sandbox_id,
+            backend=self.name,
+            host=self.host,
+            runtime=spec.runtime,
+            rollout_id=spec.rollout_id,
+            image=spec.image,
+            native_id=name,
+            created_at=created_at,
+            expires_at=expires_at,
+        )
+        bound = log.bind(sandbox_id=sandbox_id, rollout_id=spec.rollout_id, host=self.host)
+        socket_dir = self._socket_dir(sandbox_id)
+        socket_dir.mkdir(mode=0o700)
+        try:
+            self._start_container(spec, name, stamp, socket_dir)
+            self._wait_for_agent(handle)
+        except BaseException:
+            self.destroy(handle)
+            raise
+        bound.info(
+            "sandbox.created",
+            image=spec.image,
+            runtime=spec.runtime,
+            ms=round((datetime.now(UTC) - created_at).total_seconds() * 1000, 1),
+        )
+        return handle
+
+    def _start_container(
+        self, spec: SandboxSpec, name: str, stamp: dict[str, str], socket_dir: Path
+    ) -> None:
+        api = self.client.api
+        limits = spec.limits
+        memory = f"{limits.memory_mb}m"
+        host_config = api.create_host_config(
+            network_mode="none",
+            cap_drop=["ALL"],
+            cap_add=AGENT_CAPABILITIES,
+            security_opt=["no-new-privileges"],
+            read_only=True,
+            tmpfs={
+                "/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777",
+                "/home/agent": f"rw,nosuid,nodev,size=16m,uid={SANDBOX_UID},gid={SANDBOX_UID}",
+            },
+            mem_limit=memory,
+            memswap_limit=memory,
+            nano_cpus=int(limits.cpus * 1e9),
+            pids_limit=_host_pids_limit(spec),
+            init=True,
+            runtime=spec.runtime,
+            mounts=[
+                Mount(SOCKET_DIR_IN_SANDBOX, str(socket_dir), type="bind"),
+                Mount(AGENT_IN_SANDBOX, str(EXEC_AGENT_PATH), type="bind", read_only=True),
+                # A named volume: Docker copies the image's /workspace into it on first use,
+                # it is writable though the root filesystem is not, and it is destroyed with
+                # the sandbox.
+                Mount("/workspace", name, type="volume", labels=stamp),
+            ],
+        )
+        command = [
+            "python3",
+            "-I",
+            "-S",
+            AGENT_IN_SANDBOX,
+            "--socket",
+            f"{SOCKET_DIR_IN_SANDBOX}/{SOCKET_NAME}",
+            "--uid",
+            str(SANDBOX_UID),
+            "--gid",
+            str(SANDBOX_UID),
+        ]
+        if spec.runtime == "runsc":
+            # See exec_agent.shell_wrapper: under gVisor a limit hit at the sandbox level
+            # kills the whole sandbox, so commands get per-process limits below it.
+            command += [
+                "--preload",
+                GVISOR_COMPAT_PRELOAD,
+                "--limit-as-mb",
+                str(limits.memory_mb * 3 // 4),
+                "--limit-nproc",
+                str(limits.pids),
+            ]
+        try:
+            container = api.create_container(
+                spec.image,
+                command=command,
+                name=name,
+                labels=stamp,
+                user="0:0",
+                working_dir="/workspace",
+                host_config=host_config,
+                network_disabled=True,
+            )
+            api.start(container["Id"])
+        except ImageNotFound as exc:
+            raise SandboxError(f"sandbox image {spec.image!r} not found on {self.host}") from exc
+        except (APIError, DockerException) as exc:
+            raise _docker_fault("create sandbox", exc) from exc
+
+    def _wait_for_agent(self, handle: SandboxHandle) -> None:
+        deadline = time.monotonic() + self.settings.sandbox_start_timeout_s
+        sock = str(self._socket_path(handle.sandbox_id))
+        delay = 0.002
+        while True:
+            if Path(sock).exists():
+                try:
+                    agent.call_unix(sock, agent.PING_REQUEST, PING_TIMEOUT_S)
+                    return
+                except SandboxUnavailable:
+                    pass
+            if time.monotonic() > deadline:
+                raise SandboxError(
+                    f"exec agent did not start within {self.settings.sandbox_start_timeout_s}"
+                    f" s; {self._container_evidence(handle)}"
+                )
+            state = self._container_state(handle)
+            if state not in ("running", "created"):
+                raise SandboxError(
+                    f"sandbox stopped while starting; {self._container_evidence(handle)}"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def destroy(self, handle: SandboxHandle) -> None:
+        self._destroy_by_id(handle.sandbox_id)
+        log.info("sandbox.destroyed", sandbox_id=handle.sandbox_id, rollout_id=handle.rollout_id)
+
+    def _destroy_by_id(self, sandbox_id: str) -> None:
+        name = self._resource_name(sandbox_id)
+        try:
+            self.client.api.remove_container(name, force=True, v=True)
+        except NotFound:
+            pass
+        except APIError as exc:
+            # A removal already in progress is as good as done.
+            if "already in progress" not in str(exc):
+                raise _docker_fault("remove sandbox", exc) from exc
+        except DockerException as exc:
+            raise _docker_fault("remove sandbox", exc) from exc
+        try:
+            self.client.api.remove_volume(name, force=True)
+        except NotFound:
+            pass
+        except DockerException as exc:
+            raise _docker_fault("remove sandbox volume", exc) from exc
+        shutil.rmtree(self._socket_dir(sandbox_id), ignore_errors=True)
+
+    # -- commands --------------------------------------------------------------------------
+
+    def exec(
+        self,
+        handle: SandboxHandle,
+        command: str,
+        *,
+        timeout_s: float,
+        output_budget_bytes: int,
+        cwd: str = "/workspace",
+    ) -> ExecResult:
+        request = agent.exec_request(command, timeout_s, output_budget_bytes, cwd)
+        reply = self._call(handle, request, timeout_s + agent.REPLY_SLACK_S)
+        return agent.exec_result(reply)
+
+    def read_file(
+        self,
+        handle: SandboxHandle,
+        path: str,
+        *,
+        start_line: int = 1,
+        end_line: int | None = None,
+        max_bytes: int,
+    ) -> ReadFileResult:
+        request = agent.read_file_request(path, start_line, end_line, max_bytes)
+        reply = self._call(handle, request, agent.REPLY_SLACK_S + 20)
+        return agent.read_file_result(reply)
+
+    def _call(
+        self, handle: SandboxHandle, request: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        if handle.host != self.host:
+            raise SandboxUnavailable(
+                f"sandbox {handle.sandbox_id} lives on {handle.host}, not on {self.host}"
+            )
+        return agent.call_unix(str(self._socket_path(handle.sandbox_id)), request, timeout_s)
+
+    # -- health ----------------------------------------------------------------------------
+
+    def probe(self, handle: SandboxHandle) -> ProbeResult:
+        state = self._container_state(handle)
+        if state != "running":
+            return ProbeResult(alive=False, state=state, agent_ok=False, detail=f"state={state}")
+        started = time.monotonic()
+        try:
+            result = self.exec(handle, "true", timeout_s=5, output_budget_bytes=256)
+        except SandboxError as exc:
+            return ProbeResult(alive=True, state=state, agent_ok=False, detail=str(exc))
+        latency = (time.monotonic() - started) * 1000
+        ok = result.exit_code == 0
+        detail = "" if ok else f"`true` gave exit {result.exit_code}, timed_out={result.timed_out}"
+        return ProbeResult(
+            alive=True, state=state, agent_ok=ok, latency_ms=round(latency, 2), detail=detail
+        )
+
+    def _container_state(self, handle: SandboxHandle) -> str:
+        try:
+            info = self.client.api.inspect_container(handle.native_id)
+        except NotFound:
+            return "missing"
+        except DockerException as exc:
+            raise _docker_fault("inspect sandbox", exc) from exc
+        state = info.get("State", {})
+        if state.get("Paused"):
+            return "paused"
+        return str(state.get("Status", "unknown"))
+
+    def _container_evidence(self, handle: SandboxHandle) -> str:
+        try:
+            info = self.client.api.inspect_container(handle.native_id)
+            logs = self.client.api.logs(handle.native_id, tail=20).decode(errors="replace")
+        except DockerException as exc:
+            return f"no evidence: {exc}"
+        state = info.get("State", {})
+        return (
+            f"state={state.get('Status')} exit={state.get('ExitCode')} "
+            f"oom_killed={state.get('OOMKilled')} error={state.get('Error')!r} "
+            f"logs={logs.strip()[-1000:]!r}"
+        )
+
+    # -- ownership -------------------------------------------------------------------------
+
+    def list_owned(self) -> list[SandboxHandle]:
+        try:
+            containers = self.client.api.containers(
+                all=True, filters={"label": labels.deployment_filter(self.settings.deployment)}
+            )
+        except DockerException as exc:
+            raise _docker_fault("list sandboxes", exc) from exc
+        return [self._handle_from_labels(c) for c in containers]
+
+    def _handle_from_labels(self, container: dict[str, Any]) -> SandboxHandle:
+        stamp: dict[str, str] = container.get("Labels") or {}
+        return SandboxHandle(
+            sandbox_id=stamp.get(labels.SANDBOX, ""),
+            backend=self.name,
+            host=stamp.get(labels.HOST, self.host),
+            runtime="runsc" if stamp.get(labels.RUNTIME) == "runsc" else "runc",
+            rollout_id=stamp.get(labels.ROLLOUT, ""),
+            image=str(container.get("Image", "")),
+            native_id=str(container.get("Names", [""])[0]).lstrip("/"),
+            created_at=labels.parse_time(stamp.get(labels.CREATED)),
+            expires_at=labels.parse_time(stamp.get(labels.EXPIRES)),
+        )
+
+    def sweep_leftovers(self) -> int:
+        """Remove volumes and socket directories whose sandbox container is gone (left by a
+        crash between creating and removing them). Returns how many were removed."""
+        live = {h.sandbox_id for h in self.list_owned()}
+        removed = 0
+        try:
+            volumes = (
+                self.client.api.volumes(
+                    filters={"label": labels.deployment_filter(self.settings.deployment)}
+                ).get("Volumes")
+                or []
+            )
+        except DockerException as exc:
+            raise _docker_fault("list volumes", exc) from exc
+        for volume in volumes:
+            sandbox_id = (volume.get("Labels") or {}).get(labels.SANDBOX, "")
+            if sandbox_id not in live:
+                try:
+                    self.client.api.remove_volume(volume["Name"], force=True)
+                    removed += 1
+                except NotFound:
+                    pass
+                except APIError as exc:
+                    log.warning(
+                        "sandbox.sweep_volume_failed", volume=volume["Name"], error=str(exc)
+                    )
+        for entry in self.sockets_dir.iterdir():
+            if entry.name.startswith("sbx-") and entry.name not in live and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += 1
+        return removed
+
+    # -- naming ----------------------------------------------------------------------------
+
+    def _resource_name(self, sandbox_id: str) -> str:
+        return f"orch-{self.settings.deployment}-{sandbox_id}"
+
+    def _socket_dir(self, sandbox_id: str) -> Path:
+        return self.sockets_dir / sandbox_id
+
+    def _socket_path(self, sandbox_id: str) -> Path:
+        return self._socket_dir(sandbox_id) / SOCKET_NAME
+
+
+def _host_pids_limit(spec: SandboxSpec) -> int:
+    """The cgroup pids limit. Under gVisor it counts the sandbox kernel's own host threads,
+    which grow with the guest's processes; hitting it crashes the whole sandbox. So there
+    the guest's process count is limited inside (RLIMIT_NPROC, see the agent) and the
+    cgroup limit is only a generous backstop."""
+    if spec.runtime == "runsc":
+        return spec.limits.pids * 64 + 1024
+    return spec.limits.pids
+
+
+def _docker_fault(action: str, exc: DockerException) -> SandboxError:
+    """Daemon unreachable vs. the daemon refusing: both infrastructure, told apart for
+    the evidence."""
+    text = str(exc)
+    if isinstance(exc, APIError):
+        return SandboxError(f"docker refused to {action}: {text}")
+    return BackendUnavailable(f"docker daemon unreachable while trying to {action}: {text}")

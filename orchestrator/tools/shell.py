@@ -1,0 +1,232 @@
+"""The ``shell`` tool: run a bash command in the rollout's sandbox.
+
+Output format (the model sees exactly this; every part is cleaned by
+:func:`~orchestrator.tools.shaping.clean_text`):
+
+- stdout as is;
+- then, only when stderr is not empty, a line ``[stderr]`` followed by stderr;
+- then, only when there is something to say, one status line:
+  ``[exit code N]`` for a non-zero exit (for 128 + a signal number, with the signal named,
+  since that is how bash reports a child killed by the memory limit),
+  ``[killed by signal 9 (SIGKILL, possibly the sandbox's memory limit)]`` (or another signal)
+  when a signal ended the command, or, on timeout,
+  ``[command timed out after 30 s; the whole process group was killed; ...]``;
+- ``(no output)`` in place of both streams when both are empty.
+
+A non-zero exit status and death by a signal are outcome ``ok``: the agent's command
+failed, the tool did not. A timeout is ``agent_error`` (the agent asked for too much), with
+whatever output the command produced before it was killed.
+
+The whole output is at most ``settings.output_budget_bytes`` bytes. The status line and the
+``[stderr]`` header are reserved first; the rest is shared between the streams fairly: a
+stream that needs less than half keeps all of it and the other gets the remainder; when both
+need more than half, each gets half. Each stream is cut in its middle with a marker
+(:func:`~orchestrator.tools.shaping.shape_capture`).
+"""
+
+from __future__ import annotations
+
+import math
+import signal as signals
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from orchestrator.config import Settings
+from orchestrator.outcomes import Outcome
+from orchestrator.sandbox.backend import ExecResult, SandboxBackend, SandboxHandle
+from orchestrator.tools.base import Tool, ToolResult
+from orchestrator.tools.shaping import SHELL_HINT, Shaped, capture_demand, shape_capture
+
+MAX_COMMAND_CHARS = 64 * 1024
+NO_OUTPUT = "(no output)"
+STDERR_HEADER = "[stderr]"
+
+
+class ShellArgs(BaseModel):
+    """Arguments of ``shell``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    command: str = Field(
+        min_length=1,
+        max_length=MAX_COMMAND_CHARS,
+        description="The bash command to run in /workspace, e.g. `grep -rn 'def main' src`.",
+    )
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds before the command and everything it started are killed.",
+    )
+
+    @field_validator("command")
+    @classmethod
+    def _command_is_runnable(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("command is blank")
+        # bash cannot take a NUL in its arguments; without this check the sandbox's exec
+        # would fail and the failure would look like ours.
+        if "\x00" in value:
+            raise ValueError("command must not contain NUL characters")
+        return value
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _timeout_within_limit(cls, value: float | None, info: ValidationInfo) -> float | None:
+        settings = _settings_from(info)
+        if value is not None and value > settings.command_timeout_max_s:
+            raise ValueError(
+                f"timeout_s must be at most {format_seconds(settings.command_timeout_max_s)}"
+            )
+        return value
+
+    def effective_timeout_s(self, settings: Settings) -> float:
+        """The timeout to enforce: the agent's, or the deployment's default."""
+        return self.timeout_s if self.timeout_s is not None else settings.command_timeout_s
+
+
+def _settings_from(info: ValidationInfo) -> Settings:
+    context = info.context or {}
+    settings = context.get("settings")
+    return settings if isinstance(settings, Settings) else Settings()
+
+
+def format_seconds(seconds: float) -> str:
+    """``30 s``, ``2.5 s``: how limits are named to the model."""
+    text = f"{seconds:g}" if not math.isclose(seconds, round(seconds)) else f"{round(seconds)}"
+    return f"{text} s"
+
+
+def signal_description(number: int) -> str:
+    """``9 (SIGKILL, possibly the sandbox's memory limit)``, ``15 (SIGTERM)``."""
+    try:
+        name = signals.Signals(number).name
+    except ValueError:
+        return str(number)
+    if number == signals.SIGKILL:
+        return f"{number} ({name}, possibly the sandbox's memory limit)"
+    return f"{number} ({name})"
+
+
+def status_line(result: ExecResult, timeout_s: float, settings: Settings) -> str | None:
+    """The bracketed line closing the output, or None when there is nothing to say."""
+    if result.timed_out:
+        return (
+            f"[command timed out after {format_seconds(timeout_s)}; the whole process group "
+            f"was killed. Narrow the command, run it in smaller steps, or raise timeout_s "
+            f"(at most {format_seconds(settings.command_timeout_max_s)}).]"
+        )
+    if result.signal:
+        return f"[killed by signal {signal_description(result.signal)}]"
+    code = result.exit_code
+    if code:
+        # bash reports a child killed by a signal as 128 + the signal number without being
+        # killed itself: that is how the memory limit's SIGKILL usually shows up.
+        if 128 < code < 128 + 65 and code - 128 in _SIGNAL_NUMBERS:
+            return (
+                f"[exit code {code}, which usually means a process was killed by signal "
+                f"{signal_description(code - 128)}]"
+            )
+        return f"[exit code {code}]"
+    return None
+
+
+_SIGNAL_NUMBERS = {int(s) for s in signals.Signals}
+
+
+def split_budget(room: int, demand_out: int, demand_err: int) -> tuple[int, int]:
+    """Share ``room`` bytes between two streams, max-min fairly (see the module docs)."""
+    room = max(room, 0)
+    if demand_out + demand_err <= room:
+        return demand_out, demand_err
+    half = room // 2
+    if demand_err <= half:
+        return room - demand_err, demand_err
+    if demand_out <= room - half:
+        return demand_out, room - demand_out
+    return room - half, half
+
+
+def format_exec_result(result: ExecResult, timeout_s: float, settings: Settings) -> ToolResult:
+    """Turn what the sandbox reported into the tool's output and outcome."""
+    budget = settings.output_budget_bytes
+    status = status_line(result, timeout_s, settings)
+    demand_out = capture_demand(result.stdout)
+    demand_err = capture_demand(result.stderr)
+    # Reserve the fixed parts first: the status line, the stderr header, and the newlines
+    # that join the sections (one after each stream that does not end with one).
+    fixed = 0
+    if status:
+        fixed += len(status.encode()) + 1
+    if demand_err:
+        fixed += len(STDERR_HEADER) + 1 + 1
+    if demand_out:
+        fixed += 1
+    if not demand_out and not demand_err:
+        fixed += len(NO_OUTPUT) + 1
+    quota_out, quota_err = split_budget(budget - fixed, demand_out, demand_err)
+    out = shape_capture(result.stdout, quota_out, hint=SHELL_HINT)
+    err = shape_capture(result.stderr, quota_err, hint=SHELL_HINT)
+
+    parts: list[str] = []
+    _append_section(parts, out)
+    if err.text:
+        parts.append(STDERR_HEADER + "\n")
+        _append_section(parts, err)
+    if not out.text and not err.text:
+        parts.append(NO_OUTPUT + "\n")
+    if status:
+        parts.append(status + "\n")
+    output = "".join(parts).removesuffix("\n")
+    return ToolResult(
+        output=output,
+        outcome=Outcome.AGENT_ERROR if result.timed_out else Outcome.OK,
+        exit_code=result.exit_code,
+        truncated=out.truncated or err.truncated,
+        duration_ms=result.duration_ms,
+        error_kind="timeout" if result.timed_out else None,
+    )
+
+
+def _append_section(parts: list[str], shaped: Shaped) -> None:
+    if shaped.text:
+        parts.append(shaped.text if shaped.text.endswith("\n") else shaped.text + "\n")
+
+
+class ShellTool(Tool[ShellArgs]):
+    """Runs one bash command in /workspace as the sandbox's unprivileged user."""
+
+    name = "shell"
+    description = (
+        "Run a bash command in the repository (working directory /workspace) and return its "
+        "output: stdout, then stderr under a [stderr] line, then the exit code when it is not "
+        "0. No network. Long output is cut in the middle; narrow commands with grep, head, "
+        "tail, or wc. Each call starts a fresh shell: cd and variables do not persist."
+    )
+    args_model = ShellArgs
+    usage = 'shell {"command": string, "timeout_s"?: number of seconds}'
+
+    def execute(
+        self, backend: SandboxBackend, handle: SandboxHandle, args: ShellArgs, settings: Settings
+    ) -> ToolResult:
+        timeout_s = args.effective_timeout_s(settings)
+        result = backend.exec(
+            handle,
+            args.command,
+            timeout_s=timeout_s,
+            output_budget_bytes=settings.output_budget_bytes,
+        )
+        return format_exec_result(result, timeout_s, settings)
+
+    def parameters_schema(self, settings: Settings, *, strict: bool = False) -> dict[str, Any]:
+        """The schema, with this deployment's default and maximum timeout filled in."""
+        schema = super().parameters_schema(settings, strict=strict)
+        timeout = schema["properties"]["timeout_s"]
+        timeout["maximum"] = settings.command_timeout_max_s
+        timeout["description"] = (
+            f"{timeout.get('description', '')} Default "
+            f"{format_seconds(settings.command_timeout_s)}, at most "
+            f"{format_seconds(settings.command_timeout_max_s)}."
+        ).strip()
+        return schema

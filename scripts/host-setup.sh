@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Idempotent host set-up for `make up` and `make test`: installs the system packages the
+# orchestrator needs, then makes sure dockerd (with gVisor's runsc registered when present)
+# and Redis are running. Safe to run again and again; does nothing that is already done.
+set -euo pipefail
+
+log() { printf '[host-setup] %s\n' "$*"; }
+
+need_root() {
+  if [ "$(id -u)" != 0 ]; then
+    log "must run as root (installs packages and starts dockerd); try: sudo make up"
+    exit 1
+  fi
+}
+
+install_packages() {
+  local missing=()
+  command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
+  command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+  command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
+  command -v runsc >/dev/null 2>&1 || missing+=(runsc)
+  if [ "${#missing[@]}" -eq 0 ]; then
+    return
+  fi
+  need_root
+  log "installing: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+write_daemon_json() {
+  # Registers runsc with the flags DESIGN.md found necessary: no network inside gVisor and
+  # host-visible Unix sockets, so the exec agent's socket on a bind mount reaches the host.
+  local want
+  if command -v runsc >/dev/null 2>&1; then
+    want=$(cat <<JSON
+{
+  "runtimes": {
+    "runsc": {
+      "path": "$(command -v runsc)",
+      "runtimeArgs": ["--network=none", "--host-uds=create"]
+    }
+  }
+}
+JSON
+)
+  else
+    want='{}'
+  fi
+  mkdir -p /etc/docker
+  if [ ! -f /etc/docker/daemon.json ] || [ "$(cat /etc/docker/daemon.json)" != "$want" ]; then
+    printf '%s\n' "$want" > /etc/docker/daemon.json
+    DAEMON_JSON_CHANGED=1
+  fi
+}
+
+docker_up() { docker version --format '{{.Server.Version}}' >/dev/null 2>&1; }
+
+start_dockerd() {
+  DAEMON_JSON_CHANGED=0
+  write_daemon_json
+  if docker_up; then
+    if [ "$DAEMON_JSON_CHANGED" = 1 ]; then
+      log "daemon.json changed: reloading dockerd"
+      pkill -HUP -x dockerd || true
+      sleep 1
+    fi
+    return
+  fi
+  need_root
+  log "starting dockerd (log: /var/log/orchestrator-dockerd.log)"
+  nohup dockerd >/var/log/orchestrator-dockerd.log 2>&1 &
+  for _ in $(seq 1 120); do
+    docker_up && { log "dockerd is up"; return; }
+    sleep 0.5
+  done
+  log "dockerd did not come up; last log lines:"
+  tail -n 30 /var/log/orchestrator-dockerd.log >&2 || true
+  exit 1
+}
+
+redis_up() { redis-cli -p "${ORCH_REDIS_PORT:-6379}" ping 2>/dev/null | grep -q PONG; }
+
+start_redis() {
+  if redis_up; then
+    return
+  fi
+  local dir=/var/lib/orchestrator/redis
+  mkdir -p "$dir"
+  log "starting redis on 127.0.0.1:${ORCH_REDIS_PORT:-6379} (AOF on, data in $dir)"
+  redis-server --bind 127.0.0.1 --port "${ORCH_REDIS_PORT:-6379}" --dir "$dir" \
+    --appendonly yes --appendfsync everysec --daemonize yes \
+    --logfile /var/log/orchestrator-redis.log
+  for _ in $(seq 1 40); do
+    redis_up && return
+    sleep 0.25
+  done
+  log "redis did not come up"; exit 1
+}
+
+install_packages
+start_dockerd
+start_redis
+if docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q runsc; then
+  log "ready: dockerd (runtimes: runc, runsc), redis"
+else
+  log "ready: dockerd (runtime: runc only; gVisor not available), redis"
+fi

@@ -1,0 +1,129 @@
+"""Shared fixtures: a real dockerd, real sandboxes, and a check that nothing leaks.
+
+Each pytest worker gets its own deployment name, so its sandboxes are told apart by label;
+the controlling process compares the daemon's containers, volumes and networks before and
+after the whole run and fails the run if any were left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import docker
+import pytest
+
+from orchestrator.config import Runtime, Settings
+from orchestrator.images.base import build_base_image
+from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
+from orchestrator.sandbox.docker import DockerBackend
+
+RUNTIMES: list[Runtime] = ["runc", "runsc"]
+
+
+def _docker_inventory() -> dict[str, set[str]]:
+    client = docker.from_env()
+    try:
+        return {
+            "containers": {str(c.id) for c in client.containers.list(all=True, sparse=True)},
+            "volumes": {str(v.name) for v in client.volumes.list()},
+            "networks": {str(n.id) for n in client.networks.list()},
+        }
+    finally:
+        client.close()
+
+
+def _is_controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _is_controller(config):
+        config.stash[_inventory_key] = _docker_inventory()
+
+
+_inventory_key = pytest.StashKey[dict[str, set[str]]]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if not _is_controller(config) or _inventory_key not in config.stash:
+        return
+    before = config.stash[_inventory_key]
+    after = _docker_inventory()
+    leaked = {kind: sorted(after[kind] - before[kind]) for kind in after}
+    leaked = {kind: ids for kind, ids in leaked.items() if ids}
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if leaked:
+        if reporter is not None:
+            reporter.write_line(f"LEAK CHECK FAILED: the suite left behind {leaked}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif reporter is not None:
+        reporter.write_line("leak check: no container, volume or network left behind")
+
+
+def runsc_available() -> bool:
+    client = docker.from_env()
+    try:
+        runtimes: dict[str, Any] = client.info().get("Runtimes", {})
+    finally:
+        client.close()
+    return "runsc" in runtimes
+
+
+@pytest.fixture(scope="session")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    return Settings(
+        deployment=f"test-{worker}-{uuid.uuid4().hex[:8]}",
+        state_dir=tmp_path_factory.mktemp("state"),
+    )
+
+
+@pytest.fixture(scope="session")
+def base_image(settings: Settings) -> str:
+    build_base_image(settings)
+    return settings.base_image
+
+
+@pytest.fixture(scope="session")
+def backend(settings: Settings, base_image: str) -> Iterator[DockerBackend]:
+    backend = DockerBackend(settings)
+    yield backend
+    for handle in backend.list_owned():
+        backend.destroy(handle)
+    backend.sweep_leftovers()
+
+
+@pytest.fixture(scope="session", params=RUNTIMES)
+def runtime(request: pytest.FixtureRequest) -> Runtime:
+    runtime: Runtime = request.param
+    if runtime == "runsc" and not runsc_available():
+        pytest.skip("gVisor (runsc) is not registered with dockerd")
+    return runtime
+
+
+@pytest.fixture(scope="session")
+def shared_sandbox(backend: DockerBackend, base_image: str) -> Iterator[SandboxHandle]:
+    """One runc sandbox shared by tests that do not test isolation itself."""
+    handle = backend.create(SandboxSpec(image=base_image, rollout_id="shared"))
+    yield handle
+    backend.destroy(handle)
+
+
+@pytest.fixture()
+def make_sandbox(backend: DockerBackend, base_image: str) -> Iterator[Any]:
+    """Create sandboxes for one test; all of them are destroyed afterwards."""
+    created: list[SandboxHandle] = []
+
+    def make(**overrides: Any) -> SandboxHandle:
+        spec = SandboxSpec(**{"image": base_image, "rollout_id": "test", **overrides})
+        handle = backend.create(spec)
+        created.append(handle)
+        return handle
+
+    yield make
+    for handle in created:
+        backend.destroy(handle)
