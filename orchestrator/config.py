@@ -1,5 +1,6 @@
 """The one settings object: every knob, read from ``ORCH_*`` environment variables."""
 
+import socket
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -24,6 +25,26 @@ class Settings(BaseSettings):
         Path("/var/lib/orchestrator"),
         description="Host directory for per-sandbox exec-agent sockets and build scratch.",
     )
+    host_id: str = Field(
+        default_factory=socket.gethostname,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+        description="This worker host's name: its sandboxes' label and its queue's name.",
+    )
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Broker, results, state.")
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(8000, ge=1, le=65535)
+    api_tokens: str = Field(
+        "", description="Comma-separated bearer tokens accepted by the API (required)."
+    )
+    max_request_bytes: int = Field(1024 * 1024, description="Larger bodies get 413.")
+    worker_concurrency: int = Field(64, ge=1, description="Threads per worker process.")
+    queue_wait_s: float = Field(
+        30.0, gt=0, description="How long a call waits for a worker beyond its own timeout."
+    )
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+    reaper_interval_s: float = Field(10.0, gt=0)
+    sandbox_create_timeout_s: float = Field(60.0, gt=0)
+
     docker_host: str | None = Field(
         None, description="Docker daemon URL; None means DOCKER_HOST or the local socket."
     )
@@ -52,12 +73,39 @@ class Settings(BaseSettings):
     output_budget_bytes: int = Field(16 * 1024, ge=256, description="Per tool-output budget.")
     read_file_max_bytes: int = Field(64 * 1024, ge=256)
 
+    environments_file: Path | None = Field(
+        None,
+        description="YAML file of environments; None means the packaged default "
+        "(orchestrator/environments/default.yaml).",
+    )
+    default_environment: str = Field(
+        "codebase-planning", description="Environment of a dataset row that names none."
+    )
+
     log_format: Literal["console", "json"] = "console"
     log_level: str = "INFO"
 
     @property
     def sockets_dir(self) -> Path:
         return self.state_dir / "sandboxes"
+
+    @property
+    def tokens(self) -> list[str]:
+        return [t.strip() for t in self.api_tokens.split(",") if t.strip()]
+
+    @property
+    def key_prefix(self) -> str:
+        """Redis keys and Celery queues of this deployment start with this."""
+        return f"orch:{self.deployment}:"
+
+    def host_queue(self, host_id: str | None = None) -> str:
+        """The queue of one worker host: calls go to the host holding the sandbox."""
+        return f"orch.{self.deployment}.host.{host_id or self.host_id}"
+
+    @property
+    def create_queue(self) -> str:
+        """Sandbox creation: any worker may take it; the sandbox lands on its host."""
+        return f"orch.{self.deployment}.create"
 
 
 @lru_cache(maxsize=1)

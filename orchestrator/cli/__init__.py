@@ -3,11 +3,15 @@
 import typer
 
 from orchestrator.cli import codebase, image, sandbox
-from orchestrator.cli.smoke import smoke, up
+from orchestrator.cli.serve import beat, serve, up, worker
+from orchestrator.cli.smoke import smoke
 
 app = typer.Typer(help="Sandboxed rollout orchestrator for agent RL.", no_args_is_help=True)
 app.add_typer(image.app, name="image")
 app.add_typer(codebase.app, name="codebase")
 app.add_typer(sandbox.app, name="sandbox")
-app.command()(smoke)
 app.command()(up)
+app.command()(serve)
+app.command()(worker)
+app.command()(beat)
+app.command()(smoke)

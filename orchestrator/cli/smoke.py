@@ -52,10 +52,3 @@ def smoke() -> None:
         )
     if failed:
         raise typer.Exit(1)
-
-
-def up() -> None:
-    """Serve the orchestrator. Until the control API lands, runs the sandbox smoke check."""
-    console.print("The control API is not built yet (issue 3): running the sandbox smoke check.")
-    smoke()
-    console.print("Sandboxes work. Try: orchestrator sandbox run base -- 'uname -a; id'")

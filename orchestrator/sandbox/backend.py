@@ -172,14 +172,15 @@ class SandboxBackend(ABC):
     def exec(
         self,
         handle: SandboxHandle,
-        command: str,
+        command: str | list[str],
         *,
         timeout_s: float,
         output_budget_bytes: int,
         cwd: str = "/workspace",
     ) -> ExecResult:
-        """Run ``command`` with bash as the unprivileged user; the timeout is enforced in
-        the sandbox by killing the command's whole process group."""
+        """Run ``command`` as the unprivileged user: a string is a bash command line, a list
+        is an argv run as is (arguments never pass through a shell parser). The timeout is
+        enforced in the sandbox by killing the command's whole process group."""
 
     @abstractmethod
     def read_file(

@@ -10,7 +10,6 @@ directory that is mounted into that sandbox only, so a call costs ~1 ms instead 
 from __future__ import annotations
 
 import shutil
-import socket
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -62,7 +61,7 @@ class DockerBackend(SandboxBackend):
     def __init__(self, settings: Settings, client: docker.DockerClient | None = None) -> None:
         self.settings = settings
         self.client = client or connect(settings)
-        self.host = socket.gethostname()
+        self.host = settings.host_id
         self.sockets_dir = settings.sockets_dir
         self.sockets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
@@ -234,7 +233,7 @@ class DockerBackend(SandboxBackend):
     def exec(
         self,
         handle: SandboxHandle,
-        command: str,
+        command: str | list[str],
         *,
         timeout_s: float,
         output_budget_bytes: int,

@@ -71,8 +71,13 @@ def parse_reply(raw: bytes) -> dict[str, Any]:
     return result
 
 
-def exec_request(command: str, timeout_s: float, budget: int, cwd: str) -> dict[str, Any]:
-    return {"op": "exec", "command": command, "timeout_s": timeout_s, "budget": budget, "cwd": cwd}
+def exec_request(
+    command: str | list[str], timeout_s: float, budget: int, cwd: str
+) -> dict[str, Any]:
+    """A shell command line (str), or an argv run without any shell parsing (list)."""
+    request: dict[str, Any] = {"op": "exec", "timeout_s": timeout_s, "budget": budget, "cwd": cwd}
+    request["argv" if isinstance(command, list) else "command"] = command
+    return request
 
 
 def exec_result(result: dict[str, Any]) -> ExecResult:

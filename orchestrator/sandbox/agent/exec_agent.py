@@ -37,11 +37,12 @@ DRAIN_AFTER_EXIT_S = 0.1
 PR_CAPBSET_DROP = 24
 WORKSPACE = "/workspace"
 # Raises the command's OOM score so the kernel picks the agent's commands, never the agent,
-# then runs the command in the requested directory. Arguments arrive as $0 and $1, never
-# interpolated into the script text.
-SHELL_WRAPPER = (
-    'printf 1000 > /proc/self/oom_score_adj 2>/dev/null; cd -- "$0" || exit 1; eval "$1"'
-)
+# then runs the command in the requested directory. The directory arrives as $1 and the
+# command as the next $1 (a shell command line) or as "$@" (an argv, for configured tools):
+# never interpolated into the script text. $0 is "bash", so errors read "bash: ...".
+WRAPPER_PREFIX = 'printf 1000 > /proc/self/oom_score_adj 2>/dev/null; cd -- "$1" || exit 1; shift; '
+RUN_SHELL = 'eval "$1"'
+RUN_ARGV = 'exec "$@"'
 
 
 def shell_wrapper(limit_as_mb: int | None, limit_nproc: int | None) -> str:
@@ -58,8 +59,7 @@ def shell_wrapper(limit_as_mb: int | None, limit_nproc: int | None) -> str:
         limits.append(f"ulimit -v {int(limit_as_mb) * 1024}")
     if limit_nproc:
         limits.append(f"ulimit -u {int(limit_nproc)}")
-    prefix = "".join(f"{limit} 2>/dev/null; " for limit in limits)
-    return prefix + SHELL_WRAPPER
+    return "".join(f"{limit} 2>/dev/null; " for limit in limits) + WRAPPER_PREFIX
 
 
 class Capture:
@@ -208,14 +208,20 @@ class Agent:
         return {"version": PROTOCOL_VERSION, "pid": os.getpid(), "time": time.time()}
 
     def exec(self, req: dict[str, object]) -> dict[str, object]:
-        command = str(req["command"])
+        cwd = str(req.get("cwd") or WORKSPACE)
+        argv = req.get("argv")
+        if argv is not None:
+            if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+                raise ValueError("argv must be a non-empty list of strings")
+            args = [self.wrapper + RUN_ARGV, "bash", cwd, *argv]
+        else:
+            args = [self.wrapper + RUN_SHELL, "bash", cwd, str(req["command"])]
         timeout = float(req["timeout_s"])  # type: ignore[arg-type]
         budget = int(req["budget"])  # type: ignore[call-overload]
-        cwd = str(req.get("cwd") or WORKSPACE)
         started = time.monotonic()
         try:
             proc = subprocess.Popen(
-                ["/bin/bash", "-c", self.wrapper, cwd, command],
+                ["/bin/bash", "-c", *args],
                 cwd="/",
                 env=self.env,
                 stdin=subprocess.DEVNULL,
@@ -308,7 +314,7 @@ class Agent:
                 os.setgid(self.gid)
                 os.setuid(self.uid)
                 reply = read_lines(req)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - the child must always answer
                 reply = {"error": {"kind": "internal", "message": repr(exc)}}
                 code = 1
             data = json.dumps(reply).encode()
@@ -405,7 +411,7 @@ class Handler(socketserver.StreamRequestHandler):
             op = req["op"]
             method = {"ping": agent.ping, "exec": agent.exec, "read_file": agent.read_file}[op]
             reply: dict[str, object] = {"ok": True, "result": method(req)}
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the caller
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         self.wfile.write(json.dumps(reply).encode() + b"\n")
 

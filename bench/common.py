@@ -1,0 +1,101 @@
+"""Shared helpers for the benchmarks: percentiles, host memory, the benchmark codebase."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import statistics
+import sys
+import sysconfig
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import Settings
+from orchestrator.images.codebases import UnknownCodebase, add_codebase, get_codebase
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BENCH_CODEBASE = "bench-cpython-stdlib"
+# The standard library of the Python running the bench: a real, offline, ~1,000-file
+# codebase. Tests, site-packages and binary modules are left out.
+_STDLIB_SKIP = {
+    "site-packages",
+    "test",
+    "__pycache__",
+    "idlelib",
+    "lib2to3",
+    "ensurepip",
+    "lib-dynload",
+}
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "n": len(values),
+        "p50": round(statistics.median(values), 3) if values else float("nan"),
+        "p90": round(percentile(values, 90), 3),
+        "p99": round(percentile(values, 99), 3),
+        "mean": round(statistics.fmean(values), 3) if values else float("nan"),
+    }
+
+
+def mem_used_mb() -> float:
+    """Host memory in use (MemTotal - MemAvailable), MiB."""
+    fields: dict[str, int] = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, value = line.split(":", 1)
+        fields[key] = int(value.split()[0])
+    return (fields["MemTotal"] - fields["MemAvailable"]) / 1024
+
+
+def ensure_bench_codebase(settings: Settings) -> str:
+    """The benchmark codebase image, built once from this Python's standard library."""
+    try:
+        return get_codebase(settings, BENCH_CODEBASE).image
+    except UnknownCodebase:
+        pass
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "cpython-stdlib"
+        shutil.copytree(
+            stdlib,
+            tree,
+            ignore=lambda _dir, names: [
+                n for n in names if n in _STDLIB_SKIP or n.startswith("config-")
+            ],
+        )
+        return add_codebase(settings, BENCH_CODEBASE, tree).image
+
+
+def write_report(name: str, report: dict[str, Any], markdown: str) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    report = {
+        "benchmark": name,
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {
+            "cpus": _cpus(),
+            "python": sys.version.split()[0],
+            "kernel": platform.release(),
+        },
+        **report,
+    }
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{name}.md").write_text(markdown)
+    return path
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))

@@ -1,0 +1,72 @@
+"""Agent RFT's tool endpoint and endpoint grader (PROTOCOL.md).
+
+The rollout's identity is the body's ``trace_id``; its first tool call creates its sandbox.
+Agent mistakes are 200s whose ``output`` explains; infrastructure faults are 503s.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException
+
+from orchestrator.api.auth import require_token
+from orchestrator.api.deps import service
+from orchestrator.api.models import (
+    ErrorResponse,
+    FunctionCall,
+    FunctionCallOutput,
+    GradeRequest,
+    Score,
+)
+from orchestrator.grading import extract_answer
+from orchestrator.rollouts.service import RolloutService
+
+router = APIRouter(prefix="/agent-rft", tags=["agent-rft"], dependencies=[Depends(require_token)])
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Malformed JSON."},
+    401: {"model": ErrorResponse, "description": "Missing or wrong bearer token."},
+    413: {"model": ErrorResponse, "description": "Body over the size limit."},
+    422: {"model": ErrorResponse, "description": "Invalid body, unknown environment or codebase."},
+    503: {"model": ErrorResponse, "description": "Infrastructure fault: retry, then discard."},
+}
+
+
+async def _call(body: FunctionCall, name: str, svc: RolloutService) -> FunctionCallOutput:
+    reply = await svc.call_tool(
+        body.trace_id,
+        name,
+        body.arguments,
+        call_id=body.call_id,
+        item=body.item,
+        source="agent_rft",
+    )
+    return FunctionCallOutput(call_id=body.call_id, id=body.id, output=reply.output)
+
+
+@router.post("/tools", responses=ERRORS)
+async def tool_call(
+    body: FunctionCall, svc: Annotated[RolloutService, Depends(service)]
+) -> FunctionCallOutput:
+    """One tool call; the tool is the body's ``name`` (several tools may share this URL)."""
+    if not body.name:
+        raise HTTPException(422, "body.name: the tool name is required on this endpoint")
+    return await _call(body, body.name, svc)
+
+
+@router.post("/tools/{name}", responses=ERRORS)
+async def named_tool_call(
+    name: str, body: FunctionCall, svc: Annotated[RolloutService, Depends(service)]
+) -> FunctionCallOutput:
+    """One tool call to the tool named in the path (the body's ``name`` is ignored)."""
+    return await _call(body, name, svc)
+
+
+@router.post("/grade", responses=ERRORS)
+async def grade(body: GradeRequest, svc: Annotated[RolloutService, Depends(service)]) -> Score:
+    """Score a rollout. Idempotent; an infra-failed rollout gets 503, never a score."""
+    reply = await svc.grade(
+        body.trace_id, extract_answer(body.sample), body.item, source="agent_rft"
+    )
+    return Score(score=reply.score, details=reply.details)

@@ -1,0 +1,29 @@
+"""The app's shared state, reached from a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from orchestrator.config import Settings
+from orchestrator.queue.client import QueueClient
+from orchestrator.rollouts.service import RolloutService
+from orchestrator.rollouts.store import RolloutStore
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    store: RolloutStore
+    queue: QueueClient
+    service: RolloutService
+
+
+def state(request: Request) -> AppState:
+    app_state: AppState = request.app.state.orchestrator
+    return app_state
+
+
+def service(request: Request) -> RolloutService:
+    return state(request).service

@@ -1,0 +1,98 @@
+"""Errors as HTTP answers. Every error body is ``{"error": {type, code, message}}`` where
+``type`` is the outcome taxonomy's word: ``rejected`` (4xx) or ``infra_error`` (5xx)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from orchestrator.outcomes import Outcome
+from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected
+
+RETRY_AFTER_S = "1"
+
+
+def error_response(
+    status: int,
+    outcome: Outcome,
+    code: str,
+    message: str,
+    *,
+    rollout_id: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body: dict[str, Any] = {"type": outcome.value, "code": code, "message": message}
+    if rollout_id is not None:
+        body["rollout_id"] = rollout_id
+    return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+def _condense(errors: list[Any]) -> str:
+    parts = []
+    for error in errors[:8]:
+        where = ".".join(str(p) for p in error.get("loc", ()) if p != "body") or "body"
+        parts.append(f"{where}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = list(exc.errors())
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return error_response(
+                400, Outcome.REJECTED, "malformed_json", "the body is not valid JSON"
+            )
+        return error_response(422, Outcome.REJECTED, "invalid_request", _condense(errors))
+
+    @app.exception_handler(Rejected)
+    async def _rejected(_: Request, exc: Rejected) -> JSONResponse:
+        return error_response(exc.status, Outcome.REJECTED, exc.code, exc.message)
+
+    @app.exception_handler(InfraError)
+    async def _infra(_: Request, exc: InfraError) -> JSONResponse:
+        return error_response(
+            503,
+            Outcome.INFRA_ERROR,
+            "infra_error",
+            exc.message,
+            rollout_id=exc.rollout_id,
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
+
+    @app.exception_handler(GraderFailed)
+    async def _grader(_: Request, exc: GraderFailed) -> JSONResponse:
+        return error_response(
+            503,
+            Outcome.INFRA_ERROR,
+            "grader_failed",
+            str(exc),
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(
+            exc.status_code, "http_error"
+        )
+        return error_response(
+            exc.status_code,
+            Outcome.REJECTED,
+            code,
+            str(exc.detail),
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug of ours, not the agent's: a 503 the trainer retries, never a score.
+        from orchestrator.observability.logging import get_logger
+
+        get_logger(__name__).exception("api.unexpected_error")
+        return error_response(
+            503, Outcome.INFRA_ERROR, "internal_error", f"{type(exc).__name__}: {exc}"
+        )

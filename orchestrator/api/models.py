@@ -1,0 +1,125 @@
+"""HTTP request and response bodies. Unknown fields are ignored (PROTOCOL.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from orchestrator.outcomes import Outcome
+from orchestrator.rollouts.models import TrajectoryStep
+
+ROLLOUT_ID = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}$"
+CALL_ID = r"^[A-Za-z0-9_.:-]{1,200}$"
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class FunctionCall(_Lenient):
+    """A Responses-API function call, as Agent RFT posts it to a tool endpoint."""
+
+    type: str = "function_call"
+    id: str = Field("", max_length=200)
+    call_id: str = Field(pattern=CALL_ID)
+    name: str | None = Field(None, max_length=64)
+    arguments: str | dict[str, Any] | None = None
+    trace_id: str = Field(pattern=ROLLOUT_ID, description="The rollout's identity.")
+    item: dict[str, Any] = Field(default_factory=dict, description="The dataset row.")
+
+
+class FunctionCallOutput(BaseModel):
+    type: Literal["function_call_output"] = "function_call_output"
+    call_id: str
+    id: str
+    output: str
+
+
+class GradeRequest(_Lenient):
+    """What Agent RFT posts to an endpoint grader."""
+
+    sample: dict[str, Any] = Field(default_factory=dict)
+    item: dict[str, Any] = Field(default_factory=dict)
+    trace_id: str = Field(pattern=ROLLOUT_ID)
+
+
+class Score(BaseModel):
+    score: float
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class CreateRollout(_Lenient):
+    environment: str | None = Field(None, max_length=100)
+    codebase: str | None = Field(None, max_length=100)
+    item: dict[str, Any] = Field(default_factory=dict)
+    id: str | None = Field(None, pattern=ROLLOUT_ID)
+
+
+class RolloutCreated(BaseModel):
+    rollout_id: str
+    environment: str
+    codebase: str | None
+    state: str
+    host: str | None
+    sandbox_id: str | None
+    tools: list[dict[str, Any]]
+
+
+class ToolCallRequest(_Lenient):
+    arguments: str | dict[str, Any] | None = None
+    call_id: str | None = Field(None, pattern=CALL_ID)
+
+
+class ToolCallResponse(BaseModel):
+    call_id: str
+    seq: int
+    output: str
+    outcome: Outcome
+    exit_code: int | None
+    duration_ms: float
+    truncated: bool
+    error_kind: str | None = None
+
+
+class RolloutGradeRequest(_Lenient):
+    answer: str | None = None
+    sample: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> RolloutGradeRequest:
+        if (self.answer is None) == (self.sample is None):
+            raise ValueError("give exactly one of `answer` or `sample`")
+        return self
+
+
+class RolloutView(BaseModel):
+    rollout_id: str
+    source: str
+    state: str
+    environment: str
+    codebase: str | None
+    host: str | None
+    sandbox_id: str | None
+    runtime: str | None
+    tool_calls: int
+    outcome: Outcome | None
+    score: float | None
+    timings: dict[str, float | None]
+    infra_failure: dict[str, Any] | None
+
+
+class Trajectory(BaseModel):
+    rollout_id: str
+    steps: list[TrajectoryStep]
+
+
+class ErrorBody(BaseModel):
+    type: Outcome
+    code: str
+    message: str
+    rollout_id: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

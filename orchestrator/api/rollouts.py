@@ -1,0 +1,126 @@
+"""The rollout API for trainers that drive an explicit lifecycle (verl, TRL, SkyRL, ...)."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated
+
+from fastapi import APIRouter, Depends
+
+from orchestrator.api.agent_rft import ERRORS
+from orchestrator.api.auth import require_token
+from orchestrator.api.deps import service
+from orchestrator.api.models import (
+    CreateRollout,
+    RolloutCreated,
+    RolloutGradeRequest,
+    RolloutView,
+    Score,
+    ToolCallRequest,
+    ToolCallResponse,
+    Trajectory,
+)
+from orchestrator.grading import extract_answer
+from orchestrator.rollouts.errors import Rejected
+from orchestrator.rollouts.service import RolloutService
+from orchestrator.rollouts.store import Rollout
+
+router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"], dependencies=[Depends(require_token)])
+RESPONSES = {
+    **ERRORS,
+    404: {"description": "Unknown rollout."},
+    409: {"description": "Exists or ended."},
+}
+Svc = Annotated[RolloutService, Depends(service)]
+
+
+@router.post("", status_code=201, responses=RESPONSES)
+async def create_rollout(body: CreateRollout, svc: Svc) -> RolloutCreated:
+    """Create a rollout and its sandbox; returns the tools' schemas for the model."""
+    rollout_id = body.id or f"ro_{uuid.uuid4().hex}"
+    rollout = await svc.start(
+        rollout_id,
+        body.item,
+        source="api",
+        environment=body.environment,
+        codebase=body.codebase,
+        exclusive=True,
+    )
+    resolved = svc.environment_of(rollout)
+    return RolloutCreated(
+        rollout_id=rollout.rollout_id,
+        environment=rollout.environment,
+        codebase=rollout.codebase,
+        state=rollout.state,
+        host=rollout.host,
+        sandbox_id=rollout.sandbox.sandbox_id if rollout.sandbox else None,
+        tools=resolved.tool_schemas(),
+    )
+
+
+@router.post("/{rollout_id}/tools/{name}", responses=RESPONSES)
+async def call_tool(
+    rollout_id: str, name: str, body: ToolCallRequest, svc: Svc
+) -> ToolCallResponse:
+    """Run a tool. Agent mistakes are 200 with ``outcome: agent_error``."""
+    reply = await svc.call_tool(rollout_id, name, body.arguments, call_id=body.call_id)
+    return ToolCallResponse.model_validate(reply.model_dump())
+
+
+@router.post("/{rollout_id}/grade", responses=RESPONSES)
+async def grade_rollout(rollout_id: str, body: RolloutGradeRequest, svc: Svc) -> Score:
+    answer = body.answer if body.answer is not None else extract_answer(body.sample or {})
+    reply = await svc.grade(rollout_id, answer, None, source="api")
+    return Score(score=reply.score, details=reply.details)
+
+
+@router.get("/{rollout_id}", responses=RESPONSES)
+async def get_rollout(rollout_id: str, svc: Svc) -> RolloutView:
+    return view(await _get(svc, rollout_id), await svc.store.call_count(rollout_id))
+
+
+@router.get("/{rollout_id}/trajectory", responses=RESPONSES)
+async def get_trajectory(rollout_id: str, svc: Svc) -> Trajectory:
+    await _get(svc, rollout_id)
+    return Trajectory(rollout_id=rollout_id, steps=await svc.store.trajectory(rollout_id))
+
+
+@router.delete("/{rollout_id}", responses=RESPONSES)
+async def delete_rollout(rollout_id: str, svc: Svc) -> RolloutView:
+    """Destroy the sandbox now; the record stays readable."""
+    rollout = await svc.close(rollout_id, "deleted")
+    return view(rollout, await svc.store.call_count(rollout_id))
+
+
+async def _get(svc: RolloutService, rollout_id: str) -> Rollout:
+    rollout = await svc.store.get(rollout_id)
+    if rollout is None:
+        raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
+    return rollout
+
+
+def view(rollout: Rollout, calls: int) -> RolloutView:
+    ready_ms = None
+    if rollout.sandbox_ready_at is not None:
+        ready_ms = round((rollout.sandbox_ready_at - rollout.created_at) * 1000, 1)
+    return RolloutView(
+        rollout_id=rollout.rollout_id,
+        source=rollout.source,
+        state=rollout.state,
+        environment=rollout.environment,
+        codebase=rollout.codebase,
+        host=rollout.host,
+        sandbox_id=rollout.sandbox.sandbox_id if rollout.sandbox else None,
+        runtime=rollout.sandbox.runtime if rollout.sandbox else None,
+        tool_calls=calls,
+        outcome=rollout.outcome,
+        score=rollout.score,
+        timings={
+            "created_at": rollout.created_at,
+            "sandbox_ready_ms": ready_ms,
+            "last_activity": rollout.last_activity,
+            "graded_at": rollout.graded_at,
+            "closed_at": rollout.closed_at,
+        },
+        infra_failure=rollout.infra_failure,
+    )

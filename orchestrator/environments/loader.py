@@ -1,0 +1,445 @@
+"""Loading environments from YAML, and resolving a dataset row to what its rollout runs.
+
+The file is ``settings.environments_file`` or, when that is None, the packaged
+``orchestrator/environments/default.yaml``. Its format::
+
+    environments:
+      - name: codebase-planning
+        tools: [shell, read_file]
+        grader: {name: file_f1}
+      - name: finqa-demo
+        codebase: finqa-corpus
+        tools:
+          - name: search
+            description: ...
+            parameters: {type: object, properties: {query: {type: string}}, required: [query]}
+            argv: [rg, --ignore-case, --, "{query}", .]
+        ...
+
+Every problem in the file is reported at once, each line naming the file, the environment
+and the field (:class:`EnvironmentConfigError`). Duplicate keys in a YAML mapping are errors
+too (plain YAML keeps the last one silently).
+
+Resolving a row (:meth:`EnvironmentRegistry.resolve`) never falls back to some default
+codebase: a row that does not say which codebase it needs, or names one that is not
+registered, is an error.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from orchestrator.config import Settings, get_settings
+from orchestrator.environments.custom_tool import CommandTool
+from orchestrator.environments.models import EnvironmentConfig, EnvironmentsFile
+from orchestrator.images.codebases import (
+    InvalidCodebaseName,
+    UnknownCodebase,
+    codebase_image,
+    validate_name,
+)
+from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle, SandboxSpec
+from orchestrator.tools.base import Tool, ToolResult, agent_error
+from orchestrator.tools.registry import function_tool_schema, get_tool
+
+DEFAULT_FILE = "default.yaml"
+# pydantic tags of the tools union; they say nothing to a person reading an error.
+_UNION_TAGS = {"builtin", "custom"}
+
+
+class EnvironmentConfigError(ValueError):
+    """The environments file is unreadable or invalid; ``problems`` lists every issue,
+    each naming the file, the environment and the field."""
+
+    def __init__(self, source: str, problems: Sequence[str]) -> None:
+        self.source = source
+        self.problems = list(problems)
+        lines = "\n".join(f"  {p}" for p in self.problems)
+        super().__init__(f"invalid environments file {source}:\n{lines}")
+
+
+class UnknownEnvironment(LookupError):
+    """No environment has this name; the message lists the known ones."""
+
+    def __init__(self, name: str, known: Sequence[str], *, origin: str = "") -> None:
+        self.name = name
+        self.known = list(known)
+        where = f" ({origin})" if origin else ""
+        self.message = (
+            f"unknown environment {name!r}{where}; known environments: "
+            f"{', '.join(self.known) or 'none'}"
+        )
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class DatasetRowError(ValueError):
+    """A dataset row lacks a field its environment needs, or a field has a bad value;
+    ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        self.message = message
+        super().__init__(message)
+
+
+# --- YAML --------------------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys (plain YAML silently keeps the last one)."""
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            duplicate = key in seen
+            seen.add(key)
+        except TypeError:
+            continue  # unhashable: construct_mapping below reports it
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                "while reading a mapping",
+                node.start_mark,
+                f"found duplicate key {key!r}",
+                key_node.start_mark,
+            )
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _mapping_without_duplicates,
+)
+
+
+def _read_yaml(source: str, text: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise EnvironmentConfigError(source, [f"invalid YAML{where}: {exc.problem}"]) from None
+    except yaml.YAMLError as exc:
+        raise EnvironmentConfigError(source, [f"invalid YAML: {exc}"]) from None
+
+
+# --- error messages --------------------------------------------------------------------------
+
+
+def _child(node: Any, part: int | str) -> Any:
+    if isinstance(node, dict) and isinstance(part, str):
+        return node.get(part)
+    if isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+        return node[part]
+    return None
+
+
+def _describe_location(loc: tuple[int | str, ...], raw: Any) -> tuple[str, str]:
+    """(environment label, field path) for a pydantic error location, using the raw data to
+    name list entries: ``environment 'finqa-demo'`` and ``tools[2] (search).parameters``."""
+    items = [
+        part
+        for i, part in enumerate(loc)
+        if not (part in _UNION_TAGS and i and isinstance(loc[i - 1], int))
+    ]
+    env_label = ""
+    node: Any = raw
+    if len(items) >= 2 and items[0] == "environments" and isinstance(items[1], int):
+        node = _child(_child(raw, "environments"), items[1])
+        name = _child(node, "name")
+        env_label = (
+            f"environment {name!r}" if isinstance(name, str) else f"environment #{items[1] + 1}"
+        )
+        items = items[2:]
+    path = ""
+    for part in items:
+        node = _child(node, part)
+        if isinstance(part, int):
+            path += f"[{part}]"
+            name = node if isinstance(node, str) else _child(node, "name")
+            if isinstance(name, str):
+                path += f" ({name})"
+        else:
+            path += ("." if path else "") + part
+    return env_label, path
+
+
+def _error_line(error: ErrorDetails, raw: Any) -> str:
+    env_label, path = _describe_location(tuple(error["loc"]), raw)
+    kind = error["type"]
+    message = error["msg"].removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        message = "unknown field"
+    elif kind == "missing":
+        message = "required field is missing"
+    subject = ", ".join(s for s in (env_label, path) if s) or "(top level)"
+    return f"{subject}: {message}"
+
+
+# --- resolved environments -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResolvedEnvironment:
+    """What one rollout runs: its environment, image, codebase and tools."""
+
+    environment: EnvironmentConfig
+    image: str
+    codebase: str | None
+    """The codebase's name; None for an environment with a fixed image."""
+    tools: Mapping[str, Tool[Any]] = field(repr=False)
+    """Tool objects by name, in the order they are offered."""
+    settings: Settings | None = field(default=None, repr=False, compare=False)
+    """The settings the registry was loaded with: the default for :meth:`tool_schemas`."""
+
+    def sandbox_spec(self, settings: Settings, rollout_id: str) -> SandboxSpec:
+        """The spec of this rollout's sandbox: the environment's image, runtime, limits and
+        lifetime (the deployment's settings for whatever the environment leaves out)."""
+        env = self.environment
+        return SandboxSpec(
+            image=self.image,
+            runtime=env.effective_runtime(settings),
+            limits=env.limits.resolve(settings),
+            rollout_id=rollout_id,
+            lifetime_s=env.effective_lifetime_s(settings),
+        )
+
+    def tool_settings(self, settings: Settings) -> Settings:
+        """``settings`` as the tools of this environment see them (its output budget)."""
+        return self.environment.tool_settings(settings)
+
+    def tool_schemas(
+        self, settings: Settings | None = None, *, strict: bool = False
+    ) -> list[dict[str, Any]]:
+        """The environment's tools as OpenAI function tools (``{"type": "function", "name",
+        "description", "parameters", "strict"}``), for a trainer's job config."""
+        base = settings or self.settings or get_settings()
+        tool_settings = self.tool_settings(base)
+        return [function_tool_schema(t, tool_settings, strict=strict) for t in self.tools.values()]
+
+    def run_tool(
+        self,
+        name: str,
+        backend: SandboxBackend,
+        handle: SandboxHandle,
+        arguments: dict[str, Any] | str | None,
+        settings: Settings,
+    ) -> ToolResult:
+        """Run one of this environment's tools with the environment's output budget. A name
+        it does not offer is the agent's mistake (``unknown_tool``). The tool-call budget is
+        the rollout's to count, not this method's.
+        :class:`~orchestrator.sandbox.backend.SandboxError` propagates."""
+        tool_settings = self.tool_settings(settings)
+        tool = self.tools.get(name)
+        if tool is None:
+            return agent_error(
+                f"unknown tool {name!r}; available tools: {', '.join(self.tools)}",
+                "unknown_tool",
+                budget=tool_settings.output_budget_bytes,
+            )
+        return tool.run(backend, handle, arguments, tool_settings)
+
+
+# --- the registry ----------------------------------------------------------------------------
+
+
+class EnvironmentRegistry:
+    """The environments of a deployment, by name, with their tools built once."""
+
+    def __init__(
+        self, settings: Settings, environments: Sequence[EnvironmentConfig], source: str
+    ) -> None:
+        """Index validated environments; ``source`` names where they came from (for errors)."""
+        self.settings = settings
+        self.source = source
+        self._environments = {env.name: env for env in environments}
+        self._tools = {env.name: _build_tools(env) for env in environments}
+
+    def names(self) -> list[str]:
+        """Environment names, in file order."""
+        return list(self._environments)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._environments
+
+    def __len__(self) -> int:
+        return len(self._environments)
+
+    def get(self, name: str) -> EnvironmentConfig:
+        """The environment called ``name``; :class:`UnknownEnvironment` if none."""
+        try:
+            return self._environments[name]
+        except KeyError:
+            raise UnknownEnvironment(name, self.names()) from None
+
+    def tools(self, name: str) -> Mapping[str, Tool[Any]]:
+        """The tools of environment ``name``, by name."""
+        self.get(name)
+        return self._tools[name]
+
+    def resolve(self, item: Mapping[str, Any]) -> ResolvedEnvironment:
+        """What a rollout on dataset row ``item`` runs.
+
+        The environment is ``item["environment"]``, else ``settings.default_environment``.
+        The codebase:
+
+        - environment with a fixed ``image``: the row must not name a codebase;
+        - environment with a fixed ``codebase``: the row may name it too, but only the same
+          one (a row meant for another corpus must not be scored against this one);
+        - otherwise ``item["codebase"]`` must name a registered codebase.
+
+        Raises :class:`UnknownEnvironment`, :class:`DatasetRowError` (missing or malformed
+        field, or a codebase that contradicts the environment) or
+        :class:`~orchestrator.images.codebases.UnknownCodebase`. Looking a codebase up asks
+        the Docker daemon; :class:`~orchestrator.sandbox.backend.BackendUnavailable`
+        propagates as the infrastructure fault it is.
+        """
+        raw_env = item.get("environment")
+        if raw_env is not None and not isinstance(raw_env, str):
+            raise DatasetRowError(
+                "environment",
+                f"the row's environment field must be a string, got {type(raw_env).__name__}",
+            )
+        if raw_env:
+            name, origin = raw_env, "the row's environment field"
+        else:
+            name, origin = self.settings.default_environment, "settings.default_environment"
+        if name not in self._environments:
+            raise UnknownEnvironment(name, self.names(), origin=origin)
+        env = self._environments[name]
+        row_codebase = _row_codebase(item)
+
+        if env.image is not None:
+            if row_codebase is not None:
+                raise DatasetRowError(
+                    "codebase",
+                    f"environment {env.name!r} runs the fixed image {env.image}; the row must "
+                    f"not name a codebase (it names {row_codebase!r})",
+                )
+            return ResolvedEnvironment(env, env.image, None, self._tools[name], self.settings)
+
+        if env.codebase is not None:
+            if row_codebase is not None and row_codebase != env.codebase:
+                raise DatasetRowError(
+                    "codebase",
+                    f"the row names codebase {row_codebase!r}, but environment {env.name!r} "
+                    f"always runs codebase {env.codebase!r}",
+                )
+            codebase = env.codebase
+            how = f"environment {env.name!r} runs codebase {codebase!r}"
+        else:
+            if row_codebase is None:
+                raise DatasetRowError(
+                    "codebase",
+                    f"the row has no codebase field; environment {env.name!r} takes its "
+                    "codebase from the row",
+                )
+            codebase = row_codebase
+            how = f"the row's codebase field names {codebase!r} (environment {env.name!r})"
+        try:
+            image = codebase_image(self.settings, codebase)
+        except UnknownCodebase as exc:
+            raise UnknownCodebase(
+                f"unknown codebase {codebase!r}: {how}, but no such codebase is registered "
+                f"(add it with `orchestrator codebase add {codebase} <source>`)"
+            ) from exc
+        return ResolvedEnvironment(env, image, codebase, self._tools[name], self.settings)
+
+
+def _row_codebase(item: Mapping[str, Any]) -> str | None:
+    value = item.get("codebase")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise DatasetRowError(
+            "codebase", f"the row's codebase field must be a non-empty string, got {value!r}"
+        )
+    try:
+        return validate_name(value)
+    except InvalidCodebaseName as exc:
+        raise DatasetRowError("codebase", f"the row's codebase field: {exc}") from None
+
+
+def _build_tools(env: EnvironmentConfig) -> Mapping[str, Tool[Any]]:
+    tools: dict[str, Tool[Any]] = {}
+    for entry in env.tools:
+        tool = get_tool(entry) if isinstance(entry, str) else CommandTool(entry)
+        tools[tool.name] = tool
+    # Read-only: every rollout of the environment shares these objects.
+    return MappingProxyType(tools)
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+
+def default_environments_text() -> str:
+    """The packaged default.yaml's text."""
+    return (
+        importlib.resources.files("orchestrator.environments")
+        .joinpath(DEFAULT_FILE)
+        .read_text(encoding="utf-8")
+    )
+
+
+def parse_environments(
+    text: str, settings: Settings, *, source: str = "<string>"
+) -> EnvironmentRegistry:
+    """Validate environments YAML ``text``; ``source`` names it in errors.
+
+    Raises :class:`EnvironmentConfigError` listing every problem found.
+    """
+    raw = _read_yaml(source, text)
+    if not isinstance(raw, dict):
+        raise EnvironmentConfigError(
+            source, ["the file must be a mapping with an 'environments' list"]
+        )
+    try:
+        parsed = EnvironmentsFile.model_validate(raw)
+    except ValidationError as exc:
+        problems = [_error_line(e, raw) for e in exc.errors(include_url=False)]
+        raise EnvironmentConfigError(source, problems) from None
+    problems = []
+    # Limits that belong to the deployment, not to the file's schema.
+    for env in parsed.environments:
+        for index, entry in enumerate(env.tools):
+            if isinstance(entry, str) or entry.timeout_s is None:
+                continue
+            if entry.timeout_s > settings.command_timeout_max_s:
+                problems.append(
+                    f"environment {env.name!r}, tools[{index}] ({entry.name}).timeout_s: "
+                    f"{entry.timeout_s:g} exceeds settings.command_timeout_max_s "
+                    f"({settings.command_timeout_max_s:g})"
+                )
+    if problems:
+        raise EnvironmentConfigError(source, problems)
+    return EnvironmentRegistry(settings, parsed.environments, source)
+
+
+def load_environments(settings: Settings) -> EnvironmentRegistry:
+    """The deployment's environments: ``settings.environments_file``, or the packaged
+    default.yaml when that is None. Raises :class:`EnvironmentConfigError`."""
+    path: Path | None = settings.environments_file
+    if path is None:
+        source = f"<packaged {DEFAULT_FILE}>"
+        return parse_environments(default_environments_text(), settings, source=source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise EnvironmentConfigError(str(path), [f"cannot read: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise EnvironmentConfigError(str(path), [f"not UTF-8 text: {exc.reason}"]) from None
+    return parse_environments(text, settings, source=str(path))

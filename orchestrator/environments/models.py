@@ -1,0 +1,391 @@
+"""The shape of an environment: what a rollout's sandbox runs, which tools the model gets,
+how it is graded and how long its sandbox may live.
+
+An environment takes its codebase in one of three ways (exactly one applies):
+
+- ``image``: a fixed image reference, run as is (no codebase name);
+- ``codebase``: a fixed codebase name, resolved to its image when a rollout starts;
+- neither (the default style): the dataset row's ``codebase`` field names the codebase.
+
+Fields left out (``runtime``, ``limits.*``, ``output_budget_bytes``, ``max_lifetime_s``) take
+the deployment's settings when a rollout is resolved, so one YAML file serves deployments
+with different defaults.
+
+Custom tools run one fixed program with the model's arguments placed into its argv (see
+:class:`CustomToolConfig` for the placeholder syntax). No shell ever parses them.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import string
+from typing import Annotated, Any
+
+from jsonschema import SchemaError
+from jsonschema.validators import validator_for
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
+
+from orchestrator.config import Runtime, Settings
+from orchestrator.images.codebases import validate_name
+from orchestrator.sandbox.backend import SandboxLimits
+from orchestrator.tools.registry import TOOLS
+
+TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
+"""What a tool name may look like (OpenAI's rule for function names)."""
+
+ENVIRONMENT_NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+"""What an environment name may look like (the same alphabet as codebase names)."""
+
+PARAM_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+"""A placeholder's parameter name: an identifier, so ``{a.b}`` or ``{a[0]}`` never parse."""
+
+SPREAD_SUFFIX = "..."
+"""``{files...}`` as a whole argv element expands an array argument into one element each."""
+
+MAX_ARGV_ELEMENTS = 256
+WORKSPACE = "/workspace"
+
+
+class Placeholder(BaseModel):
+    """One ``{param}`` (or ``{param...}``) found in an argv element."""
+
+    model_config = ConfigDict(frozen=True)
+
+    param: str
+    spread: bool = False
+
+
+def parse_template(element: str) -> list[str | Placeholder]:
+    """Split one argv element into literal text and placeholders.
+
+    ``{{`` and ``}}`` are literal braces, as in :meth:`str.format`. A placeholder is
+    ``{name}`` with ``name`` an identifier, or ``{name...}`` (spread); conversions
+    (``{x!r}``), format specs (``{x:>5}``), attribute and index access are refused so that a
+    template can only ever insert the argument's text. Raises ValueError on anything else.
+    """
+    parts: list[str | Placeholder] = []
+    try:
+        parsed = list(string.Formatter().parse(element))
+    except ValueError as exc:
+        raise ValueError(f"bad placeholder syntax in {element!r}: {exc}") from None
+    for literal, field, spec, conversion in parsed:
+        if literal:
+            parts.append(literal)
+        if field is None:
+            continue
+        if spec or conversion:
+            raise ValueError(
+                f"placeholder {{{field}}} in {element!r}: format specs and conversions "
+                "(':...', '!r') are not supported; write {name} only"
+            )
+        spread = field.endswith(SPREAD_SUFFIX)
+        name = field.removesuffix(SPREAD_SUFFIX) if spread else field
+        if not PARAM_NAME_RE.fullmatch(name):
+            raise ValueError(
+                f"placeholder {{{field}}} in {element!r}: a placeholder is {{name}} or "
+                "{name...} with name a parameter (letters, digits, '_'); write {{ and }} "
+                "for literal braces"
+            )
+        parts.append(Placeholder(param=name, spread=spread))
+    return parts
+
+
+class CustomToolConfig(BaseModel):
+    """A tool that runs one fixed program, arguments placed into its argv.
+
+    ``argv`` elements are templates: an element that is exactly ``{param}`` becomes the
+    argument's value as ONE argv element, whatever it contains (spaces, quotes, ``$(...)``,
+    a leading ``-``); ``{param}`` inside a longer element (``--max-count={n}``) is replaced in
+    that element only. ``{param...}`` as a whole element expands an array argument into one
+    element per item. ``{{``/``}}`` are literal braces. Values are rendered as text: strings
+    as is, ``true``/``false``, integers in decimal, floats without a trailing ``.0`` when
+    whole, objects and arrays (outside a spread) as compact JSON.
+
+    An element whose placeholder's argument is absent (and has no ``default`` in its
+    schema) or null is left out, so optional flags work: ``["--glob={glob}"]`` disappears
+    when ``glob`` is not given. The first element must be literal: the model never chooses
+    the program. Put ``--`` before free-text arguments so a value like ``-n`` or ``--help``
+    is read as data, not as an option.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN)
+    description: str = Field(min_length=1, max_length=4096)
+    parameters: dict[str, Any] = Field(
+        description="JSON Schema of the arguments: an object schema. Properties without "
+        "additionalProperties set refuse unknown arguments."
+    )
+    argv: list[str] = Field(min_length=1, max_length=MAX_ARGV_ELEMENTS)
+    timeout_s: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="None: the deployment's default."
+    )
+    cwd: str | None = Field(
+        None, description="Working directory; relative paths are under /workspace."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_builtin(cls, value: str) -> str:
+        # A custom tool named like a built-in would make `tools: [shell]` ambiguous to read.
+        if value in TOOLS:
+            raise ValueError(f"{value!r} is a built-in tool's name; choose another name")
+        return value
+
+    @field_validator("parameters")
+    @classmethod
+    def _valid_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        validator_cls = validator_for(value)
+        try:
+            validator_cls.check_schema(value)
+        except SchemaError as exc:
+            where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+            raise ValueError(f"not a valid JSON Schema at {where}: {exc.message}") from None
+        if value.get("type") != "object":
+            raise ValueError(
+                'must be an object schema ("type": "object"): arguments are a JSON object'
+            )
+        properties = value.get("properties", {})
+        if not isinstance(properties, dict):
+            raise ValueError("properties must be a mapping")
+        for name in properties:
+            if not PARAM_NAME_RE.fullmatch(name):
+                raise ValueError(
+                    f"property {name!r}: parameter names must be identifiers "
+                    "(letters, digits, '_', not starting with a digit)"
+                )
+        return value
+
+    @field_validator("argv")
+    @classmethod
+    def _argv_parses(cls, value: list[str]) -> list[str]:
+        for index, element in enumerate(value):
+            if "\x00" in element:
+                raise ValueError(f"element {index} contains a NUL character")
+            parts = parse_template(element)
+            if index == 0 and any(isinstance(p, Placeholder) for p in parts):
+                raise ValueError("the program (element 0) must be literal, not a placeholder")
+            spreads = [p for p in parts if isinstance(p, Placeholder) and p.spread]
+            if spreads and len(parts) != 1:
+                raise ValueError(
+                    f"element {index} ({element!r}): {{name...}} must be the whole element"
+                )
+        return value
+
+    @field_validator("cwd")
+    @classmethod
+    def _cwd_is_a_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not value or "\x00" in value:
+            raise ValueError("must be a non-empty path without NUL characters")
+        return posixpath.normpath(posixpath.join(WORKSPACE, value))
+
+    @model_validator(mode="after")
+    def _placeholders_are_declared(self) -> CustomToolConfig:
+        properties: dict[str, Any] = self.parameters.get("properties", {})
+        for element in self.argv:
+            for part in parse_template(element):
+                if not isinstance(part, Placeholder):
+                    continue
+                if part.param not in properties:
+                    declared = ", ".join(properties) or "none"
+                    raise ValueError(
+                        f"argv element {element!r} uses {{{part.param}}}, which is not a "
+                        f"property of parameters (declared: {declared})"
+                    )
+                prop = properties[part.param]
+                if part.spread and isinstance(prop, dict) and prop.get("type") != "array":
+                    raise ValueError(
+                        f"argv element {element!r}: {{{part.param}...}} needs an array "
+                        f'parameter ("type": "array")'
+                    )
+        return self
+
+    def placeholders(self) -> set[str]:
+        """Names of the parameters the argv uses."""
+        return {
+            part.param
+            for element in self.argv
+            for part in parse_template(element)
+            if isinstance(part, Placeholder)
+        }
+
+
+def _tool_kind(value: Any) -> str:
+    # A plain string names a built-in; a mapping defines a custom tool. Tagging by shape
+    # gives one clear error per entry instead of one per union member.
+    return "builtin" if isinstance(value, str) else "custom"
+
+
+def _builtin_name(value: str) -> str:
+    if value not in TOOLS:
+        raise ValueError(
+            f"unknown built-in tool {value!r} (built-ins: {', '.join(TOOLS)}); a custom tool "
+            "is a mapping with name, description, parameters and argv"
+        )
+    return value
+
+
+ToolEntry = Annotated[
+    Annotated[str, AfterValidator(_builtin_name), Tag("builtin")]
+    | Annotated[CustomToolConfig, Tag("custom")],
+    Discriminator(_tool_kind),
+]
+"""One entry of ``tools``: a built-in tool's name or a custom tool definition."""
+
+
+class EnvironmentLimits(BaseModel):
+    """Sandbox limits; each one left out takes the deployment's setting."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    memory_mb: int | None = Field(None, ge=64)
+    cpus: float | None = Field(None, gt=0, allow_inf_nan=False)
+    pids: int | None = Field(None, ge=16)
+    tmp_mb: int | None = Field(None, ge=1)
+
+    def resolve(self, settings: Settings) -> SandboxLimits:
+        """The limits to create a sandbox with."""
+        return SandboxLimits(
+            memory_mb=self.memory_mb if self.memory_mb is not None else settings.sandbox_memory_mb,
+            cpus=self.cpus if self.cpus is not None else settings.sandbox_cpus,
+            pids=self.pids if self.pids is not None else settings.sandbox_pids,
+            tmp_mb=self.tmp_mb if self.tmp_mb is not None else settings.sandbox_tmp_mb,
+        )
+
+
+class GraderConfig(BaseModel):
+    """Which grader scores a rollout (a name or path for ``grading.get_grader``) and its
+    options. Only the shape is checked here; the grading module checks the rest."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class EnvironmentConfig(BaseModel):
+    """One environment, as written in the environments YAML file."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=ENVIRONMENT_NAME_PATTERN)
+    description: str = ""
+    image: str | None = Field(None, min_length=1, description="A fixed image reference.")
+    codebase: str | None = Field(None, min_length=1, description="A fixed codebase name.")
+    runtime: Runtime | None = Field(None, description="None: settings.sandbox_runtime.")
+    limits: EnvironmentLimits = Field(default_factory=EnvironmentLimits)
+    tools: list[ToolEntry] = Field(min_length=1)
+    tool_call_budget: int | None = Field(
+        None, ge=1, description="Tool calls allowed per rollout; None: unlimited."
+    )
+    output_budget_bytes: int | None = Field(
+        None, ge=256, description="Bytes of one tool output; None: the deployment's."
+    )
+    grader: GraderConfig
+    idle_timeout_s: int = Field(600, ge=1, description="Tear down after this long unused.")
+    max_lifetime_s: int | None = Field(
+        None, ge=10, description="Hard expiry of the sandbox; None: settings.sandbox_lifetime_s."
+    )
+    grace_after_grade_s: int = Field(
+        120, ge=0, description="Keep the sandbox this long after grading (grade retries)."
+    )
+    pool_size: int = Field(0, ge=0, description="Warm sandboxes to keep (reserved).")
+
+    @field_validator("codebase")
+    @classmethod
+    def _codebase_name_valid(cls, value: str | None) -> str | None:
+        # InvalidCodebaseName is a ValueError: pydantic reports it against this field.
+        return validate_name(value) if value is not None else None
+
+    @field_validator("image")
+    @classmethod
+    def _image_has_no_spaces(cls, value: str | None) -> str | None:
+        if value is not None and (value != value.strip() or any(c.isspace() for c in value)):
+            raise ValueError("an image reference has no whitespace")
+        return value
+
+    @field_validator("tools", mode="after")
+    @classmethod
+    def _names_unique(cls, value: list[str | CustomToolConfig]) -> list[str | CustomToolConfig]:
+        seen: set[str] = set()
+        for entry in value:
+            name = entry if isinstance(entry, str) else entry.name
+            if name in seen:
+                raise ValueError(f"tool {name!r} is listed twice; tool names must be unique")
+            seen.add(name)
+        return value
+
+    @model_validator(mode="after")
+    def _one_source_of_code(self) -> EnvironmentConfig:
+        if self.image is not None and self.codebase is not None:
+            raise ValueError(
+                "set at most one of image and codebase (neither: the dataset row's codebase "
+                "field chooses it)"
+            )
+        if self.max_lifetime_s is not None and self.idle_timeout_s > self.max_lifetime_s:
+            raise ValueError("idle_timeout_s must not exceed max_lifetime_s")
+        return self
+
+    @property
+    def codebase_from_row(self) -> bool:
+        """True when the dataset row's ``codebase`` field chooses the codebase."""
+        return self.image is None and self.codebase is None
+
+    def tool_names(self) -> list[str]:
+        """The tools' names, in the order they are offered."""
+        return [entry if isinstance(entry, str) else entry.name for entry in self.tools]
+
+    def effective_runtime(self, settings: Settings) -> Runtime:
+        """The runtime sandboxes of this environment use."""
+        return self.runtime or settings.sandbox_runtime
+
+    def effective_output_budget(self, settings: Settings) -> int:
+        """The per-tool-output byte budget of this environment."""
+        return (
+            self.output_budget_bytes
+            if self.output_budget_bytes is not None
+            else settings.output_budget_bytes
+        )
+
+    def tool_settings(self, settings: Settings) -> Settings:
+        """``settings`` as the tools of this environment see them (its output budget)."""
+        budget = self.effective_output_budget(settings)
+        if budget == settings.output_budget_bytes:
+            return settings
+        return settings.model_copy(update={"output_budget_bytes": budget})
+
+    def effective_lifetime_s(self, settings: Settings) -> int:
+        """The hard lifetime stamped on this environment's sandboxes."""
+        return (
+            self.max_lifetime_s if self.max_lifetime_s is not None else settings.sandbox_lifetime_s
+        )
+
+
+class EnvironmentsFile(BaseModel):
+    """The whole environments YAML file: ``environments:``, a list of environments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    environments: list[EnvironmentConfig] = Field(min_length=1)
+
+    @field_validator("environments", mode="after")
+    @classmethod
+    def _names_unique(cls, value: list[EnvironmentConfig]) -> list[EnvironmentConfig]:
+        seen: set[str] = set()
+        for env in value:
+            if env.name in seen:
+                raise ValueError(f"environment {env.name!r} is defined twice")
+            seen.add(env.name)
+        return value

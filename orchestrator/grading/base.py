@@ -1,0 +1,150 @@
+"""The grader interface and its error contract.
+
+A grader turns one finished rollout into a score::
+
+    grader = SomeGrader(**options)            # options from the environment's YAML
+    result = grader.grade(answer, item, trajectory)
+
+* ``answer`` is the agent's final answer as text (see :func:`~orchestrator.grading.answer.
+  extract_answer`); an empty answer is the agent's own and is scored like any other.
+* ``item`` is the dataset row the trainer sent (``gold_files``, ``answer``, ...).
+* ``trajectory`` is every tool call of the rollout, rebuilt from our own log.
+
+``grade`` must be pure and deterministic: no I/O, no clock, no randomness. The trainer
+retries a grade call after a 5xx, and a retried grade must return the same score.
+
+Errors, and what the API makes of them:
+
+* :class:`GraderConfigError` -- a deployment mistake: an unknown grader name, a dotted path
+  that does not import, invalid or unknown options. Raised when the grader is built, so a
+  bad environment config fails at start-up rather than on the first grade.
+* :class:`ItemError` -- the dataset row lacks what the grader needs (no ``gold_files``, an
+  unparseable gold ``answer``). The API answers 422 naming :attr:`ItemError.field`. It is
+  the dataset's fault, so it must never become a reward.
+* Any other exception raised by ``grade`` is a grader failure: the API answers 503, so the
+  trainer retries and finally discards the rollout. A crashing grader never yields a 0,
+  because a zero reward for our bug would poison training exactly as an infra fault would.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from orchestrator.grading.answer import extract_answer
+from orchestrator.rollouts.models import TrajectoryStep
+
+
+class GradeResult(BaseModel):
+    """A score and the evidence behind it. ``details`` must be JSON-serialisable."""
+
+    model_config = ConfigDict(frozen=True)
+
+    score: float = Field(description="Usually 0..1; a job may use another scale.")
+    details: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("score")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        # NaN or inf cannot be sent as JSON and would corrupt a trainer's reward statistics.
+        if not math.isfinite(value):
+            raise ValueError("score must be a finite number")
+        return value
+
+
+class GradingError(Exception):
+    """Base of the errors a grader raises on purpose (see the module docstring)."""
+
+
+class GraderConfigError(GradingError):
+    """Unknown grader, a dotted path that does not load, or invalid options."""
+
+
+class ItemError(GradingError):
+    """The dataset row lacks a field the grader needs, or the field is unusable."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"item field {field!r}: {message}")
+        self.field = field
+        self.message = message
+
+
+class GraderOptions(BaseModel):
+    """Base of every grader's options model: frozen, and unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Grader(ABC):
+    """One scoring rule.
+
+    Subclasses set ``name`` (how environments refer to it) and, if they take options,
+    ``options_model`` (a :class:`GraderOptions` subclass) and an ``options`` annotation
+    narrowed to that model. ``__init__`` validates options and raises
+    :class:`GraderConfigError` naming any unknown or invalid option.
+    """
+
+    name: ClassVar[str]
+    options_model: ClassVar[type[GraderOptions]] = GraderOptions
+    options: GraderOptions
+
+    def __init__(self, **options: Any) -> None:
+        self.options = parse_options(self.options_model, options, grader=_name_of(type(self)))
+
+    @abstractmethod
+    def grade(
+        self, answer: str, item: Mapping[str, Any], trajectory: Sequence[TrajectoryStep]
+    ) -> GradeResult:
+        """Score ``answer`` for ``item``. Pure and deterministic; see the module docstring."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options!r})"
+
+
+OptionsT = TypeVar("OptionsT", bound=GraderOptions)
+
+
+def _name_of(cls: type[Grader]) -> str:
+    return str(getattr(cls, "name", cls.__qualname__))
+
+
+def parse_options(model: type[OptionsT], options: Mapping[str, Any], *, grader: str) -> OptionsT:
+    """Validate ``options`` against ``model``; every problem becomes a GraderConfigError."""
+    try:
+        return model.model_validate(dict(options))
+    except ValidationError as exc:
+        known = ", ".join(sorted(model.model_fields)) or "none"
+        problems: list[str] = []
+        for error in exc.errors():
+            where = ".".join(str(part) for part in error["loc"]) or "options"
+            if error["type"] == "extra_forbidden":
+                problems.append(f"unknown option {where!r}")
+            else:
+                problems.append(f"option {where!r}: {error['msg']}")
+        raise GraderConfigError(
+            f"grader {grader!r}: {'; '.join(problems)} (known options: {known})"
+        ) from None
+
+
+def grade_sample(
+    grader: Grader,
+    sample: Any,
+    item: Mapping[str, Any],
+    trajectory: Sequence[TrajectoryStep],
+) -> GradeResult:
+    """What the grade endpoint runs: read the answer from ``sample``, grade it, check it.
+
+    Raises what ``grader.grade`` raises (see the module docstring), and ``TypeError`` -- a
+    grader failure, hence a 503 -- if a custom grader returns something other than a
+    :class:`GradeResult`.
+    """
+    result = grader.grade(extract_answer(sample), item, trajectory)
+    if not isinstance(result, GradeResult):
+        raise TypeError(
+            f"grader {_name_of(type(grader))!r} returned {type(result).__name__}, not a GradeResult"
+        )
+    return result

@@ -1,0 +1,42 @@
+"""Queue payloads: what the API sends a worker and what comes back. JSON on the wire."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
+from orchestrator.tools.base import ToolResult
+
+
+class CreateSandbox(BaseModel):
+    rollout_id: str
+    spec: SandboxSpec
+
+
+class SandboxCreated(BaseModel):
+    handle: SandboxHandle | None = None
+    error: str | None = Field(None, description="Why creation failed: an infra fault.")
+
+
+class ToolCall(BaseModel):
+    rollout_id: str
+    environment: str
+    handle: SandboxHandle
+    tool: str
+    arguments: Any
+    enqueued_at: float = Field(description="time.time() when the API enqueued it.")
+
+
+class ToolCallDone(BaseModel):
+    result: ToolResult | None = None
+    infra_error: str | None = Field(None, description="Set when the sandbox failed us.")
+    evidence: dict[str, Any] = Field(default_factory=dict)
+    queue_ms: float = 0.0
+    exec_ms: float = 0.0
+
+
+class DestroySandbox(BaseModel):
+    handle: SandboxHandle
+    reason: str

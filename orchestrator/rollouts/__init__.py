@@ -1,0 +1,1 @@
+"""Rollouts: state in Redis, lifecycle, idempotency, budget, trajectory, reaping."""

@@ -1,0 +1,30 @@
+"""What can go wrong with a rollout, named by whose fault it is (DESIGN.md's taxonomy)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class InfraError(Exception):
+    """Our fault: the trainer must get a 5xx and discard the rollout, never a score."""
+
+    def __init__(self, message: str, *, rollout_id: str, evidence: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.rollout_id = rollout_id
+        self.evidence = evidence or {}
+
+
+class Rejected(Exception):
+    """The request itself is wrong (unknown rollout, environment or codebase, bad state).
+    Changes no state."""
+
+    def __init__(self, status: int, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+class GraderFailed(Exception):
+    """The grader raised: a 503 so the trainer retries, never a zero."""

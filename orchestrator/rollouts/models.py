@@ -1,0 +1,39 @@
+"""The records a rollout leaves in Redis: its state and its trajectory."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from orchestrator.outcomes import Outcome
+
+
+class RolloutState(StrEnum):
+    """Where a rollout is in its life. ``infra_failed`` is final: never graded."""
+
+    CREATING = "creating"
+    ACTIVE = "active"
+    GRADED = "graded"
+    INFRA_FAILED = "infra_failed"
+    CLOSED = "closed"
+
+
+class TrajectoryStep(BaseModel):
+    """One tool call as the agent saw it, in the order the calls were made."""
+
+    seq: int = Field(description="1-based order of the call within its rollout.")
+    call_id: str
+    tool: str
+    arguments: Any = Field(description="As sent: a JSON string or an object.")
+    outcome: Outcome
+    exit_code: int | None = None
+    output: str = Field(description="Exactly what was returned to the agent.")
+    truncated: bool = False
+    error_kind: str | None = None
+    started_at: datetime
+    duration_ms: float = Field(description="Total, from the API's receipt to its reply.")
+    queue_ms: float | None = Field(None, description="Waiting in the queue for a worker.")
+    exec_ms: float | None = Field(None, description="Inside the worker, running the tool.")

@@ -1,0 +1,488 @@
+"""The rollout lifecycle: create a rollout's sandbox on its first call, route its calls to
+the host holding it, keep calls idempotent and within budget, record the trajectory,
+grade, and end.
+
+The API calls this; it never talks to Docker. Workers run the tools (queue/tasks.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel
+
+from orchestrator.config import Settings
+from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
+from orchestrator.grading import GraderConfigError, ItemError, get_grader
+from orchestrator.observability.logging import get_logger
+from orchestrator.outcomes import Outcome
+from orchestrator.queue.client import QueueClient, QueueTimeout
+from orchestrator.queue.payloads import (
+    CreateSandbox,
+    DestroySandbox,
+    SandboxCreated,
+    ToolCall,
+    ToolCallDone,
+)
+from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected
+from orchestrator.rollouts.models import RolloutState, TrajectoryStep
+from orchestrator.rollouts.store import LockTimeout, Rollout, RolloutStore
+from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
+
+log = get_logger(__name__)
+
+
+class CallReply(BaseModel):
+    """What a tool call returned to the agent (also what a retry of it gets back)."""
+
+    call_id: str
+    seq: int
+    output: str
+    outcome: Outcome
+    exit_code: int | None = None
+    duration_ms: float
+    truncated: bool = False
+    error_kind: str | None = None
+
+
+class GradeReply(BaseModel):
+    score: float
+    details: dict[str, Any]
+
+
+class RolloutService:
+    def __init__(
+        self,
+        settings: Settings,
+        store: RolloutStore,
+        environments: EnvironmentRegistry,
+        queue: QueueClient,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.environments = environments
+        self.queue = queue
+
+    # -- resolving ---------------------------------------------------------------------------
+
+    def resolve(
+        self, item: dict[str, Any], *, environment: str | None = None, codebase: str | None = None
+    ) -> ResolvedEnvironment:
+        """The environment and codebase a rollout runs on; 422 naming what is unknown."""
+        row = dict(item)
+        if environment is not None:
+            row["environment"] = environment
+        if codebase is not None:
+            row["codebase"] = codebase
+        try:
+            return self.environments.resolve(row)
+        except LookupError as exc:
+            raise Rejected(422, _message(exc), code="unknown_environment_or_codebase") from exc
+        except ValueError as exc:
+            raise Rejected(422, _message(exc), code="invalid_item") from exc
+
+    def environment_of(self, rollout: Rollout) -> ResolvedEnvironment:
+        return self.resolve(
+            rollout.item, environment=rollout.environment, codebase=rollout.codebase
+        )
+
+    # -- start -------------------------------------------------------------------------------
+
+    async def start(
+        self,
+        rollout_id: str,
+        item: dict[str, Any],
+        *,
+        source: str,
+        environment: str | None = None,
+        codebase: str | None = None,
+        exclusive: bool = False,
+    ) -> Rollout:
+        """Return the rollout, creating it and its sandbox if it is new.
+
+        Concurrent first calls of one id create exactly one sandbox: one caller wins the
+        record, the others wait for its sandbox. ``exclusive`` (the rollout API) makes an
+        existing id a 409 instead.
+        """
+        resolved = self.resolve(item, environment=environment, codebase=codebase)
+        existing = await self.store.get(rollout_id)
+        if existing is not None:
+            if exclusive:
+                raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
+            return await self._wait_ready(existing)
+        now = time.time()
+        record = Rollout(
+            rollout_id=rollout_id,
+            source=source,
+            environment=resolved.environment.name,
+            codebase=resolved.codebase,
+            image=resolved.image,
+            state=RolloutState.CREATING,
+            item=item,
+            created_at=now,
+            last_activity=now,
+        )
+        if not await self.store.create(record):
+            if exclusive:
+                raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
+            current = await self.store.get(rollout_id)
+            assert current is not None
+            return await self._wait_ready(current)
+        return await self._create_sandbox(record, resolved)
+
+    async def _create_sandbox(self, record: Rollout, resolved: ResolvedEnvironment) -> Rollout:
+        spec = resolved.sandbox_spec(self.settings, record.rollout_id)
+        started = time.monotonic()
+        try:
+            raw = await self.queue.call(
+                "orchestrator.create_sandbox",
+                CreateSandbox(rollout_id=record.rollout_id, spec=spec).model_dump(mode="json"),
+                queue=self.settings.create_queue,
+                timeout_s=self.settings.sandbox_create_timeout_s,
+            )
+            created = SandboxCreated.model_validate(raw)
+        except QueueTimeout as exc:
+            created = SandboxCreated(error=f"no worker created the sandbox: {exc}")
+        if created.handle is None:
+            await self.mark_infra_failed(
+                record.rollout_id, "sandbox_create_failed", created.error or "unknown", {}
+            )
+            raise InfraError(
+                f"could not create the sandbox: {created.error}", rollout_id=record.rollout_id
+            )
+        updated = await self.store.update(
+            record.rollout_id,
+            state=RolloutState.ACTIVE,
+            sandbox=created.handle,
+            host=created.handle.host,
+            sandbox_ready_at=time.time(),
+            last_activity=time.time(),
+        )
+        assert updated is not None
+        log.info(
+            "rollout.started",
+            rollout_id=record.rollout_id,
+            sandbox_id=created.handle.sandbox_id,
+            host=created.handle.host,
+            environment=record.environment,
+            ms=round((time.monotonic() - started) * 1000, 1),
+        )
+        if updated.state == RolloutState.INFRA_FAILED:
+            raise InfraError(
+                "rollout failed while its sandbox started", rollout_id=record.rollout_id
+            )
+        return updated
+
+    async def _wait_ready(self, rollout: Rollout) -> Rollout:
+        deadline = time.monotonic() + self.settings.sandbox_create_timeout_s + 5
+        delay = 0.005
+        while rollout.state == RolloutState.CREATING:
+            if time.monotonic() > deadline:
+                raise InfraError("sandbox creation did not finish", rollout_id=rollout.rollout_id)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+            current = await self.store.get(rollout.rollout_id)
+            assert current is not None
+            rollout = current
+        return rollout
+
+    # -- tool calls --------------------------------------------------------------------------
+
+    async def call_tool(
+        self,
+        rollout_id: str,
+        tool_name: str,
+        arguments: Any,
+        *,
+        call_id: str | None,
+        item: dict[str, Any] | None = None,
+        source: str = "api",
+    ) -> CallReply:
+        """Run one tool call. ``item`` given (Agent RFT) means: start the rollout if new.
+
+        Agent mistakes (unknown tool, bad arguments, spent budget) come back as
+        ``agent_error`` replies without touching the sandbox; infrastructure faults raise
+        :class:`InfraError` and mark the rollout ``infra_failed``.
+        """
+        received = time.monotonic()
+        started_at = datetime.now(UTC)
+        call_id = call_id or f"auto_{time.time_ns()}"
+        if item is not None:
+            resolved = self.resolve(item)
+            early = self._check_call(resolved, tool_name, arguments, call_id, received)
+            if early is not None:
+                return early
+            rollout = await self.start(rollout_id, item, source=source)
+        else:
+            existing = await self.store.get(rollout_id)
+            if existing is None:
+                raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
+            rollout = await self._wait_ready(existing)
+            resolved = self.environment_of(rollout)
+            early = self._check_call(resolved, tool_name, arguments, call_id, received)
+            if early is not None:
+                return early
+        self._check_state(rollout)
+
+        stored = await self.store.stored_reply(rollout_id, call_id)
+        if stored is not None:
+            return CallReply.model_validate(stored)
+        try:
+            async with self.store.lock(
+                rollout_id,
+                f"call:{call_id}",
+                ttl_s=self.settings.command_timeout_max_s + 60,
+                wait_s=self.settings.command_timeout_max_s + 60,
+            ):
+                # A retry that waited for the original gets the original's reply.
+                stored = await self.store.stored_reply(rollout_id, call_id)
+                if stored is not None:
+                    return CallReply.model_validate(stored)
+                reply = await self._run_call(
+                    rollout, resolved, tool_name, arguments, call_id, received, started_at
+                )
+        except LockTimeout as exc:
+            raise InfraError(str(exc), rollout_id=rollout_id) from exc
+        return reply
+
+    def _check_call(
+        self,
+        resolved: ResolvedEnvironment,
+        tool_name: str,
+        arguments: Any,
+        call_id: str,
+        received: float,
+    ) -> CallReply | None:
+        """Agent mistakes caught before any state changes: no sandbox, no budget spent."""
+        budget = resolved.environment.effective_output_budget(self.settings)
+        tool = resolved.tools.get(tool_name)
+        if tool is None:
+            known = ", ".join(sorted(resolved.tools))
+            result = agent_error(
+                f"unknown tool {tool_name!r}; this environment's tools are: {known}",
+                "unknown_tool",
+                budget=budget,
+            )
+        else:
+            try:
+                tool.parse(arguments, resolved.tool_settings(self.settings))
+                return None
+            except InvalidArguments as exc:
+                result = agent_error(exc.message, "invalid_arguments", budget=budget)
+        return _reply(call_id, 0, result, (time.monotonic() - received) * 1000)
+
+    def _check_state(self, rollout: Rollout) -> None:
+        if rollout.state == RolloutState.INFRA_FAILED or rollout.infra_failure:
+            reason = (rollout.infra_failure or {}).get("message", "infrastructure failure")
+            raise InfraError(f"rollout failed earlier: {reason}", rollout_id=rollout.rollout_id)
+        if rollout.state in (RolloutState.GRADED, RolloutState.CLOSED):
+            raise Rejected(409, f"rollout {rollout.rollout_id} is {rollout.state}", code="ended")
+
+    async def _run_call(
+        self,
+        rollout: Rollout,
+        resolved: ResolvedEnvironment,
+        tool_name: str,
+        arguments: Any,
+        call_id: str,
+        received: float,
+        started_at: datetime,
+    ) -> CallReply:
+        rollout_id = rollout.rollout_id
+        seq = await self.store.next_seq(rollout_id)
+        budget = resolved.environment.tool_call_budget
+        queue_ms = exec_ms = None
+        if budget is not None and seq > budget:
+            result = agent_error(
+                f"the tool-call budget of {budget} calls for this rollout is spent; "
+                "give your final answer now",
+                "budget_exhausted",
+                budget=resolved.environment.effective_output_budget(self.settings),
+            )
+        else:
+            assert rollout.sandbox is not None
+            call = ToolCall(
+                rollout_id=rollout_id,
+                environment=resolved.environment.name,
+                handle=rollout.sandbox,
+                tool=tool_name,
+                arguments=arguments,
+                enqueued_at=time.time(),
+            )
+            try:
+                raw = await self.queue.call(
+                    "orchestrator.run_tool",
+                    call.model_dump(mode="json"),
+                    queue=self.settings.host_queue(rollout.sandbox.host),
+                    timeout_s=self.settings.command_timeout_max_s + self.settings.queue_wait_s,
+                    host_id=rollout.sandbox.host,
+                )
+                done = ToolCallDone.model_validate(raw)
+            except QueueTimeout as exc:
+                done = ToolCallDone(infra_error=f"queue: {exc}")
+            if done.result is None:
+                await self.mark_infra_failed(
+                    rollout_id, "tool_call_failed", done.infra_error or "unknown", done.evidence
+                )
+                raise InfraError(
+                    done.infra_error or "tool call failed",
+                    rollout_id=rollout_id,
+                    evidence=done.evidence,
+                )
+            result = done.result
+            queue_ms, exec_ms = round(done.queue_ms, 2), round(done.exec_ms, 2)
+        duration_ms = (time.monotonic() - received) * 1000
+        reply = _reply(call_id, seq, result, duration_ms)
+        step = TrajectoryStep(
+            seq=seq,
+            call_id=call_id,
+            tool=tool_name,
+            arguments=arguments,
+            outcome=result.outcome,
+            exit_code=result.exit_code,
+            output=result.output,
+            truncated=result.truncated,
+            error_kind=result.error_kind,
+            started_at=started_at,
+            duration_ms=round(duration_ms, 2),
+            queue_ms=queue_ms,
+            exec_ms=exec_ms,
+        )
+        await self.store.append_step(rollout_id, step)
+        await self.store.store_reply(rollout_id, call_id, reply.model_dump(mode="json"))
+        await self.store.touch(rollout_id)
+        return reply
+
+    async def mark_infra_failed(
+        self, rollout_id: str, cause: str, message: str, evidence: dict[str, Any]
+    ) -> None:
+        """Sticky: the rollout will never be graded, only 503s from now on."""
+        failure = {"cause": cause, "message": message, "evidence": evidence, "at": time.time()}
+        await self.store.update(
+            rollout_id,
+            state=RolloutState.INFRA_FAILED,
+            infra_failure=failure,
+            outcome=Outcome.INFRA_ERROR,
+        )
+        log.error("rollout.infra_failed", rollout_id=rollout_id, cause=cause, error=message)
+
+    # -- grading -----------------------------------------------------------------------------
+
+    async def grade(
+        self, rollout_id: str, answer: str, item: dict[str, Any] | None, *, source: str
+    ) -> GradeReply:
+        """Grade once; a retry gets the same score. An infra-failed rollout is a 503."""
+        rollout = await self.store.get(rollout_id)
+        if rollout is None:
+            if source != "agent_rft" or item is None:
+                raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
+            # A rollout may end without a single tool call: grade it on an empty trajectory.
+            resolved = self.resolve(item)
+            now = time.time()
+            rollout = Rollout(
+                rollout_id=rollout_id,
+                source=source,
+                environment=resolved.environment.name,
+                codebase=resolved.codebase,
+                image=resolved.image,
+                state=RolloutState.ACTIVE,
+                item=item,
+                created_at=now,
+                last_activity=now,
+            )
+            if not await self.store.create(rollout):
+                rollout = await self.store.get(rollout_id) or rollout
+        rollout = await self._wait_ready(rollout)
+        if rollout.state == RolloutState.INFRA_FAILED or rollout.infra_failure:
+            reason = (rollout.infra_failure or {}).get("message", "infrastructure failure")
+            raise InfraError(
+                f"rollout failed: {reason}; it must not be scored", rollout_id=rollout_id
+            )
+        if rollout.score is not None:
+            return GradeReply(score=rollout.score, details=rollout.grade_details or {})
+        resolved = self.environment_of(rollout)
+        row = item if item is not None else rollout.item
+        trajectory = await self.store.trajectory(rollout_id)
+        try:
+            grader = get_grader(
+                resolved.environment.grader.name, resolved.environment.grader.options
+            )
+            graded = await asyncio.to_thread(grader.grade, answer, row, trajectory)
+        except ItemError as exc:
+            raise Rejected(
+                422, f"the dataset row cannot be graded: {exc}", code="invalid_item"
+            ) from exc
+        except GraderConfigError as exc:
+            raise GraderFailed(f"grader misconfigured: {exc}") from exc
+        except Exception as exc:  # any grader bug is a 503, never a 0
+            log.exception("grade.failed", rollout_id=rollout_id)
+            raise GraderFailed(
+                f"grader {resolved.environment.grader.name} failed: {exc!r}"
+            ) from exc
+        details = {**graded.details, "tool_calls": len(trajectory)}
+        updated = await self.store.update(
+            rollout_id,
+            state=RolloutState.GRADED,
+            score=graded.score,
+            grade_details=details,
+            graded_at=time.time(),
+            outcome=Outcome.OK,
+            last_activity=time.time(),
+        )
+        if updated is not None and updated.score is not None and updated.score != graded.score:
+            return GradeReply(score=updated.score, details=updated.grade_details or {})
+        log.info(
+            "rollout.graded", rollout_id=rollout_id, score=graded.score, tool_calls=len(trajectory)
+        )
+        return GradeReply(score=graded.score, details=details)
+
+    # -- ending ------------------------------------------------------------------------------
+
+    async def close(self, rollout_id: str, reason: str, *, wait: bool = True) -> Rollout:
+        """Destroy the sandbox and close the record (an infra-failed rollout stays so)."""
+        rollout = await self.store.get(rollout_id)
+        if rollout is None:
+            raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
+        if rollout.sandbox is not None and rollout.closed_at is None:
+            payload = DestroySandbox(handle=rollout.sandbox, reason=reason).model_dump(mode="json")
+            queue = self.settings.host_queue(rollout.sandbox.host)
+            if wait:
+                try:
+                    await self.queue.call(
+                        "orchestrator.destroy_sandbox",
+                        payload,
+                        queue=queue,
+                        timeout_s=30,
+                        host_id=rollout.sandbox.host,
+                    )
+                except QueueTimeout as exc:
+                    # The host's label sweep destroys it when the worker is back.
+                    log.warning("rollout.destroy_deferred", rollout_id=rollout_id, error=str(exc))
+            else:
+                self.queue.send("orchestrator.destroy_sandbox", payload, queue=queue)
+        state = rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED
+        updated = await self.store.update(rollout_id, state=state, closed_at=time.time())
+        assert updated is not None
+        log.info("rollout.closed", rollout_id=rollout_id, reason=reason)
+        return updated
+
+
+def _reply(call_id: str, seq: int, result: ToolResult, duration_ms: float) -> CallReply:
+    return CallReply(
+        call_id=call_id,
+        seq=seq,
+        output=result.output,
+        outcome=result.outcome,
+        exit_code=result.exit_code,
+        duration_ms=round(duration_ms, 2),
+        truncated=result.truncated,
+        error_kind=result.error_kind,
+    )
+
+
+def _message(exc: Exception) -> str:
+    text = str(exc)
+    return text[1:-1] if text.startswith(("'", '"')) and text.endswith(("'", '"')) else text

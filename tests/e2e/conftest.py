@@ -1,0 +1,174 @@
+"""A real stack for end-to-end tests: Redis (started by `make test`'s host set-up), a Celery
+worker and the API (uvicorn) as subprocesses, real sandboxes, a real codebase.
+
+The stack gets its own deployment name, so its Redis keys, queues and sandboxes are its own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from orchestrator.config import Settings
+from orchestrator.images.codebases import add_codebase, remove_codebase
+from orchestrator.sandbox.docker import DockerBackend
+
+TOKEN = "e2e-token-" + uuid.uuid4().hex[:8]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    env: dict[str, str]
+    base_url: str
+    codebase: str
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: Path | None = None
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.base_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60, **kw
+        )
+
+    def async_client(self, **kw: Any) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.base_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60, **kw
+        )
+
+    def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
+        assert self.logs is not None
+        log = (self.logs / f"{name}.log").open("ab")
+        self.procs[name] = subprocess.Popen(
+            command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+    def stop(self, name: str, sig: int = 15) -> None:
+        proc = self.procs.pop(name)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def wait_ready(self, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited: see {self.logs}/{name}.log")
+            try:
+                response = httpx.get(f"{self.base_url}/readyz", timeout=2)
+                if response.status_code == 200:
+                    return
+                last = response.text
+            except httpx.HTTPError as exc:
+                last = str(exc)
+            time.sleep(0.2)
+        raise RuntimeError(f"stack not ready in {timeout_s} s: {last}")
+
+
+def stack_env(settings: Settings) -> dict[str, str]:
+    return {
+        **os.environ,
+        "ORCH_DEPLOYMENT": settings.deployment,
+        "ORCH_STATE_DIR": str(settings.state_dir),
+        "ORCH_API_TOKENS": TOKEN,
+        "ORCH_API_PORT": str(settings.api_port),
+        "ORCH_HOST_ID": settings.host_id,
+        "ORCH_HEARTBEAT_INTERVAL_S": "1",
+        "ORCH_REAPER_INTERVAL_S": "2",
+        "ORCH_LOG_FORMAT": "json",
+    }
+
+
+def make_git_codebase(root: Path) -> Path:
+    """A real open-source codebase as a git repo: the `requests` package installed in this
+    virtualenv, committed as is (offline, real code)."""
+    import requests
+
+    repo = root / "requests-src"
+    source = Path(requests.__file__).parent
+    shutil.copytree(source, repo / "src" / "requests", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "README.md").write_text("requests, vendored for end-to-end tests\n")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-qm", "import requests"]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True, env=env)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def stack(
+    settings: Settings, base_image: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    stack_settings = settings.model_copy(
+        update={
+            "deployment": settings.deployment + "-e2e",
+            "api_port": free_port(),
+            "host_id": f"h1-{uuid.uuid4().hex[:6]}",
+            "api_tokens": TOKEN,
+        }
+    )
+    codebase = f"e2e-requests-{uuid.uuid4().hex[:6]}"
+    add_codebase(stack_settings, codebase, make_git_codebase(tmp_path_factory.mktemp("repo")))
+    stack = Stack(
+        settings=stack_settings,
+        env=stack_env(stack_settings),
+        base_url=f"http://127.0.0.1:{stack_settings.api_port}",
+        codebase=codebase,
+        logs=tmp_path_factory.mktemp("logs"),
+    )
+    from orchestrator.cli.serve import api_command, worker_command
+
+    try:
+        stack.start("worker", worker_command(stack_settings))
+        stack.start("api", api_command(stack_settings))
+        stack.wait_ready()
+        yield stack
+    finally:
+        for name in list(stack.procs):
+            stack.stop(name)
+        backend = DockerBackend(stack_settings)
+        for handle in backend.list_owned():
+            backend.destroy(handle)
+        backend.sweep_leftovers()
+        remove_codebase(stack_settings, codebase)
+        _flush_redis(stack_settings)
+
+
+def _flush_redis(settings: Settings) -> None:
+    import redis
+
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        keys = list(client.scan_iter(settings.key_prefix + "*"))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+def python() -> str:
+    return sys.executable
