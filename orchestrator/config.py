@@ -87,7 +87,9 @@ class Settings(BaseSettings):
 
     @property
     def sockets_dir(self) -> Path:
-        return self.state_dir / "sandboxes"
+        """Per-sandbox socket directories of this deployment (deployments may share a
+        state_dir; each sweeps only its own)."""
+        return self.state_dir / "run" / self.deployment
 
     @property
     def tokens(self) -> list[str]:
@@ -103,9 +105,9 @@ class Settings(BaseSettings):
         return f"orch.{self.deployment}.host.{host_id or self.host_id}"
 
     @property
-    def create_queue(self) -> str:
-        """Sandbox creation: any worker may take it; the sandbox lands on its host."""
-        return f"orch.{self.deployment}.create"
+    def shared_queue(self) -> str:
+        """Work any worker may take (the periodic reaper)."""
+        return f"orch.{self.deployment}.shared"
 
 
 @lru_cache(maxsize=1)

@@ -1,15 +1,20 @@
 """Shared fixtures: a real dockerd, real sandboxes, and a check that nothing leaks.
 
-Each pytest worker gets its own deployment name, so its sandboxes are told apart by label;
-the controlling process compares the daemon's containers, volumes and networks before and
-after the whole run and fails the run if any were left behind.
+Each pytest worker gets its own deployment name (``test-<run>-<worker>-...``), so its
+sandboxes are told apart by label; the controlling process compares the daemon's
+containers, volumes and networks before and after the whole run and fails the run if this
+run left any behind. Resources labelled for another run's deployment (another suite
+running at the same time on this machine) are not this run's to answer for.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import docker
@@ -23,12 +28,22 @@ from orchestrator.sandbox.docker import DockerBackend
 RUNTIMES: list[Runtime] = ["runc", "runsc"]
 
 
+RUN_ID = os.environ.setdefault("ORCH_TEST_RUN", uuid.uuid4().hex[:6])
+
+
+def _ours(labels: dict[str, str] | None) -> bool:
+    deployment = (labels or {}).get("orchestrator.deployment")
+    return deployment is None or deployment.startswith(f"test-{RUN_ID}-")
+
+
 def _docker_inventory() -> dict[str, set[str]]:
     client = docker.from_env()
     try:
+        containers = client.api.containers(all=True)
+        volumes = client.api.volumes().get("Volumes") or []
         return {
-            "containers": {str(c.id) for c in client.containers.list(all=True, sparse=True)},
-            "volumes": {str(v.name) for v in client.volumes.list()},
+            "containers": {c["Id"] for c in containers if _ours(c.get("Labels"))},
+            "volumes": {v["Name"] for v in volumes if _ours(v.get("Labels"))},
             "networks": {str(n.id) for n in client.networks.list()},
         }
     finally:
@@ -74,12 +89,16 @@ def runsc_available() -> bool:
 
 
 @pytest.fixture(scope="session")
-def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+def settings() -> Iterator[Settings]:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    return Settings(
-        deployment=f"test-{worker}-{uuid.uuid4().hex[:8]}",
-        state_dir=tmp_path_factory.mktemp("state"),
-    )
+    # Short on purpose: sandbox sockets live under it, and Unix socket paths are short.
+    state_dir = Path(tempfile.mkdtemp(prefix="orch-", dir="/tmp"))
+    try:
+        yield Settings(
+            deployment=f"test-{RUN_ID}-{worker}-{uuid.uuid4().hex[:4]}", state_dir=state_dir
+        )
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,6 @@ DOUBLE_DASH_BUG = (
 )
 
 
-@pytest.mark.xfail(strict=True, reason=DOUBLE_DASH_BUG)
 @pytest.mark.parametrize(
     ("args", "exit_code", "expected"),
     [
@@ -109,7 +108,7 @@ def test_run_prints_output_and_exits_with_the_commands_status(cli: Cli) -> None:
 
 
 def test_run_quotes_each_of_several_words(cli: Cli) -> None:
-    result = cli.invoke("sandbox", "run", "base", "echo", "a  b", "$HOME", "x;y", "-n")
+    result = cli.invoke("sandbox", "run", "base", "--", "echo", "a  b", "$HOME", "x;y", "-n")
     assert result.exit_code == 0, result.output
     # Each word arrives as one argument: spaces kept, nothing expanded, split or parsed
     # as an option of ours.
@@ -173,12 +172,6 @@ def test_ls_lists_and_gc_all_destroys(cli: Cli, base_image: str) -> None:
         cli.backend.destroy(handle)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`sandbox ls` is a rich Table with default (ellipsis) overflow: at 80 columns, "
-    "the width rich assumes for a pipe, the sandbox id is cut to `sbx-4c6155…` and "
-    "cannot be used -- orchestrator/cli/sandbox.py list_sandboxes",
-)
 def test_ls_shows_whole_sandbox_ids_at_80_columns(cli: Cli, base_image: str) -> None:
     handle = cli.backend.create(SandboxSpec(image=base_image, rollout_id="narrow"))
     try:

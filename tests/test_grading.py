@@ -9,6 +9,7 @@ import json
 import math
 import re
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -651,6 +652,37 @@ def test_numeric_round_trips_formatted_numbers(value: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# Adversarial answers: an RL policy will try anything, and a slow grade is a timed-out one
+# ---------------------------------------------------------------------------------------
+
+_PATHOLOGICAL = [
+    "[" * 200_000,
+    "[a](" * 100_000,
+    "```" * 100_000,
+    '{"files":' * 50_000,
+    "(" * 200_000 + "5",
+    "1," * 200_000,
+    ":1" * 200_000 + "x",
+    "a.py:" + "1:" * 200_000,
+    "\\boxed{" * 100_000,
+    "answer: " * 100_000,
+    "." * 400_000,
+    "src/" + "." * 400_000,
+    "a/" * 200_000,
+]
+
+
+@pytest.mark.parametrize("answer", _PATHOLOGICAL, ids=lambda a: repr(a[:12]))
+@pytest.mark.timeout(30)
+def test_pathological_answers_are_graded_in_linear_time(answer: str) -> None:
+    # Each took minutes when a pattern could backtrack quadratically; now well under 1 s.
+    started = time.perf_counter()
+    assert 0.0 <= f1(answer, ["a.py"]) <= 1.0
+    assert numeric(answer, 5).score in (0.0, 0.5, 1.0)
+    assert time.perf_counter() - started < 10
+
+
+# ---------------------------------------------------------------------------------------
 # Registry and custom graders
 # ---------------------------------------------------------------------------------------
 
@@ -734,7 +766,7 @@ def test_custom_grader_from_the_test_module(separator: str) -> None:
 
 
 def test_custom_grader_from_a_module_on_sys_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     package = tmp_path / "site_graders"
     package.mkdir()
@@ -753,8 +785,13 @@ def test_custom_grader_from_a_module_on_sys_path(
     (package / "broken.py").write_text("import a_module_that_does_not_exist_anywhere\n")
     (package / "crashes.py").write_text("raise RuntimeError('boom at import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    for module in [m for m in sys.modules if m.startswith("site_graders")]:
-        monkeypatch.delitem(sys.modules, module)
+
+    def forget_modules() -> None:
+        for module in [m for m in sys.modules if m.split(".")[0] == "site_graders"]:
+            del sys.modules[module]
+
+    forget_modules()
+    request.addfinalizer(forget_modules)
 
     assert get_grader("site_graders.exact:Exact").grade("a", {"gold": "a"}, []).score == 1.0
     assert get_grader("site_graders.exact.Exact").grade("a", {"gold": "b"}, []).score == 0.0

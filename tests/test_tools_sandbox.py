@@ -228,14 +228,6 @@ def test_bad_calls_are_agent_errors_and_never_reach_the_sandbox(
     assert exists.exit_code == 1, "a rejected call ran its command"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ShellArgs caps commands at 65,536 characters, but the agent passes the command "
-    "to bash as one argv string, which Linux caps at 131,072 bytes (MAX_ARG_STRLEN): "
-    "a valid command of ~44,000 CJK characters fails with E2BIG and surfaces as "
-    "CommandSpawnFailed, an infrastructure error, instead of an agent_error -- "
-    "orchestrator/tools/shell.py MAX_COMMAND_CHARS vs exec_agent.Agent.exec",
-)
 def test_a_long_multibyte_command_within_the_limit_is_not_an_infra_error(
     backend: DockerBackend, shared_sandbox: SandboxHandle, settings: Settings
 ) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, cast
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from orchestrator.config import Runtime, get_settings
 from orchestrator.images.codebases import CodebaseError, codebase_image
@@ -28,10 +28,12 @@ def _backend() -> DockerBackend:
         raise typer.Exit(2) from exc
 
 
-@app.command(context_settings={"allow_interspersed_args": False})
+@app.command()
 def run(
     codebase: Annotated[str, typer.Argument(help="Codebase name, or 'base' for the base image.")],
-    command: Annotated[list[str], typer.Argument(help="The command, after `--`.")],
+    command: Annotated[
+        list[str], typer.Argument(help="The command, after `--` (options go before it).")
+    ],
     runtime: Annotated[str, typer.Option(help="runc or runsc (gVisor).")] = "",
     timeout: Annotated[float, typer.Option(help="Command timeout, seconds.")] = 0,
 ) -> None:
@@ -83,7 +85,9 @@ def run(
 def list_sandboxes() -> None:
     """List this deployment's sandboxes on this host."""
     backend = _backend()
-    table = Table("sandbox", "rollout", "runtime", "image", "created", "expires")
+    table = Table("rollout", "runtime", "image", "created", "expires")
+    # Ids are what people copy into other commands: never cut them.
+    table.columns.insert(0, Column("sandbox", no_wrap=True, min_width=20))
     for h in sorted(backend.list_owned(), key=lambda h: h.created_at):
         table.add_row(
             h.sandbox_id,

@@ -33,7 +33,7 @@ def worker_command(settings: Settings) -> list[str]:
         settings,
         "worker",
         "--queues",
-        f"{settings.create_queue},{settings.host_queue()}",
+        f"{settings.shared_queue},{settings.host_queue()}",
         "--pool",
         "threads",
         "--concurrency",

@@ -95,12 +95,13 @@ _LEAD_CHARS = "'\"`([{<*"
 _TRAIL_CHARS = "'\"`)]}>*.,;:!?"
 _SPLIT_RE = re.compile(r"[\s,;|()\[\]{}<>\"'`*]+")
 _FENCE_RE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
-_MD_LINK_RE = re.compile(r"\[([^\]\n]*)\]\(([^)\s]+)\)")
+# Bounded and bracket-free, so that "[[[[" or "[a](" repeated cannot make matching quadratic.
+_MD_LINK_RE = re.compile(r"\[([^\[\]\n]{0,300})\]\(([^()\s]{1,500})\)")
 _URL_RE = re.compile(r"^(?:[a-z][a-z0-9+.-]*://|www\.|mailto:)", re.IGNORECASE)
 _HOST_RE = re.compile(
     r"^[a-z0-9-]+(?:\.[a-z0-9-]+)*\.(?:com|org|net|io|dev|ai|co|edu|gov|app)/", re.IGNORECASE
 )
-_LINE_SUFFIX_RE = re.compile(r"(?::\d+(?:[-:]\d+)*|#L\d+(?:-L?\d+)?)$")
+_LINE_SUFFIX_RE = re.compile(r"(?::\d{1,9}(?:[-:]\d{1,9}){0,3}|#L\d{1,9}(?:-L?\d{1,9})?)$")
 _EXT_RE = re.compile(r"^(.+)\.([A-Za-z0-9]{1,10})$")
 _DOTFILE_RE = re.compile(r"^\.[A-Za-z][\w.-]*$")
 _BARE_DOTFILE_RE = re.compile(r"^\.[a-z][\w.-]*$")  # lowercase only: ".NET" is not a file
@@ -276,17 +277,19 @@ def _link_replacement(match: re.Match[str]) -> str:
 def _strip_wrapping(token: str) -> str:
     """Trim wrapping quotes/brackets and trailing punctuation, but never a ``..`` part:
     ``src/..`` must stay rejectable rather than become ``src``."""
-    previous = None
-    while token != previous:
-        previous = token
-        token = token.strip().lstrip(_LEAD_CHARS)
-        while token and token[-1] in _TRAIL_CHARS and not _ends_with_dotdot(token):
-            token = token[:-1]
-    return token
+    while True:
+        stripped = token.strip().lstrip(_LEAD_CHARS)
+        end = len(stripped)  # an index, not repeated slicing: "....." * 10**5 stays linear
+        while end and stripped[end - 1] in _TRAIL_CHARS and not _dotdot_ends_at(stripped, end):
+            end -= 1
+        if end == len(token) and stripped == token:
+            return token
+        token = stripped[:end]
 
 
-def _ends_with_dotdot(text: str) -> bool:
-    return text == ".." or text.endswith("/..")
+def _dotdot_ends_at(text: str, end: int) -> bool:
+    """``text[:end]`` ends with a ``..`` component (is ``..`` or ends with ``/..``)."""
+    return text[end - 2 : end] == ".." and (end == 2 or text[end - 3] == "/")
 
 
 def _is_url(token: str) -> bool:

@@ -97,7 +97,7 @@ _NUMBER_RE = re.compile(
 _MARKER_RE = re.compile(
     r"\bfinal[*_\s]+answer\b[*_\s]*(?:is\b|:|=)?|\banswer[*_\s]*(?:is\b|:|=)", re.IGNORECASE
 )
-_BOXED_RE = re.compile(r"\\boxed\{([^{}]*)\}")
+_BOXED_RE = re.compile(r"\\boxed\{([^{}]{0,500})\}")
 
 
 @dataclass(frozen=True)
@@ -163,21 +163,23 @@ def find_final_number(text: str) -> ParsedNumber | None:
     """The number ``text`` gives as its answer (rules in the module docstring), or None."""
     text = text.replace("\\%", "%").replace("\\$", "$")
     boxed = _BOXED_RE.findall(text)
-    if boxed:
-        found = _numbers(boxed[-1])
-        if found:
-            return found[0]
+    if boxed and (number := _first_number(boxed[-1])) is not None:
+        return number
     markers = list(_MARKER_RE.finditer(text))
-    if markers:
-        found = _numbers(text[markers[-1].end() :])
-        if found:
-            return found[0]
-    found = _numbers(text)
-    return found[-1] if found else None
+    if markers and (number := _first_number(text[markers[-1].end() :])) is not None:
+        return number
+    # Only the chosen match is parsed: a long answer full of numbers stays cheap.
+    for match in reversed(list(_NUMBER_RE.finditer(text))):
+        if (number := parse_number(match)) is not None:
+            return number
+    return None
 
 
-def _numbers(text: str) -> list[ParsedNumber]:
-    return [n for m in _NUMBER_RE.finditer(text) if (n := parse_number(m)) is not None]
+def _first_number(text: str) -> ParsedNumber | None:
+    for match in _NUMBER_RE.finditer(text):
+        if (number := parse_number(match)) is not None:
+            return number
+    return None
 
 
 class NumericMatchOptions(GraderOptions):

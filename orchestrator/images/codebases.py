@@ -17,7 +17,7 @@ import tarfile
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from docker.errors import APIError, ImageNotFound
 from pydantic import BaseModel, ConfigDict
@@ -124,8 +124,9 @@ def image_ref(settings: Settings, name: str) -> str:
     return f"{settings.codebase_image_repo}:{validate_name(name)}"
 
 
-def _info(settings: Settings, image: Any, name: str) -> CodebaseInfo:
-    labels: dict[str, str] = image.labels or {}
+def _info(
+    settings: Settings, name: str, image_id: str, labels: dict[str, str], size: int
+) -> CodebaseInfo:
     created_raw = labels.get(LABEL_CREATED, "")
     try:
         created = datetime.fromisoformat(created_raw) if created_raw else None
@@ -134,12 +135,12 @@ def _info(settings: Settings, image: Any, name: str) -> CodebaseInfo:
     return CodebaseInfo(
         name=name,
         image=f"{settings.codebase_image_repo}:{name}",
-        image_id=str(image.id),
+        image_id=image_id,
         source=labels.get(LABEL_SOURCE, ""),
         rev=labels.get(LABEL_REV, ""),
         commit=labels.get(LABEL_COMMIT, ""),
         created=created,
-        size_bytes=int(image.attrs.get("Size") or 0),
+        size_bytes=size,
     )
 
 
@@ -154,7 +155,8 @@ def get_codebase(settings: Settings, name: str) -> CodebaseInfo:
     # An image under our repository without our label was not made by us: not a codebase.
     if image is None or (image.labels or {}).get(LABEL_NAME) != name:
         raise UnknownCodebase(f"unknown codebase {name!r} (no image {ref})")
-    return _info(settings, image, name)
+    labels: dict[str, str] = image.labels or {}
+    return _info(settings, name, str(image.id), labels, int(image.attrs.get("Size") or 0))
 
 
 def codebase_image(settings: Settings, name: str) -> str:
@@ -167,12 +169,17 @@ def list_codebases(settings: Settings) -> list[CodebaseInfo]:
     client = connect(settings)
     prefix = f"{settings.codebase_image_repo}:"
     found: dict[str, CodebaseInfo] = {}
-    for image in client.images.list(filters={"label": LABEL_NAME}):
-        name = (image.labels or {}).get(LABEL_NAME, "")
+    # One listing call: the SDK's images.list() inspects each image afterwards, which fails
+    # when another process removes one in between.
+    for image in client.api.images(filters={"label": LABEL_NAME}):
+        labels: dict[str, str] = image.get("Labels") or {}
+        name = labels.get(LABEL_NAME, "")
         # The label survives a re-tag or a replaced (now untagged) image; only the image that
         # currently holds the tag is the codebase.
-        if f"{prefix}{name}" in (image.tags or []):
-            found[name] = _info(settings, image, name)
+        if f"{prefix}{name}" in (image.get("RepoTags") or []):
+            found[name] = _info(
+                settings, name, str(image["Id"]), labels, int(image.get("Size") or 0)
+            )
     return [found[n] for n in sorted(found)]
 
 

@@ -22,7 +22,7 @@ def make_celery(settings: Settings) -> Celery:
         accept_content=["json"],
         task_acks_late=False,
         worker_prefetch_multiplier=1,
-        task_default_queue=settings.create_queue,
+        task_default_queue=settings.shared_queue,
         result_expires=3600,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
@@ -34,7 +34,7 @@ def make_celery(settings: Settings) -> Celery:
                 "task": "orchestrator.reap",
                 "schedule": settings.reaper_interval_s,
                 "args": ({},),
-                "options": {"queue": settings.create_queue, "expires": settings.reaper_interval_s},
+                "options": {"queue": settings.shared_queue, "expires": settings.reaper_interval_s},
             }
         },
     )

@@ -58,9 +58,21 @@ async def reap_once(settings: Settings) -> dict[str, Any]:
                 )
             await service.close(rollout_id, reason, wait=False)
             ended[rollout_id] = reason
+        await _recount_host_loads(store, queue)
         hosts = [h["host"] for h in await queue.live_hosts()]
         for host in hosts:
             queue.send("orchestrator.sweep_host", {}, queue=settings.host_queue(host))
     finally:
         await store.close()
     return {"ended": ended, "hosts_swept": hosts}
+
+
+async def _recount_host_loads(store: RolloutStore, queue: QueueClient) -> None:
+    """Rebuild the per-host rollout counts from the records, so a count that drifted (a
+    crash between creating a sandbox and counting it) heals within one reaper pass."""
+    counts: dict[str, int] = {}
+    for rollout_id in await store.live_ids():
+        rollout = await store.get(rollout_id)
+        if rollout is not None and rollout.sandbox is not None and rollout.closed_at is None:
+            counts[rollout.sandbox.host] = counts.get(rollout.sandbox.host, 0) + 1
+    await queue.set_loads(counts)

@@ -136,16 +136,27 @@ class RolloutService:
     async def _create_sandbox(self, record: Rollout, resolved: ResolvedEnvironment) -> Rollout:
         spec = resolved.sandbox_spec(self.settings, record.rollout_id)
         started = time.monotonic()
+        host = await self.queue.choose_host()
+        if host is None:
+            await self.mark_infra_failed(
+                record.rollout_id, "no_host", "no live worker host with a working daemon", {}
+            )
+            raise InfraError(
+                "no live worker host to create the sandbox on", rollout_id=record.rollout_id
+            )
         try:
             raw = await self.queue.call(
                 "orchestrator.create_sandbox",
                 CreateSandbox(rollout_id=record.rollout_id, spec=spec).model_dump(mode="json"),
-                queue=self.settings.create_queue,
+                queue=self.settings.host_queue(host),
                 timeout_s=self.settings.sandbox_create_timeout_s,
+                host_id=host,
             )
             created = SandboxCreated.model_validate(raw)
         except QueueTimeout as exc:
             created = SandboxCreated(error=f"no worker created the sandbox: {exc}")
+        if created.handle is not None:
+            await self.queue.count_rollout(created.handle.host, +1)
         if created.handle is None:
             await self.mark_infra_failed(
                 record.rollout_id, "sandbox_create_failed", created.error or "unknown", {}
@@ -463,6 +474,8 @@ class RolloutService:
                     log.warning("rollout.destroy_deferred", rollout_id=rollout_id, error=str(exc))
             else:
                 self.queue.send("orchestrator.destroy_sandbox", payload, queue=queue)
+        if rollout.sandbox is not None and rollout.closed_at is None:
+            await self.queue.count_rollout(rollout.sandbox.host, -1)
         state = rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED
         updated = await self.store.update(rollout_id, state=state, closed_at=time.time())
         assert updated is not None

@@ -51,6 +51,9 @@ SANDBOX_UID = 1000
 # user's process groups; it drops even these from its bounding set before running anything.
 AGENT_CAPABILITIES = ["SETUID", "SETGID", "SETPCAP", "KILL"]
 PING_TIMEOUT_S = 5.0
+SANDBOX_ID_HEX = 12
+# sun_path holds 108 bytes including the terminating NUL.
+MAX_UNIX_SOCKET_PATH = 107
 
 
 class DockerBackend(SandboxBackend):
@@ -63,12 +66,19 @@ class DockerBackend(SandboxBackend):
         self.client = client or connect(settings)
         self.host = settings.host_id
         self.sockets_dir = settings.sockets_dir
+        longest = len(str(self._socket_path("sbx-" + "0" * SANDBOX_ID_HEX)).encode())
+        if longest > MAX_UNIX_SOCKET_PATH:
+            raise SandboxError(
+                f"state_dir {settings.state_dir} is too long: sandbox sockets would be "
+                f"{longest} bytes, over the {MAX_UNIX_SOCKET_PATH}-byte limit of Unix socket "
+                "paths; choose a shorter ORCH_STATE_DIR"
+            )
         self.sockets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def create(self, spec: SandboxSpec) -> SandboxHandle:
-        sandbox_id = "sbx-" + uuid.uuid4().hex[:16]
+        sandbox_id = "sbx-" + uuid.uuid4().hex[:SANDBOX_ID_HEX]
         created_at = datetime.now(UTC)
         expires_at = created_at + timedelta(seconds=spec.lifetime_s)
         stamp = labels.sandbox_labels(
@@ -273,7 +283,8 @@ class DockerBackend(SandboxBackend):
             return ProbeResult(alive=False, state=state, agent_ok=False, detail=f"state={state}")
         started = time.monotonic()
         try:
-            result = self.exec(handle, "true", timeout_s=5, output_budget_bytes=256)
+            # cwd "/": the agent may have made /workspace unusable; that is not ill health.
+            result = self.exec(handle, "true", timeout_s=5, output_budget_bytes=256, cwd="/")
         except SandboxError as exc:
             return ProbeResult(alive=True, state=state, agent_ok=False, detail=str(exc))
         latency = (time.monotonic() - started) * 1000
@@ -359,8 +370,16 @@ class DockerBackend(SandboxBackend):
                     log.warning(
                         "sandbox.sweep_volume_failed", volume=volume["Name"], error=str(exc)
                     )
+        # A socket directory is made just before its container: a young one may belong to
+        # a sandbox being created right now.
+        settled = time.time() - self.settings.sandbox_start_timeout_s * 2
         for entry in self.sockets_dir.iterdir():
-            if entry.name.startswith("sbx-") and entry.name not in live and entry.is_dir():
+            if (
+                entry.name.startswith("sbx-")
+                and entry.name not in live
+                and entry.is_dir()
+                and entry.stat().st_mtime < settled
+            ):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed += 1
         return removed

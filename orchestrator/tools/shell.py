@@ -39,6 +39,9 @@ from orchestrator.tools.base import Tool, ToolResult
 from orchestrator.tools.shaping import SHELL_HINT, Shaped, capture_demand, shape_capture
 
 MAX_COMMAND_CHARS = 64 * 1024
+# Linux caps one argv string at 128 KiB (MAX_ARG_STRLEN); the command is one argument of
+# bash, so its UTF-8 size is what must stay under it.
+MAX_COMMAND_BYTES = 64 * 1024
 NO_OUTPUT = "(no output)"
 STDERR_HEADER = "[stderr]"
 
@@ -69,6 +72,12 @@ class ShellArgs(BaseModel):
         # would fail and the failure would look like ours.
         if "\x00" in value:
             raise ValueError("command must not contain NUL characters")
+        size = len(value.encode("utf-8", "surrogatepass"))
+        if size > MAX_COMMAND_BYTES:
+            raise ValueError(
+                f"command is {size:,} bytes of UTF-8; at most {MAX_COMMAND_BYTES:,} are allowed "
+                "(write long scripts to a file in steps instead)"
+            )
         return value
 
     @field_validator("timeout_s")

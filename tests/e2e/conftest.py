@@ -112,8 +112,13 @@ def make_git_codebase(root: Path) -> Path:
     source = Path(requests.__file__).parent
     shutil.copytree(source, repo / "src" / "requests", ignore=shutil.ignore_patterns("__pycache__"))
     (repo / "README.md").write_text("requests, vendored for end-to-end tests\n")
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
     for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-qm", "import requests"]):
         subprocess.run(["git", "-C", str(repo), *args], check=True, env=env)
     return repo
@@ -172,3 +177,92 @@ def _flush_redis(settings: Settings) -> None:
 
 def python() -> str:
     return sys.executable
+
+
+# --- fixtures added for the end-to-end suite (issue 3) -------------------------------------
+
+
+@pytest.fixture(scope="session")
+def finqa_codebase(stack: Stack) -> str:
+    """The `finqa-corpus` codebase the `finqa-demo` environment runs (built if missing)."""
+    from orchestrator.environments.examples import FINQA_CODEBASE, ensure_finqa_corpus
+
+    ensure_finqa_corpus(stack.settings)
+    return FINQA_CODEBASE
+
+
+@pytest.fixture()
+def planning_item(stack: Stack) -> dict[str, Any]:
+    """A codebase-planning dataset row on the stack's real codebase."""
+    return {
+        "codebase": stack.codebase,
+        "prompt": "Make Session.request honour a default timeout.",
+        "gold_files": ["src/requests/sessions.py", "src/requests/adapters.py"],
+    }
+
+
+REAPER_ENVIRONMENTS = {
+    # Tiny timeouts so the reaper (beat every second) acts within the test's patience.
+    "codebase-planning": {"idle_timeout_s": 4, "grace_after_grade_s": 2},
+}
+
+
+def _reaper_environments_yaml(path: Path) -> Path:
+    import yaml
+
+    from orchestrator.environments.loader import default_environments_text
+
+    data = yaml.safe_load(default_environments_text())
+    for env in data["environments"]:
+        env.update(REAPER_ENVIRONMENTS.get(env["name"], {}))
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="session")
+def reaper_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A second, separate stack (own deployment, worker, API port, Redis keys) that also
+    runs beat: the reaper every second, with environments whose idle timeout and grace
+    after grading are a few seconds. Shares the first stack's codebase image."""
+    root = tmp_path_factory.mktemp("reaper-stack")
+    env_file = _reaper_environments_yaml(root / "environments.yaml")
+    settings = stack.settings.model_copy(
+        update={
+            "deployment": stack.settings.deployment + "-r",
+            "api_port": free_port(),
+            "host_id": f"h2-{uuid.uuid4().hex[:6]}",
+            "state_dir": root / "state",
+            "environments_file": env_file,
+            "reaper_interval_s": 1.0,
+            "heartbeat_interval_s": 1.0,
+        }
+    )
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        **stack_env(settings),
+        "ORCH_ENVIRONMENTS_FILE": str(env_file),
+        "ORCH_REAPER_INTERVAL_S": "1",
+    }
+    second = Stack(
+        settings=settings,
+        env=env,
+        base_url=f"http://127.0.0.1:{settings.api_port}",
+        codebase=stack.codebase,
+        logs=tmp_path_factory.mktemp("reaper-logs"),
+    )
+    from orchestrator.cli.serve import api_command, beat_command, worker_command
+
+    try:
+        second.start("worker", worker_command(settings))
+        second.start("beat", beat_command(settings))
+        second.start("api", api_command(settings))
+        second.wait_ready()
+        yield second
+    finally:
+        for name in list(second.procs):
+            second.stop(name)
+        backend = DockerBackend(settings)
+        for handle in backend.list_owned():
+            backend.destroy(handle)
+        backend.sweep_leftovers()
+        _flush_redis(settings)

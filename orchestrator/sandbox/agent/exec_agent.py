@@ -24,6 +24,7 @@ import os
 import selectors
 import signal
 import socketserver
+import stat
 import subprocess
 import sys
 import time
@@ -355,7 +356,9 @@ def read_lines(req: dict[str, object]) -> dict[str, object]:
     if full != workspace and not full.startswith(workspace + "/"):
         return file_error("outside_workspace", f"{raw_path} resolves outside /workspace")
     try:
-        f = open(full, "rb")  # noqa: SIM115 - closed below on every path
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular
+        # file is refused below, before a single byte is read.
+        fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except FileNotFoundError:
         return file_error("not_found", f"{raw_path}: no such file")
     except IsADirectoryError:
@@ -364,9 +367,15 @@ def read_lines(req: dict[str, object]) -> dict[str, object]:
         return file_error("permission", f"{raw_path}: permission denied")
     except OSError as exc:
         return file_error("invalid", f"{raw_path}: {exc.strerror}")
-    with f:
-        if os.path.isdir(full):
-            return file_error("is_directory", f"{raw_path} is a directory")
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode):
+        os.close(fd)
+        return file_error("is_directory", f"{raw_path} is a directory")
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        return file_error("invalid", f"{raw_path} is not a regular file")
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         sniff = f.read(8192)
         if b"\0" in sniff:

@@ -1,0 +1,249 @@
+"""Two worker hosts, each with its own dockerd: every call of a rollout reaches the daemon
+that holds its sandbox (DESIGN.md: per-host queues).
+
+A second dockerd runs beside the first with its own socket, data and exec roots and its
+own bridge, as DESIGN.md describes; its data root persists under the state directory of
+the machine so the base image is loaded into it only once.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker
+import pytest
+
+from orchestrator.config import Settings
+from orchestrator.sandbox.docker import DockerBackend
+from tests.e2e.conftest import TOKEN, Stack, free_port, stack_env
+
+pytestmark = [pytest.mark.xdist_group("two-hosts")]
+
+ROOT = Path("/var/lib/orchestrator-test/docker2")
+SOCKET = "unix:///run/orchestrator-test-docker2.sock"
+BRIDGE = "orchdocker1"
+
+
+def _sh(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, check=False)
+
+
+@pytest.fixture(scope="module")
+def second_daemon(base_image: str) -> Iterator[docker.DockerClient]:
+    if _sh("ip", "link", "show", BRIDGE).returncode != 0:
+        _sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        _sh("ip", "addr", "add", "10.231.0.1/24", "dev", BRIDGE)
+    _sh("ip", "link", "set", BRIDGE, "up")
+    ROOT.mkdir(parents=True, exist_ok=True)
+    log = (ROOT / "dockerd.log").open("ab")
+    proc = subprocess.Popen(
+        [
+            "dockerd",
+            "-H",
+            SOCKET,
+            "--data-root",
+            str(ROOT / "data"),
+            "--exec-root",
+            "/run/orchestrator-test-docker2",
+            "--pidfile",
+            "/run/orchestrator-test-docker2.pid",
+            "--iptables=false",
+            "--ip-masq=false",
+            "--bridge",
+            BRIDGE,
+            "--config-file",
+            str(_empty_config()),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    client = docker.DockerClient(base_url=SOCKET, timeout=120)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                client.ping()
+                break
+            except docker.errors.DockerException:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"second dockerd did not start: see {ROOT}/dockerd.log"
+                    ) from None
+                time.sleep(0.3)
+        _copy_image(base_image, client)
+        yield client
+    finally:
+        client.close()
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        _sh("ip", "link", "del", BRIDGE)
+
+
+def _empty_config() -> Path:
+    path = ROOT / "daemon.json"
+    path.write_text("{}\n")
+    return path
+
+
+def _copy_image(ref: str, target: docker.DockerClient) -> None:
+    source = docker.from_env()
+    try:
+        wanted = source.images.get(ref).id
+        try:
+            if target.images.get(ref).id == wanted:
+                return
+        except docker.errors.ImageNotFound:
+            pass
+        with tempfile.TemporaryFile() as archive:
+            for chunk in source.images.get(ref).save(named=True):
+                archive.write(chunk)
+            archive.seek(0)
+            target.images.load(archive)
+    finally:
+        source.close()
+
+
+@pytest.fixture(scope="module")
+def two_host_stack(
+    settings: Settings, second_daemon: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    from orchestrator.cli.serve import api_command, worker_command
+
+    deployment = settings.deployment + "-2h"
+    tmp = tmp_path_factory.mktemp("two-hosts")
+    envs_file = tmp / "environments.yaml"
+    # A fixed-image environment: both daemons hold the base image.
+    envs_file.write_text(
+        "environments:\n"
+        "  - name: base-shell\n"
+        f"    image: {settings.base_image}\n"
+        "    tools: [shell, read_file]\n"
+        "    grader: {name: file_f1}\n"
+    )
+    hosts = {
+        "h1": settings.model_copy(
+            update={"deployment": deployment, "host_id": "h1", "state_dir": tmp / "h1"}
+        ),
+        "h2": settings.model_copy(
+            update={
+                "deployment": deployment,
+                "host_id": "h2",
+                "state_dir": tmp / "h2",
+                "docker_host": SOCKET,
+            }
+        ),
+    }
+    api_settings = hosts["h1"].model_copy(update={"api_port": free_port(), "api_tokens": TOKEN})
+    stack = Stack(
+        settings=api_settings,
+        env={
+            **stack_env(api_settings),
+            "ORCH_ENVIRONMENTS_FILE": str(envs_file),
+            "ORCH_DEFAULT_ENVIRONMENT": "base-shell",
+        },
+        base_url=f"http://127.0.0.1:{api_settings.api_port}",
+        codebase="",
+        logs=tmp,
+    )
+    try:
+        for name, host_settings in hosts.items():
+            env = {
+                **stack_env(host_settings),
+                "ORCH_ENVIRONMENTS_FILE": str(envs_file),
+                "ORCH_DEFAULT_ENVIRONMENT": "base-shell",
+            }
+            if host_settings.docker_host:
+                env["ORCH_DOCKER_HOST"] = host_settings.docker_host
+            stack.start(f"worker-{name}", worker_command(host_settings), env=env)
+        stack.start("api", api_command(api_settings))
+        stack.wait_ready()
+        _wait_for_hosts(stack, 2)
+        yield stack
+    finally:
+        for name in list(stack.procs):
+            stack.stop(name)
+        for host_settings in hosts.values():
+            backend = DockerBackend(host_settings)
+            for handle in backend.list_owned():
+                backend.destroy(handle)
+            backend.sweep_leftovers()
+        from tests.e2e.conftest import _flush_redis
+
+        _flush_redis(api_settings)
+
+
+def _wait_for_hosts(stack: Stack, n: int) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        checks = httpx.get(f"{stack.base_url}/readyz", timeout=5).json()["checks"]
+        if checks["workers"] >= n:
+            return
+        time.sleep(0.3)
+    raise RuntimeError(f"fewer than {n} worker hosts came up")
+
+
+def test_every_call_reaches_the_daemon_holding_the_sandbox(
+    two_host_stack: Stack, second_daemon: docker.DockerClient
+) -> None:
+    first = docker.from_env()
+    daemons = {"h1": first, "h2": second_daemon}
+    seen_hosts: set[str] = set()
+    try:
+        with two_host_stack.client() as http:
+            traces = [f"trace_{uuid.uuid4().hex}" for _ in range(6)]
+            for trace in traces:
+                for n in range(3):
+                    response = http.post(
+                        "/agent-rft/tools",
+                        json={
+                            "type": "function_call",
+                            "id": f"fc_{n}",
+                            "call_id": f"call_{n}",
+                            "name": "shell",
+                            "arguments": {"command": "hostname"},
+                            "trace_id": trace,
+                            "item": {},
+                        },
+                    )
+                    assert response.status_code == 200, response.text
+                    container_hostname = response.json()["output"].strip()
+                    rollout = http.get(f"/v1/rollouts/{trace}").json()
+                    host = rollout["host"]
+                    seen_hosts.add(host)
+                    # The container answering is the rollout's own, on its host's daemon,
+                    # and on no other daemon.
+                    owner = daemons[host].containers.list(
+                        filters={"label": f"orchestrator.rollout={trace}"}
+                    )
+                    assert len(owner) == 1 and str(owner[0].id).startswith(container_hostname), (
+                        host,
+                        container_hostname,
+                    )
+                    for other, client in daemons.items():
+                        if other != host:
+                            assert not client.containers.list(
+                                all=True, filters={"label": f"orchestrator.rollout={trace}"}
+                            )
+            assert seen_hosts == {"h1", "h2"}, (
+                f"rollouts were not spread over both hosts: {seen_hosts}"
+            )
+            for trace in traces:
+                assert http.delete(f"/v1/rollouts/{trace}").status_code == 200
+        for client in daemons.values():
+            assert not client.containers.list(
+                all=True,
+                filters={"label": f"orchestrator.deployment={two_host_stack.settings.deployment}"},
+            )
+    finally:
+        first.close()
