@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test setup host venv images lint typecheck pytest bench clean-sandboxes
+.PHONY: up test demo setup host venv images lint typecheck pytest bench clean-sandboxes
 
 up: setup
 	$(BIN)/orchestrator up
@@ -34,13 +34,17 @@ lint: venv
 	$(BIN)/ruff format --check .
 
 typecheck: venv
-	$(BIN)/mypy orchestrator tests bench
+	$(BIN)/mypy orchestrator tests bench examples
 
 pytest: venv
 	$(BIN)/pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
+demo: setup
+	$(BIN)/python -m examples.demo
+
 bench: setup
 	$(BIN)/python -m bench.exec_latency
+	$(BIN)/python -m bench.tool_call
 
 clean-sandboxes: venv
 	$(BIN)/orchestrator sandbox gc --all

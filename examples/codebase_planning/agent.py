@@ -11,12 +11,59 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-STOPWORDS = set(
-    "a an and are as be before by carry clear default does for from give given goes "
-    "header in include is it its matching missing none number of on or points raise "
-    "response should surrounding that the their them this to unknown uses variable "
-    "was when which with".split()
+STOPWORDS = frozenset(
+    [
+        "a",
+        "an",
+        "and",
+        "are",
+        "as",
+        "be",
+        "before",
+        "by",
+        "carry",
+        "clear",
+        "default",
+        "does",
+        "for",
+        "from",
+        "give",
+        "given",
+        "goes",
+        "header",
+        "in",
+        "include",
+        "is",
+        "it",
+        "its",
+        "matching",
+        "missing",
+        "none",
+        "number",
+        "of",
+        "on",
+        "or",
+        "points",
+        "raise",
+        "response",
+        "should",
+        "surrounding",
+        "that",
+        "the",
+        "their",
+        "them",
+        "this",
+        "to",
+        "unknown",
+        "uses",
+        "variable",
+        "was",
+        "when",
+        "which",
+        "with",
+    ]
 )
+
 
 Tool = Callable[[str, dict[str, object]], str]
 
@@ -36,7 +83,9 @@ def localise(request: str, call: Tool) -> tuple[list[str], int]:
     hits: Counter[str] = Counter()
     for word in keywords(request):
         calls += 1
-        output = call("shell", {"command": f"rg -l -i --glob '*.py' -- {_quote(word)} . | head -20"})
+        output = call(
+            "shell", {"command": f"rg -l -i --glob '*.py' -- {_quote(word)} . | head -20"}
+        )
         for line in output.splitlines():
             path = line.strip().removeprefix("./")
             if path.endswith(".py"):

@@ -13,6 +13,7 @@ from orchestrator.api import agent_rft, errors, health, rollouts
 from orchestrator.api.deps import AppState
 from orchestrator.config import Settings, get_settings
 from orchestrator.environments.loader import load_environments
+from orchestrator.grading import get_grader
 from orchestrator.observability.logging import configure_logging
 from orchestrator.outcomes import Outcome
 from orchestrator.queue.app import make_celery
@@ -81,6 +82,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if not settings.tokens:
         raise RuntimeError("no API tokens configured: set ORCH_API_TOKENS")
     environments = load_environments(settings)
+    # A misconfigured grader fails the start, not the first grade of a training run.
+    for name in environments.names():
+        grader = environments.get(name).grader
+        get_grader(grader.name, grader.options)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

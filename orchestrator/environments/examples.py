@@ -71,3 +71,56 @@ def ensure_finqa_corpus(
         return add_codebase(settings, FINQA_CODEBASE, source, progress=progress).image
     except CodebaseExists:
         return get_codebase(settings, FINQA_CODEBASE).image
+
+
+REQUESTS_CODEBASE = "requests"
+"""The codebase of the file-localisation example: the `requests` library's source."""
+
+
+def planning_example_dir() -> Path:
+    """``examples/codebase_planning`` in the source tree (dataset.jsonl, agent.py)."""
+    return _REPO_ROOT / "examples" / "codebase_planning"
+
+
+def ensure_requests_codebase(settings: Settings, name: str = REQUESTS_CODEBASE) -> str:
+    """Make sure a codebase holding the real `requests` library exists; return its image.
+
+    The source is the `requests` package installed beside this orchestrator (offline, real
+    code), committed as a git repository under ``src/requests`` so the agent can use git too.
+    """
+    import shutil
+    import subprocess
+    import tempfile
+
+    import requests
+
+    try:
+        return get_codebase(settings, name).image
+    except UnknownCodebase:
+        pass
+    with tempfile.TemporaryDirectory(prefix="orch-requests-") as tmp:
+        repo = Path(tmp) / "requests"
+        shutil.copytree(
+            Path(requests.__file__).parent,
+            repo / "src" / "requests",
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+        (repo / "README.md").write_text(f"requests {requests.__version__}, for the examples\n")
+        env = {
+            "GIT_AUTHOR_NAME": "orchestrator",
+            "GIT_AUTHOR_EMAIL": "orchestrator@localhost",
+            "GIT_COMMITTER_NAME": "orchestrator",
+            "GIT_COMMITTER_EMAIL": "orchestrator@localhost",
+            "HOME": tmp,
+            "PATH": "/usr/bin:/bin",
+        }
+        for args in (
+            ["init", "-q", "-b", "main"],
+            ["add", "-A"],
+            ["commit", "-qm", f"requests {requests.__version__}"],
+        ):
+            subprocess.run(["git", "-C", str(repo), *args], check=True, env=env)
+        try:
+            return add_codebase(settings, name, repo).image
+        except CodebaseExists:
+            return get_codebase(settings, name).image

@@ -28,6 +28,7 @@ registered, is an error.
 from __future__ import annotations
 
 import importlib.resources
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,6 +258,10 @@ class ResolvedEnvironment:
 # --- the registry ----------------------------------------------------------------------------
 
 
+CODEBASE_CACHE_S = 30.0
+"""How long a codebase found registered is trusted without asking the daemon again."""
+
+
 class EnvironmentRegistry:
     """The environments of a deployment, by name, with their tools built once."""
 
@@ -268,6 +273,7 @@ class EnvironmentRegistry:
         self.source = source
         self._environments = {env.name: env for env in environments}
         self._tools = {env.name: _build_tools(env) for env in environments}
+        self._known_codebases: dict[str, tuple[str, float]] = {}
 
     def names(self) -> list[str]:
         """Environment names, in file order."""
@@ -351,13 +357,33 @@ class EnvironmentRegistry:
             codebase = row_codebase
             how = f"the row's codebase field names {codebase!r} (environment {env.name!r})"
         try:
-            image = codebase_image(self.settings, codebase)
+            image = self._codebase_image(codebase)
         except UnknownCodebase as exc:
             raise UnknownCodebase(
                 f"unknown codebase {codebase!r}: {how}, but no such codebase is registered "
                 f"(add it with `orchestrator codebase add {codebase} <source>`)"
             ) from exc
         return ResolvedEnvironment(env, image, codebase, self._tools[name], self.settings)
+
+    def _codebase_image(self, codebase: str) -> str:
+        """``codebase_image`` with positive answers remembered for a short while: the
+        lookup asks the Docker daemon, and a burst of new rollouts must not ask it once
+        each. Unknown names are never remembered, so a codebase added a moment ago works."""
+        now = time.monotonic()
+        known = self._known_codebases.get(codebase)
+        if known is not None and now - known[1] < CODEBASE_CACHE_S:
+            return known[0]
+        image = codebase_image(self.settings, codebase)
+        self._known_codebases[codebase] = (image, now)
+        return image
+
+    def for_rollout(self, name: str, image: str, codebase: str | None) -> ResolvedEnvironment:
+        """A rollout's environment as recorded when it started: no lookups at all."""
+        if name not in self._environments:
+            raise UnknownEnvironment(name, self.names(), origin="the rollout's record")
+        return ResolvedEnvironment(
+            self._environments[name], image, codebase, self._tools[name], self.settings
+        )
 
 
 def _row_codebase(item: Mapping[str, Any]) -> str | None:

@@ -43,6 +43,9 @@ def configure_logging(settings: Settings | None = None) -> None:
         cache_logger_on_first_use=True,
     )
     logging.basicConfig(level=level, stream=sys.stderr, format="%(name)s: %(message)s")
+    # One line per HTTP request from a client library is noise, not a log.
+    for chatty in ("httpx", "httpcore"):
+        logging.getLogger(chatty).setLevel(max(level, logging.WARNING))
     _configured = True
 
 

@@ -84,6 +84,14 @@ class RolloutService:
         except ValueError as exc:
             raise Rejected(422, _message(exc), code="invalid_item") from exc
 
+    async def aresolve(
+        self, item: dict[str, Any], *, environment: str | None = None, codebase: str | None = None
+    ) -> ResolvedEnvironment:
+        """:meth:`resolve` off the event loop: a codebase lookup may ask the daemon."""
+        return await asyncio.to_thread(
+            self.resolve, item, environment=environment, codebase=codebase
+        )
+
     def environment_of(self, rollout: Rollout) -> ResolvedEnvironment:
         return self.resolve(
             rollout.item, environment=rollout.environment, codebase=rollout.codebase
@@ -107,7 +115,7 @@ class RolloutService:
         record, the others wait for its sandbox. ``exclusive`` (the rollout API) makes an
         existing id a 409 instead.
         """
-        resolved = self.resolve(item, environment=environment, codebase=codebase)
+        resolved = await self.aresolve(item, environment=environment, codebase=codebase)
         existing = await self.store.get(rollout_id)
         if existing is not None:
             if exclusive:
@@ -221,16 +229,17 @@ class RolloutService:
         received = time.monotonic()
         started_at = datetime.now(UTC)
         call_id = call_id or f"auto_{time.time_ns()}"
-        if item is not None:
-            resolved = self.resolve(item)
+        existing = await self.store.get(rollout_id)
+        if existing is None:
+            if item is None:
+                raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
+            # A new rollout (Agent RFT): agent mistakes are answered before anything exists.
+            resolved = await self.aresolve(item)
             early = self._check_call(resolved, tool_name, arguments, call_id, received)
             if early is not None:
                 return early
             rollout = await self.start(rollout_id, item, source=source)
         else:
-            existing = await self.store.get(rollout_id)
-            if existing is None:
-                raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
             rollout = await self._wait_ready(existing)
             resolved = self.environment_of(rollout)
             early = self._check_call(resolved, tool_name, arguments, call_id, received)
@@ -391,7 +400,7 @@ class RolloutService:
             if source != "agent_rft" or item is None:
                 raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
             # A rollout may end without a single tool call: grade it on an empty trajectory.
-            resolved = self.resolve(item)
+            resolved = await self.aresolve(item)
             now = time.time()
             rollout = Rollout(
                 rollout_id=rollout_id,

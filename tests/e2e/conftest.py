@@ -7,7 +7,6 @@ The stack gets its own deployment name, so its Redis keys, queues and sandboxes 
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,7 +21,8 @@ import httpx
 import pytest
 
 from orchestrator.config import Settings
-from orchestrator.images.codebases import add_codebase, remove_codebase
+from orchestrator.environments.examples import ensure_requests_codebase
+from orchestrator.images.codebases import remove_codebase
 from orchestrator.sandbox.docker import DockerBackend
 
 TOKEN = "e2e-token-" + uuid.uuid4().hex[:8]
@@ -103,27 +103,6 @@ def stack_env(settings: Settings) -> dict[str, str]:
     }
 
 
-def make_git_codebase(root: Path) -> Path:
-    """A real open-source codebase as a git repo: the `requests` package installed in this
-    virtualenv, committed as is (offline, real code)."""
-    import requests
-
-    repo = root / "requests-src"
-    source = Path(requests.__file__).parent
-    shutil.copytree(source, repo / "src" / "requests", ignore=shutil.ignore_patterns("__pycache__"))
-    (repo / "README.md").write_text("requests, vendored for end-to-end tests\n")
-    env = {
-        **os.environ,
-        "GIT_AUTHOR_NAME": "t",
-        "GIT_AUTHOR_EMAIL": "t@t",
-        "GIT_COMMITTER_NAME": "t",
-        "GIT_COMMITTER_EMAIL": "t@t",
-    }
-    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-qm", "import requests"]):
-        subprocess.run(["git", "-C", str(repo), *args], check=True, env=env)
-    return repo
-
-
 @pytest.fixture(scope="session")
 def stack(
     settings: Settings, base_image: str, tmp_path_factory: pytest.TempPathFactory
@@ -137,7 +116,8 @@ def stack(
         }
     )
     codebase = f"e2e-requests-{uuid.uuid4().hex[:6]}"
-    add_codebase(stack_settings, codebase, make_git_codebase(tmp_path_factory.mktemp("repo")))
+    # A real open-source codebase, offline: the `requests` library as a git repository.
+    ensure_requests_codebase(stack_settings, codebase)
     stack = Stack(
         settings=stack_settings,
         env=stack_env(stack_settings),
@@ -231,13 +211,13 @@ def reaper_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iter
             "deployment": stack.settings.deployment + "-r",
             "api_port": free_port(),
             "host_id": f"h2-{uuid.uuid4().hex[:6]}",
-            "state_dir": root / "state",
+            # The first stack's state dir: sandbox socket paths must stay short, and
+            # they are per sandbox id, so the two deployments never collide there.
             "environments_file": env_file,
             "reaper_interval_s": 1.0,
             "heartbeat_interval_s": 1.0,
         }
     )
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
     env = {
         **stack_env(settings),
         "ORCH_ENVIRONMENTS_FILE": str(env_file),

@@ -41,7 +41,9 @@ def function_call(
         "type": "function_call",
         "id": fc_id or f"fc_{uuid.uuid4().hex[:12]}",
         "call_id": call_id or new_call_id(),
-        "arguments": json.dumps(arguments) if as_string and isinstance(arguments, dict) else arguments,
+        "arguments": json.dumps(arguments)
+        if as_string and isinstance(arguments, dict)
+        else arguments,
         "trace_id": trace_id,
         "item": item,
     }

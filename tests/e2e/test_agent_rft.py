@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import httpx
@@ -80,8 +81,9 @@ def test_scripted_agent_completes_a_rollout(stack: Stack, planning_item: dict[st
         assert "src/requests/adapters.py" in found.splitlines()
 
         log = call(client, function_call(trace, item, "shell", {"command": "git log --oneline"}))
-        assert "import requests" in log
-        assert len(log.splitlines()) == 1
+        commits = log.splitlines()
+        assert commits
+        assert all(re.match(r"^[0-9a-f]{7,} \S", line) for line in commits), log
 
         # read_file with a line range: numbered lines and a footer naming the range.
         lines = call(
@@ -141,7 +143,10 @@ def test_scripted_agent_completes_a_rollout(stack: Stack, planning_item: dict[st
             {"choices": [{"message": {"content": "Edit `src/requests/adapters.py` and setup.py"}}]},
             "Edit `src/requests/adapters.py` and setup.py",
         ),
-        ({"output_text": "", "output_json": ["src/requests/sessions.py"]}, '["src/requests/sessions.py"]'),
+        (
+            {"output_text": "", "output_json": ["src/requests/sessions.py"]},
+            '["src/requests/sessions.py"]',
+        ),
     ],
     ids=["output_text", "output_json", "choices", "blank_text_falls_through"],
 )
@@ -244,8 +249,11 @@ def test_grade_without_any_tool_call(stack: Stack, planning_item: dict[str, Any]
 
 
 def test_parallel_tool_calls_of_one_rollout(stack: Stack, planning_item: dict[str, Any]) -> None:
-    """Eight calls at once (the first of the rollout among them) all succeed, in one sandbox."""
+    """Eight calls at once, mid-rollout, all succeed in the rollout's one sandbox. (Parallel
+    FIRST calls are test_concurrent_first_calls_*.)"""
     trace = new_trace()
+    with stack.client() as client:
+        call(client, function_call(trace, planning_item, "shell", {"command": "true"}))
     bodies = [
         function_call(trace, planning_item, "shell", {"command": f"echo call-{i}; hostname"})
         for i in range(8)
@@ -269,8 +277,8 @@ def test_parallel_tool_calls_of_one_rollout(stack: Stack, planning_item: dict[st
     assert len(sandboxes_of(stack.settings, trace)) == 1
     with stack.client() as client:
         steps = client.get(f"/v1/rollouts/{trace}/trajectory").json()["steps"]
-        assert sorted(s["seq"] for s in steps) == list(range(1, 9))
-        assert {s["call_id"] for s in steps} == {b["call_id"] for b in bodies}
+        assert sorted(s["seq"] for s in steps) == list(range(1, 10))
+        assert {s["call_id"] for s in steps[1:]} == {b["call_id"] for b in bodies}
         client.delete(f"/v1/rollouts/{trace}")
 
 
@@ -278,7 +286,9 @@ async def _first_calls(stack: Stack, item: dict[str, Any], n: int) -> tuple[str,
     trace = new_trace()
     bodies = [function_call(trace, item, "shell", {"command": "hostname"}) for _ in range(n)]
     async with stack.async_client(limits=httpx.Limits(max_connections=n)) as aclient:
-        responses = await asyncio.gather(*[aclient.post("/agent-rft/tools", json=b) for b in bodies])
+        responses = await asyncio.gather(
+            *[aclient.post("/agent-rft/tools", json=b) for b in bodies]
+        )
     return trace, list(responses)
 
 
@@ -339,17 +349,25 @@ def test_retried_call_returns_stored_output_without_rerunning(
 
         outputs = {r.json()["output"].strip() for r in asyncio.run(retries())}
         assert outputs == {"2"}
-        later = call(client, function_call(trace, planning_item, "shell", {"command": "wc -l < /tmp/count"}))
+        later = call(
+            client, function_call(trace, planning_item, "shell", {"command": "wc -l < /tmp/count"})
+        )
         assert later.strip() == "2"
         steps = client.get(f"/v1/rollouts/{trace}/trajectory").json()["steps"]
-        assert [s["call_id"] for s in steps] == [original["call_id"], burst["call_id"], steps[2]["call_id"]]
+        assert [s["call_id"] for s in steps] == [
+            original["call_id"],
+            burst["call_id"],
+            steps[2]["call_id"],
+        ]
         client.delete(f"/v1/rollouts/{trace}")
 
 
 def test_rollout_and_trajectory_visible(stack: Stack, planning_item: dict[str, Any]) -> None:
     trace = new_trace()
     with stack.client() as client:
-        first = function_call(trace, planning_item, "shell", {"command": "ls src/requests | head -3"})
+        first = function_call(
+            trace, planning_item, "shell", {"command": "ls src/requests | head -3"}
+        )
         out1 = call(client, first)
         second = function_call(
             trace, planning_item, "shell", {"command": "exit 3"}, as_string=False

@@ -108,9 +108,7 @@ def test_row_for_another_codebase_is_rejected(stack: Stack, finqa_codebase: str)
     row = {**dataset_rows()[0], "codebase": stack.codebase}
     trace = new_trace()
     with stack.client() as client:
-        response = client.post(
-            "/agent-rft/tools/list", json=function_call(trace, row, None, {})
-        )
+        response = client.post("/agent-rft/tools/list", json=function_call(trace, row, None, {}))
         assert response.status_code == 422
         assert finqa_codebase in response.json()["error"]["message"]
         assert client.get(f"/v1/rollouts/{trace}").status_code == 404

@@ -1,0 +1,66 @@
+"""Run a whole deployment (API, worker, beat) on this machine for the length of a ``with``
+block: what ``make demo`` and the benchmarks use. The same processes as ``orchestrator up``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from orchestrator.config import Settings
+from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.gc import collect_expired
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The environment that makes child processes see ``settings``."""
+    env = dict(os.environ)
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            env[f"ORCH_{name.upper()}"] = str(value)
+    return env
+
+
+@contextmanager
+def local_stack(settings: Settings, *, log: Path | None = None) -> Iterator[str]:
+    """Start ``orchestrator up`` with ``settings``; yield its base URL once ready.
+
+    The deployment is this block's own: when it ends, every sandbox it still has is
+    destroyed."""
+    out = log.open("ab") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli", "up"],
+        env=settings_env(settings),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://{settings.api_host}:{settings.api_port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the stack exited with {proc.returncode} (log: {log})")
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the stack was not ready within 90 s (log: {log})")
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        collect_expired(DockerBackend(settings), everything=True)

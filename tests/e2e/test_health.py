@@ -1,0 +1,67 @@
+"""Health, metrics and API docs of the real stack."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Stack
+
+pytestmark = pytest.mark.xdist_group("e2e")
+
+
+def test_healthz(stack: Stack) -> None:
+    response = httpx.get(f"{stack.base_url}/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+def test_readyz_sees_the_worker(stack: Stack) -> None:
+    response = httpx.get(f"{stack.base_url}/readyz")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["ready"] is True
+    checks = body["checks"]
+    assert checks["redis"] is True
+    assert checks["docker"] is True
+    assert checks["workers"] >= 1
+    assert stack.settings.host_id in {h["host"] for h in checks["hosts"]}
+
+
+def test_metrics_are_prometheus_text(stack: Stack) -> None:
+    response = httpx.get(f"{stack.base_url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    lines = response.text.splitlines()
+    assert any(line.startswith("# HELP ") for line in lines)
+    assert any(line.startswith("# TYPE ") for line in lines)
+    samples = [line for line in lines if line and not line.startswith("#")]
+    assert samples
+    for line in samples:
+        name, _, value = line.rpartition(" ")
+        assert name
+        float(value)
+
+
+def test_openapi_and_docs(stack: Stack) -> None:
+    spec = httpx.get(f"{stack.base_url}/openapi.json")
+    assert spec.status_code == 200
+    paths = spec.json()["paths"]
+    for path in (
+        "/agent-rft/tools",
+        "/agent-rft/tools/{name}",
+        "/agent-rft/grade",
+        "/v1/rollouts",
+        "/v1/rollouts/{rollout_id}",
+        "/v1/rollouts/{rollout_id}/tools/{name}",
+        "/v1/rollouts/{rollout_id}/grade",
+        "/v1/rollouts/{rollout_id}/trajectory",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+    ):
+        assert path in paths, path
+    assert "503" in paths["/agent-rft/tools"]["post"]["responses"]
+    docs = httpx.get(f"{stack.base_url}/docs")
+    assert docs.status_code == 200
+    assert "swagger" in docs.text.lower()
