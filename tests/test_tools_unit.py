@@ -118,7 +118,7 @@ class FakeBackend(SandboxBackend):
     def exec(
         self,
         handle: SandboxHandle,
-        command: str,
+        command: str | list[str],
         *,
         timeout_s: float,
         output_budget_bytes: int,

@@ -5,16 +5,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator import __version__
 from orchestrator.api import agent_rft, errors, health, rollouts
+from orchestrator.api.auth import OPEN_PATHS, token_ok
 from orchestrator.api.deps import AppState
 from orchestrator.config import Settings, get_settings
 from orchestrator.environments.loader import load_environments
 from orchestrator.grading import get_grader
-from orchestrator.observability.logging import configure_logging
+from orchestrator.observability.logging import configure_logging, get_logger
 from orchestrator.outcomes import Outcome
 from orchestrator.queue.app import make_celery
 from orchestrator.queue.client import QueueClient
@@ -23,22 +24,36 @@ from orchestrator.rollouts.store import RolloutStore
 
 
 class RequestGuard:
-    """Before any route: 413 for bodies over the limit, counted as they stream in
-    (Content-Length may lie or be absent); and every body is JSON, whatever its declared
-    content type (clients that omit the header are common)."""
+    """Before any route, in this order: the bearer token (except on open paths); 413 for
+    bodies over the limit, counted as they stream in (Content-Length may lie or be absent);
+    every body read as JSON whatever its declared content type (clients that omit the
+    header are common). After the route: any exception that escaped is a 503 JSON answer
+    (our bug, never the agent's) and the connection stays usable."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
         self.app = app
-        self.limit = limit
+        self.settings = settings
+        self.limit = settings.max_request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", []))
+        if scope["path"] not in OPEN_PATHS and not token_ok(
+            self.settings.tokens, headers.get(b"authorization", b"").decode("latin-1")
+        ):
+            await self._answer(
+                send,
+                401,
+                "unauthorized",
+                "missing or wrong bearer token",
+                {"WWW-Authenticate": "Bearer"},
+            )
+            return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._too_large(send)
+            await self._answer(send, 413, "too_large", f"the body is over {self.limit} bytes")
             return
         if scope.get("method") in ("POST", "PUT", "PATCH") and b"json" not in headers.get(
             b"content-type", b""
@@ -46,6 +61,7 @@ class RequestGuard:
             kept = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = {**scope, "headers": [*kept, (b"content-type", b"application/json")]}
         seen = 0
+        started = False
 
         async def counting() -> Message:
             nonlocal seen
@@ -53,23 +69,42 @@ class RequestGuard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.limit:
-                    raise _TooLarge
+                    # FastAPI lets an HTTPException out of body parsing as it is.
+                    raise HTTPException(413, f"the body is over {self.limit} bytes")
             return message
 
+        async def tracking(message: Message) -> None:
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, counting, send)
-        except _TooLarge:
-            await self._too_large(send)
+            await self.app(scope, counting, tracking)
+        except Exception as exc:
+            get_logger(__name__).exception("api.unexpected_error", path=scope["path"])
+            if started:
+                raise
+            await self._answer(
+                send,
+                503,
+                "internal_error",
+                f"{type(exc).__name__}: {exc}",
+                {"Retry-After": errors.RETRY_AFTER_S},
+                outcome=Outcome.INFRA_ERROR,
+            )
 
-    async def _too_large(self, send: Send) -> None:
-        response = errors.error_response(
-            413, Outcome.REJECTED, "too_large", f"the body is over {self.limit} bytes"
-        )
+    async def _answer(
+        self,
+        send: Send,
+        status: int,
+        code: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+        *,
+        outcome: Outcome = Outcome.REJECTED,
+    ) -> None:
+        response = errors.error_response(status, outcome, code, message, headers=headers)
         await response({"type": "http"}, _empty_receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 async def _empty_receive() -> Message:
@@ -112,5 +147,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(agent_rft.router)
     app.include_router(rollouts.router)
-    app.add_middleware(RequestGuard, limit=settings.max_request_bytes)
+    app.add_middleware(RequestGuard, settings=settings)
     return app

@@ -76,23 +76,16 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {401: "unauthorized", 404: "not_found", 405: "method_not_allowed"}.get(
-            exc.status_code, "http_error"
-        )
+        code = {
+            401: "unauthorized",
+            404: "not_found",
+            405: "method_not_allowed",
+            413: "too_large",
+        }.get(exc.status_code, "http_error")
         return error_response(
             exc.status_code,
             Outcome.REJECTED,
             code,
             str(exc.detail),
             headers=getattr(exc, "headers", None),
-        )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        # A bug of ours, not the agent's: a 503 the trainer retries, never a score.
-        from orchestrator.observability.logging import get_logger
-
-        get_logger(__name__).exception("api.unexpected_error")
-        return error_response(
-            503, Outcome.INFRA_ERROR, "internal_error", f"{type(exc).__name__}: {exc}"
         )

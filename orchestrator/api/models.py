@@ -9,8 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.models import TrajectoryStep
 
-ROLLOUT_ID = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}$"
-CALL_ID = r"^[A-Za-z0-9_.:-]{1,200}$"
+# No ':' — it separates the parts of the store's Redis keys.
+ROLLOUT_ID = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$"
+CALL_ID = r"^[A-Za-z0-9_.-]{1,200}$"
 
 
 class _Lenient(BaseModel):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Path
 
 from orchestrator.api.agent_rft import ERRORS
 from orchestrator.api.auth import require_token
 from orchestrator.api.deps import service
 from orchestrator.api.models import (
+    ROLLOUT_ID,
     CreateRollout,
     RolloutCreated,
     RolloutGradeRequest,
@@ -32,6 +33,7 @@ RESPONSES = {
     409: {"description": "Exists or ended."},
 }
 Svc = Annotated[RolloutService, Depends(service)]
+RolloutId = Annotated[str, Path(pattern=ROLLOUT_ID, description="The rollout's id.")]
 
 
 @router.post("", status_code=201, responses=RESPONSES)
@@ -60,7 +62,7 @@ async def create_rollout(body: CreateRollout, svc: Svc) -> RolloutCreated:
 
 @router.post("/{rollout_id}/tools/{name}", responses=RESPONSES)
 async def call_tool(
-    rollout_id: str, name: str, body: ToolCallRequest, svc: Svc
+    rollout_id: RolloutId, name: str, body: ToolCallRequest, svc: Svc
 ) -> ToolCallResponse:
     """Run a tool. Agent mistakes are 200 with ``outcome: agent_error``."""
     reply = await svc.call_tool(rollout_id, name, body.arguments, call_id=body.call_id)
@@ -68,25 +70,25 @@ async def call_tool(
 
 
 @router.post("/{rollout_id}/grade", responses=RESPONSES)
-async def grade_rollout(rollout_id: str, body: RolloutGradeRequest, svc: Svc) -> Score:
+async def grade_rollout(rollout_id: RolloutId, body: RolloutGradeRequest, svc: Svc) -> Score:
     answer = body.answer if body.answer is not None else extract_answer(body.sample or {})
     reply = await svc.grade(rollout_id, answer, None, source="api")
     return Score(score=reply.score, details=reply.details)
 
 
 @router.get("/{rollout_id}", responses=RESPONSES)
-async def get_rollout(rollout_id: str, svc: Svc) -> RolloutView:
+async def get_rollout(rollout_id: RolloutId, svc: Svc) -> RolloutView:
     return view(await _get(svc, rollout_id), await svc.store.call_count(rollout_id))
 
 
 @router.get("/{rollout_id}/trajectory", responses=RESPONSES)
-async def get_trajectory(rollout_id: str, svc: Svc) -> Trajectory:
+async def get_trajectory(rollout_id: RolloutId, svc: Svc) -> Trajectory:
     await _get(svc, rollout_id)
     return Trajectory(rollout_id=rollout_id, steps=await svc.store.trajectory(rollout_id))
 
 
 @router.delete("/{rollout_id}", responses=RESPONSES)
-async def delete_rollout(rollout_id: str, svc: Svc) -> RolloutView:
+async def delete_rollout(rollout_id: RolloutId, svc: Svc) -> RolloutView:
     """Destroy the sandbox now; the record stays readable."""
     rollout = await svc.close(rollout_id, "deleted")
     return view(rollout, await svc.store.call_count(rollout_id))

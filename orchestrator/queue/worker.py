@@ -70,13 +70,24 @@ def host_status() -> dict[str, Any]:
 
 def start_heartbeat() -> threading.Thread:
     """Publish this host's status every ``heartbeat_interval_s`` with a TTL of three beats,
-    so a dead worker's key vanishes on its own."""
+    so a dead worker's key vanishes on its own.
+
+    Liveness and the daemon's health are measured apart: a daemon slowed by a burst of
+    creations must not make a live worker look dead, so the beat never waits on Docker; a
+    second thread probes the daemon and the beat publishes its latest finding."""
     settings = get_settings()
     client = redis_client()
+    # Replaced whole by the probe (never mutated), so the beat always reads one finding.
+    latest: list[dict[str, Any]] = [{"docker_ok": False, "docker_error": "not probed yet"}]
+
+    def probe() -> None:
+        while True:
+            latest[0] = host_status()
+            time.sleep(settings.heartbeat_interval_s)
 
     def beat() -> None:
         while True:
-            status = host_status()
+            status = {**latest[0], "host": settings.host_id, "time": time.time()}
             try:
                 ttl = max(1, int(settings.heartbeat_interval_s * 3))
                 client.set(heartbeat_key(settings.host_id), json.dumps(status), ex=ttl)
@@ -85,6 +96,7 @@ def start_heartbeat() -> threading.Thread:
                 log.warning("worker.heartbeat_failed", host=settings.host_id, error=str(exc))
             time.sleep(settings.heartbeat_interval_s)
 
+    threading.Thread(target=probe, name="docker-probe", daemon=True).start()
     thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
     thread.start()
     return thread

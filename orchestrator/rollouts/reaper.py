@@ -32,7 +32,7 @@ def reason_to_end(rollout: Rollout, service: RolloutService, now: float) -> str 
     if rollout.state == RolloutState.CREATING:
         limit = service.settings.sandbox_create_timeout_s * 2
         return "stuck_creating" if now - rollout.created_at > limit else None
-    if now - rollout.last_activity > config.idle_timeout_s:
+    if rollout.calls_in_flight <= 0 and now - rollout.last_activity > config.idle_timeout_s:
         return "idle"
     return None
 

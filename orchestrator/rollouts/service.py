@@ -245,11 +245,11 @@ class RolloutService:
             early = self._check_call(resolved, tool_name, arguments, call_id, received)
             if early is not None:
                 return early
-        self._check_state(rollout)
-
+        # A retry gets the stored reply, even after the rollout ended or failed.
         stored = await self.store.stored_reply(rollout_id, call_id)
         if stored is not None:
             return CallReply.model_validate(stored)
+        self._check_state(rollout)
         try:
             async with self.store.lock(
                 rollout_id,
@@ -261,9 +261,14 @@ class RolloutService:
                 stored = await self.store.stored_reply(rollout_id, call_id)
                 if stored is not None:
                     return CallReply.model_validate(stored)
-                reply = await self._run_call(
-                    rollout, resolved, tool_name, arguments, call_id, received, started_at
-                )
+                await self.store.calls_in_flight(rollout_id, +1)
+                await self.store.touch(rollout_id)
+                try:
+                    reply = await self._run_call(
+                        rollout, resolved, tool_name, arguments, call_id, received, started_at
+                    )
+                finally:
+                    await self.store.calls_in_flight(rollout_id, -1)
         except LockTimeout as exc:
             raise InfraError(str(exc), rollout_id=rollout_id) from exc
         return reply
@@ -394,27 +399,36 @@ class RolloutService:
     async def grade(
         self, rollout_id: str, answer: str, item: dict[str, Any] | None, *, source: str
     ) -> GradeReply:
-        """Grade once; a retry gets the same score. An infra-failed rollout is a 503."""
+        """Grade once; a retry (even a concurrent one) gets the score stored first. An
+        infra-failed rollout is a 503. A rejected grade (422) stores nothing."""
         rollout = await self.store.get(rollout_id)
         if rollout is None:
             if source != "agent_rft" or item is None:
                 raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
-            # A rollout may end without a single tool call: grade it on an empty trajectory.
+            # A rollout may end without a single tool call: grade it on an empty trajectory,
+            # and keep a record only once the grade succeeded.
             resolved = await self.aresolve(item)
+            graded = await self._run_grader(resolved, rollout_id, answer, item, [])
             now = time.time()
-            rollout = Rollout(
+            record = Rollout(
                 rollout_id=rollout_id,
                 source=source,
                 environment=resolved.environment.name,
                 codebase=resolved.codebase,
                 image=resolved.image,
-                state=RolloutState.ACTIVE,
+                state=RolloutState.GRADED,
                 item=item,
                 created_at=now,
                 last_activity=now,
+                graded_at=now,
+                score=graded.score,
+                grade_details=graded.details,
+                outcome=Outcome.OK,
             )
-            if not await self.store.create(rollout):
-                rollout = await self.store.get(rollout_id) or rollout
+            if await self.store.create(record):
+                return graded
+            rollout = await self.store.get(rollout_id)
+            assert rollout is not None
         rollout = await self._wait_ready(rollout)
         if rollout.state == RolloutState.INFRA_FAILED or rollout.infra_failure:
             reason = (rollout.infra_failure or {}).get("message", "infrastructure failure")
@@ -424,12 +438,38 @@ class RolloutService:
         if rollout.score is not None:
             return GradeReply(score=rollout.score, details=rollout.grade_details or {})
         resolved = self.environment_of(rollout)
-        row = item if item is not None else rollout.item
         trajectory = await self.store.trajectory(rollout_id)
+        graded = await self._run_grader(
+            resolved, rollout_id, answer, item if item is not None else rollout.item, trajectory
+        )
+        fields: dict[str, Any] = {
+            "score": graded.score,
+            "grade_details": graded.details,
+            "graded_at": time.time(),
+            "outcome": Outcome.OK,
+            "last_activity": time.time(),
+        }
+        if rollout.state != RolloutState.CLOSED:
+            fields["state"] = RolloutState.GRADED
+        updated = await self.store.update(rollout_id, once=True, **fields)
+        if updated is None or updated.score is None:
+            raise InfraError("the rollout vanished while it was graded", rollout_id=rollout_id)
+        log.info(
+            "rollout.graded", rollout_id=rollout_id, score=updated.score, tool_calls=len(trajectory)
+        )
+        return GradeReply(score=updated.score, details=updated.grade_details or {})
+
+    async def _run_grader(
+        self,
+        resolved: ResolvedEnvironment,
+        rollout_id: str,
+        answer: str,
+        row: dict[str, Any],
+        trajectory: list[TrajectoryStep],
+    ) -> GradeReply:
+        config = resolved.environment.grader
         try:
-            grader = get_grader(
-                resolved.environment.grader.name, resolved.environment.grader.options
-            )
+            grader = get_grader(config.name, config.options)
             graded = await asyncio.to_thread(grader.grade, answer, row, trajectory)
         except ItemError as exc:
             raise Rejected(
@@ -439,25 +479,10 @@ class RolloutService:
             raise GraderFailed(f"grader misconfigured: {exc}") from exc
         except Exception as exc:  # any grader bug is a 503, never a 0
             log.exception("grade.failed", rollout_id=rollout_id)
-            raise GraderFailed(
-                f"grader {resolved.environment.grader.name} failed: {exc!r}"
-            ) from exc
-        details = {**graded.details, "tool_calls": len(trajectory)}
-        updated = await self.store.update(
-            rollout_id,
-            state=RolloutState.GRADED,
-            score=graded.score,
-            grade_details=details,
-            graded_at=time.time(),
-            outcome=Outcome.OK,
-            last_activity=time.time(),
+            raise GraderFailed(f"grader {config.name} failed: {exc!r}") from exc
+        return GradeReply(
+            score=graded.score, details={**graded.details, "tool_calls": len(trajectory)}
         )
-        if updated is not None and updated.score is not None and updated.score != graded.score:
-            return GradeReply(score=updated.score, details=updated.grade_details or {})
-        log.info(
-            "rollout.graded", rollout_id=rollout_id, score=graded.score, tool_calls=len(trajectory)
-        )
-        return GradeReply(score=graded.score, details=details)
 
     # -- ending ------------------------------------------------------------------------------
 

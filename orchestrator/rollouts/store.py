@@ -49,6 +49,7 @@ class Rollout(BaseModel):
     infra_failure: dict[str, Any] | None = Field(
         None, description="Why the rollout was marked infra_failed, with the evidence."
     )
+    calls_in_flight: int = Field(0, description="Running calls: a busy rollout is not idle.")
 
 
 _JSON_FIELDS = {"sandbox", "item", "grade_details", "infra_failure"}
@@ -72,6 +73,37 @@ def _decode(raw: dict[str, str]) -> Rollout:
     return Rollout.model_validate(data)
 
 
+# KEYS: record, live set. ARGV: id, last activity, field/value pairs.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+return 1
+"""
+
+# KEYS: record, live set. ARGV: id, mode ('once' or ''), field/value pairs.
+_UPDATE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+if ARGV[2] == 'once' then
+  local score = redis.call('HGET', KEYS[1], 'score')
+  if score and score ~= '' then return redis.call('HGETALL', KEYS[1]) end
+end
+local state = redis.call('HGET', KEYS[1], 'state')
+for i = 3, #ARGV, 2 do
+  if not (ARGV[i] == 'state' and state == 'infra_failed' and ARGV[i + 1] ~= 'infra_failed') then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+local closed = redis.call('HGET', KEYS[1], 'closed_at')
+if (closed and closed ~= '') or redis.call('HGET', KEYS[1], 'state') == 'closed' then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+else
+  redis.call('ZADD', KEYS[2], redis.call('HGET', KEYS[1], 'last_activity'), ARGV[1])
+end
+return redis.call('HGETALL', KEYS[1])
+"""
+
+
 class LockTimeout(Exception):
     """A lock held by another call was not released in time."""
 
@@ -85,6 +117,8 @@ class RolloutStore:
             redis_url, max_connections=512, decode_responses=True
         )
         self.prefix = prefix
+        self._create_script = self.redis.register_script(_CREATE)
+        self._update_script = self.redis.register_script(_UPDATE)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -99,37 +133,38 @@ class RolloutStore:
         return _decode(raw) if raw else None
 
     async def create(self, rollout: Rollout) -> bool:
-        """Store a new record; False when the id exists already (someone else won)."""
-        created = await self.redis.hsetnx(
-            self.key("rollout", rollout.rollout_id), "rollout_id", rollout.rollout_id
+        """Store a new record in one step (a concurrent reader never sees half of it);
+        False when the id exists already (someone else won)."""
+        pairs = [x for kv in _encode(rollout).items() for x in kv]
+        created = await self._create_script(
+            keys=[self.key("rollout", rollout.rollout_id), self.key("rollouts", "live")],
+            args=[rollout.rollout_id, rollout.last_activity, *pairs],
         )
-        if not created:
-            return False
-        await self.save(rollout)
-        return True
+        return bool(created)
 
-    async def save(self, rollout: Rollout) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            # redis-py's hset wants its own key union; ours are all str.
-            pipe.hset(self.key("rollout", rollout.rollout_id), mapping=cast(Any, _encode(rollout)))
-            if rollout.state == RolloutState.CLOSED or rollout.closed_at is not None:
-                pipe.zrem(self.key("rollouts", "live"), rollout.rollout_id)
-            else:
-                pipe.zadd(self.key("rollouts", "live"), {rollout.rollout_id: rollout.last_activity})
-            await pipe.execute()
+    async def update(self, rollout_id: str, *, once: bool = False, **fields: Any) -> Rollout | None:
+        """Set a few fields atomically and return the record as it then is.
 
-    async def update(self, rollout_id: str, **fields: Any) -> Rollout | None:
-        """Read-modify-write of a few fields. ``infra_failed`` is sticky: once set, later
-        updates cannot move the rollout back to another state."""
+        ``infra_failed`` is sticky: once set, no update moves the rollout to another state.
+        ``once``: set the fields only if the rollout has no score yet (grading), so
+        concurrent grade retries all end up with the one score stored first.
+        """
         current = await self.get(rollout_id)
         if current is None:
             return None
-        sticky = current.state == RolloutState.INFRA_FAILED
-        if sticky and fields.get("state", RolloutState.INFRA_FAILED) != RolloutState.INFRA_FAILED:
-            fields.pop("state")
-        updated = current.model_copy(update=fields)
-        await self.save(updated)
-        return updated
+        encoded = _encode(current.model_copy(update=fields))
+        pairs = [x for name in fields for x in (name, encoded[name])]
+        raw = await self._update_script(
+            keys=[self.key("rollout", rollout_id), self.key("rollouts", "live")],
+            args=[rollout_id, "once" if once else "", *pairs],
+        )
+        if not raw:
+            return None
+        flat = [str(x) for x in raw]
+        return _decode(dict(zip(flat[::2], flat[1::2], strict=True)))
+
+    async def calls_in_flight(self, rollout_id: str, delta: int) -> None:
+        await self.redis.hincrby(self.key("rollout", rollout_id), "calls_in_flight", delta)
 
     async def touch(self, rollout_id: str) -> None:
         now = time.time()

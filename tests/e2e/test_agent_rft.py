@@ -193,12 +193,6 @@ def test_grade_is_idempotent(stack: Stack, planning_item: dict[str, Any]) -> Non
             assert retry.json() == first.json()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: concurrent grades of one trace each grade their own answer "
-    "(service.grade checks rollout.score before grading, then overwrites it): "
-    "a retry that overlaps the original gets a different score",
-)
 def test_concurrent_grade_retries_agree(stack: Stack, planning_item: dict[str, Any]) -> None:
     """A grade retried while the original is still in flight gets the original's score."""
     answers = ["src/requests/sessions.py", "nothing.py"] * 6
@@ -311,12 +305,6 @@ def test_concurrent_first_calls_create_one_sandbox(
         client.delete(f"/v1/rollouts/{trace}")
 
 
-@pytest.mark.xfail(
-    strict=False,  # a race: it shows up in roughly a third of rounds of 20 calls
-    reason="BUG: RolloutStore.create writes the record in two steps (HSETNX of rollout_id, "
-    "then the full HSET); a concurrent first call that reads in between fails to decode the "
-    "half-written record and gets 503 internal_error (ValidationError)",
-)
 def test_concurrent_first_calls_all_succeed(stack: Stack, planning_item: dict[str, Any]) -> None:
     for _ in range(3):
         trace, responses = asyncio.run(_first_calls(stack, planning_item, 20))

@@ -128,7 +128,9 @@ shell_arguments = st.fixed_dictionaries(
             st.sampled_from(["ls", "pwd", "echo $HOME", "rg -c import src | head -3"]),
             json_values,
         ),
-        "timeout_s": st.one_of(st.floats(allow_nan=False), st.integers(), json_values),
+        "timeout_s": st.one_of(
+            st.floats(allow_nan=False, allow_infinity=False), st.integers(), json_values
+        ),
         "other": json_values,
     },
 )

@@ -88,13 +88,6 @@ def test_idle_rollout_reaped(reaper_stack: Stack, item: dict[str, Any]) -> None:
         assert error_code(late) == "ended"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the reaper's idle timeout counts from the last COMPLETED call "
-    "(reaper.reason_to_end uses last_activity, touched only after a call returns), so a "
-    "command running longer than idle_timeout_s has its sandbox destroyed under it and the "
-    "rollout is reported as infra_failed (503)",
-)
 def test_running_call_is_not_idle(reaper_stack: Stack, item: dict[str, Any]) -> None:
     trace = new_trace()
     with reaper_stack.client() as client:

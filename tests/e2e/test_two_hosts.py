@@ -113,13 +113,12 @@ def _copy_image(ref: str, target: docker.DockerClient) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_host_stack(
-    settings: Settings, second_daemon: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
+def two_host_stack(settings: Settings, second_daemon: docker.DockerClient) -> Iterator[Stack]:
     from orchestrator.cli.serve import api_command, worker_command
 
     deployment = settings.deployment + "-2h"
-    tmp = tmp_path_factory.mktemp("two-hosts")
+    # Short: sandbox sockets live under the state dirs, and Unix socket paths are short.
+    tmp = Path(tempfile.mkdtemp(prefix="orch-2h-"))
     envs_file = tmp / "environments.yaml"
     # A fixed-image environment: both daemons hold the base image.
     envs_file.write_text(
