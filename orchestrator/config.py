@@ -33,6 +33,7 @@ class Settings(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Broker, results, state.")
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=1, le=65535)
+    api_workers: int = Field(1, ge=1, le=64, description="API processes (uvicorn workers).")
     api_tokens: str = Field(
         "", description="Comma-separated bearer tokens accepted by the API (required)."
     )

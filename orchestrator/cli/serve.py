@@ -66,6 +66,12 @@ def api_command(settings: Settings) -> list[str]:
         "--log-level",
         settings.log_level.lower(),
         "--no-access-log",
+        # Trainers keep connections open between a rollout's calls; a short keep-alive
+        # makes the server close one just as the client reuses it.
+        "--timeout-keep-alive",
+        "75",
+        "--workers",
+        str(settings.api_workers),
     ]
 
 
