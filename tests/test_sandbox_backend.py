@@ -433,18 +433,23 @@ def test_sweep_leftovers_removes_orphans_only(
     orphan_dir.mkdir()
     (orphan_dir / "agent.sock").write_text("stale")
     os.utime(orphan_dir, (0, 0))  # long ago: not a sandbox being created right now
+    orphan_upper = private_backend.workspaces.uppers / orphan_id
+    (orphan_upper / "upper").mkdir(parents=True)
+    os.utime(orphan_upper, (0, 0))
     young_dir = private_backend.sockets_dir / ("sbx-" + uuid.uuid4().hex[:16])
     young_dir.mkdir()
     unrelated = private_backend.sockets_dir / "not-a-sandbox"
     unrelated.mkdir()
     try:
         removed = private_backend.sweep_leftovers()
-        assert removed == 2
+        assert removed == 3
         volumes = {v.name for v in client.volumes.list()}
         assert orphan_volume.name not in volumes
         assert foreign_volume.name in volumes
         assert live.native_id in volumes
         assert not orphan_dir.exists()
+        assert not orphan_upper.exists()
+        assert (private_backend.workspaces.uppers / live.sandbox_id).is_dir()
         assert young_dir.is_dir(), "a fresh socket dir may be a sandbox being created"
         assert unrelated.is_dir()
         assert (private_backend.sockets_dir / live.sandbox_id).is_dir()

@@ -18,7 +18,7 @@ from typing import Any
 
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
-from docker.types import Mount
+from docker.types import DriverConfig, Mount
 
 from orchestrator.config import Settings
 from orchestrator.docker_client import connect
@@ -37,6 +37,7 @@ from orchestrator.sandbox.backend import (
     SandboxSpec,
     SandboxUnavailable,
 )
+from orchestrator.sandbox.workspace import Workspaces
 
 log = get_logger(__name__)
 
@@ -74,6 +75,7 @@ class DockerBackend(SandboxBackend):
                 "paths; choose a shorter ORCH_STATE_DIR"
             )
         self.sockets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.workspaces = Workspaces(self.client, settings.state_dir, settings.deployment)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -123,6 +125,7 @@ class DockerBackend(SandboxBackend):
         self, spec: SandboxSpec, name: str, stamp: dict[str, str], socket_dir: Path
     ) -> None:
         api = self.client.api
+        workspace = self.workspaces.volume_options(spec.image, stamp[labels.SANDBOX])
         limits = spec.limits
         memory = f"{limits.memory_mb}m"
         host_config = api.create_host_config(
@@ -144,10 +147,16 @@ class DockerBackend(SandboxBackend):
             mounts=[
                 Mount(SOCKET_DIR_IN_SANDBOX, str(socket_dir), type="bind"),
                 Mount(AGENT_IN_SANDBOX, str(EXEC_AGENT_PATH), type="bind", read_only=True),
-                # A named volume: Docker copies the image's /workspace into it on first use,
-                # it is writable though the root filesystem is not, and it is destroyed with
-                # the sandbox.
-                Mount("/workspace", name, type="volume", labels=stamp),
+                # An overlay of the image's /workspace (see workspace.py): writable though
+                # the root filesystem is not, made in constant time, gone with the sandbox.
+                Mount(
+                    "/workspace",
+                    name,
+                    type="volume",
+                    no_copy=True,
+                    labels=stamp,
+                    driver_config=DriverConfig("local", workspace),
+                ),
             ],
         )
         command = [
@@ -237,6 +246,7 @@ class DockerBackend(SandboxBackend):
         except DockerException as exc:
             raise _docker_fault("remove sandbox volume", exc) from exc
         shutil.rmtree(self._socket_dir(sandbox_id), ignore_errors=True)
+        self.workspaces.remove(sandbox_id)
 
     # -- commands --------------------------------------------------------------------------
 
@@ -370,10 +380,10 @@ class DockerBackend(SandboxBackend):
                     log.warning(
                         "sandbox.sweep_volume_failed", volume=volume["Name"], error=str(exc)
                     )
-        # A socket directory is made just before its container: a young one may belong to
-        # a sandbox being created right now.
+        # A socket directory or workspace layer is made just before its container: a young
+        # one may belong to a sandbox being created right now.
         settled = time.time() - self.settings.sandbox_start_timeout_s * 2
-        for entry in self.sockets_dir.iterdir():
+        for entry in [*self.sockets_dir.iterdir(), *self.workspaces.uppers.iterdir()]:
             if (
                 entry.name.startswith("sbx-")
                 and entry.name not in live
