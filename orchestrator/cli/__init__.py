@@ -5,6 +5,7 @@ import typer
 from orchestrator.cli import codebase, image, sandbox
 from orchestrator.cli.serve import beat, serve, up, worker
 from orchestrator.cli.smoke import smoke
+from orchestrator.cli.tools import tools
 
 app = typer.Typer(help="Sandboxed rollout orchestrator for agent RL.", no_args_is_help=True)
 app.add_typer(image.app, name="image")
@@ -15,3 +16,4 @@ app.command()(serve)
 app.command()(worker)
 app.command()(beat)
 app.command()(smoke)
+app.command()(tools)

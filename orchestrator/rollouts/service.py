@@ -29,7 +29,7 @@ from orchestrator.queue.payloads import (
 )
 from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected
 from orchestrator.rollouts.models import RolloutState, TrajectoryStep
-from orchestrator.rollouts.store import LockTimeout, Rollout, RolloutStore
+from orchestrator.rollouts.store import Rollout, RolloutStore
 from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
 
 log = get_logger(__name__)
@@ -245,32 +245,39 @@ class RolloutService:
             early = self._check_call(resolved, tool_name, arguments, call_id, received)
             if early is not None:
                 return early
-        # A retry gets the stored reply, even after the rollout ended or failed.
-        stored = await self.store.stored_reply(rollout_id, call_id)
-        if stored is not None:
-            return CallReply.model_validate(stored)
-        self._check_state(rollout)
+        if rollout.state != RolloutState.ACTIVE or rollout.infra_failure:
+            # A retry gets its stored reply even after the rollout ended or failed.
+            stored = await self.store.stored_reply(rollout_id, call_id)
+            if stored is not None:
+                return CallReply.model_validate(stored)
+            self._check_state(rollout)
+        lock_ttl = self.settings.command_timeout_max_s + self.settings.queue_wait_s + 60
+        deadline = time.monotonic() + lock_ttl
+        while True:
+            start = await self.store.begin_call(rollout_id, call_id, lock_ttl_s=lock_ttl)
+            if start.stored is not None:
+                return CallReply.model_validate(start.stored)
+            if start.status == "run":
+                break
+            # The same call id is running (a retry raced its original): wait for its reply.
+            if time.monotonic() > deadline:
+                raise InfraError(f"call {call_id} never finished", rollout_id=rollout_id)
+            await asyncio.sleep(0.02)
+        reply: CallReply | None = None
+        step: TrajectoryStep | None = None
         try:
-            async with self.store.lock(
+            reply, step = await self._run_call(
+                rollout, resolved, tool_name, arguments, call_id, start.seq, received, started_at
+            )
+        finally:
+            await self.store.end_call(
                 rollout_id,
-                f"call:{call_id}",
-                ttl_s=self.settings.command_timeout_max_s + 60,
-                wait_s=self.settings.command_timeout_max_s + 60,
-            ):
-                # A retry that waited for the original gets the original's reply.
-                stored = await self.store.stored_reply(rollout_id, call_id)
-                if stored is not None:
-                    return CallReply.model_validate(stored)
-                await self.store.calls_in_flight(rollout_id, +1)
-                await self.store.touch(rollout_id)
-                try:
-                    reply = await self._run_call(
-                        rollout, resolved, tool_name, arguments, call_id, received, started_at
-                    )
-                finally:
-                    await self.store.calls_in_flight(rollout_id, -1)
-        except LockTimeout as exc:
-            raise InfraError(str(exc), rollout_id=rollout_id) from exc
+                call_id,
+                start.token,
+                reply=reply.model_dump(mode="json") if reply is not None else None,
+                step=step,
+            )
+        assert reply is not None  # _run_call returned: it raises otherwise
         return reply
 
     def _check_call(
@@ -313,11 +320,12 @@ class RolloutService:
         tool_name: str,
         arguments: Any,
         call_id: str,
+        seq: int,
         received: float,
         started_at: datetime,
-    ) -> CallReply:
+    ) -> tuple[CallReply, TrajectoryStep]:
+        """Run one counted call (``seq``) on the rollout's host; the caller stores it."""
         rollout_id = rollout.rollout_id
-        seq = await self.store.next_seq(rollout_id)
         budget = resolved.environment.tool_call_budget
         queue_ms = exec_ms = None
         if budget is not None and seq > budget:
@@ -376,10 +384,7 @@ class RolloutService:
             queue_ms=queue_ms,
             exec_ms=exec_ms,
         )
-        await self.store.append_step(rollout_id, step)
-        await self.store.store_reply(rollout_id, call_id, reply.model_dump(mode="json"))
-        await self.store.touch(rollout_id)
-        return reply
+        return reply, step
 
     async def mark_infra_failed(
         self, rollout_id: str, cause: str, message: str, evidence: dict[str, Any]

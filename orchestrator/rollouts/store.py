@@ -5,7 +5,7 @@ Keys (all under the deployment's prefix):
   rollout:{id}:traj       list: TrajectoryStep JSON, in call order
   rollout:{id}:seq        counter of calls made (budget and trajectory order)
   rollout:{id}:call:{cid} the reply of call ``cid``, stored once, returned to retries
-  rollout:{id}:lock:{x}   short-lived NX locks (sandbox creation, one call id in flight)
+  rollout:{id}:lock:call:{cid}  held while call ``cid`` runs (a racing retry waits)
   rollouts:live           sorted set: id -> last activity (the reaper walks it)
 """
 
@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from datetime import UTC, datetime
+import uuid
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -104,8 +102,42 @@ return redis.call('HGETALL', KEYS[1])
 """
 
 
-class LockTimeout(Exception):
-    """A lock held by another call was not released in time."""
+# One round trip to start a call. KEYS: stored reply, call lock, seq counter, record, live
+# set. ARGV: lock token, lock ttl (ms), now, rollout id.
+_BEGIN_CALL = """
+local stored = redis.call('GET', KEYS[1])
+if stored then return {'stored', stored} end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'busy', ''} end
+local seq = redis.call('INCR', KEYS[3])
+redis.call('HINCRBY', KEYS[4], 'calls_in_flight', 1)
+redis.call('HSET', KEYS[4], 'last_activity', ARGV[3])
+redis.call('ZADD', KEYS[5], 'XX', ARGV[3], ARGV[4])
+return {'run', tostring(seq)}
+"""
+
+# One round trip to end it. KEYS: as above, plus the trajectory. ARGV: lock token, now,
+# rollout id, reply ttl (s), reply JSON ('' when none), step JSON ('' when none).
+_END_CALL = """
+if ARGV[5] ~= '' then redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[4]) end
+if ARGV[6] ~= '' then redis.call('RPUSH', KEYS[6], ARGV[6]) end
+redis.call('HINCRBY', KEYS[4], 'calls_in_flight', -1)
+redis.call('HSET', KEYS[4], 'last_activity', ARGV[2])
+redis.call('ZADD', KEYS[5], 'XX', ARGV[2], ARGV[3])
+if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+return 1
+"""
+
+REPLY_TTL_S = 7 * 86400
+
+
+class CallStart(BaseModel):
+    """What :meth:`RolloutStore.begin_call` found: a stored reply, a call with the same id
+    still running, or the go-ahead with the call's sequence number."""
+
+    status: str
+    stored: dict[str, Any] | None = None
+    seq: int = 0
+    token: str = ""
 
 
 class RolloutStore:
@@ -119,6 +151,8 @@ class RolloutStore:
         self.prefix = prefix
         self._create_script = self.redis.register_script(_CREATE)
         self._update_script = self.redis.register_script(_UPDATE)
+        self._begin_call_script = self.redis.register_script(_BEGIN_CALL)
+        self._end_call_script = self.redis.register_script(_END_CALL)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -163,89 +197,69 @@ class RolloutStore:
         flat = [str(x) for x in raw]
         return _decode(dict(zip(flat[::2], flat[1::2], strict=True)))
 
-    async def calls_in_flight(self, rollout_id: str, delta: int) -> None:
-        await self.redis.hincrby(self.key("rollout", rollout_id), "calls_in_flight", delta)
-
-    async def touch(self, rollout_id: str) -> None:
-        now = time.time()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(self.key("rollout", rollout_id), "last_activity", str(now))
-            pipe.zadd(self.key("rollouts", "live"), {rollout_id: now}, xx=True)
-            await pipe.execute()
-
     async def live_ids(self) -> list[str]:
         ids = await self.redis.zrange(self.key("rollouts", "live"), 0, -1)
         return [str(i) for i in ids]
 
-    async def recent_ids(self, limit: int = 100) -> list[str]:
-        ids = await self.redis.zrevrange(self.key("rollouts", "live"), 0, limit - 1)
-        return [str(i) for i in ids]
-
-    # -- calls and the trajectory ----------------------------------------------------------
-
-    async def next_seq(self, rollout_id: str) -> int:
-        return int(await self.redis.incr(self.key("rollout", rollout_id, "seq")))
-
     async def call_count(self, rollout_id: str) -> int:
         value = await self.redis.get(self.key("rollout", rollout_id, "seq"))
         return int(value or 0)
-
-    async def append_step(self, rollout_id: str, step: TrajectoryStep) -> None:
-        await self.redis.rpush(self.key("rollout", rollout_id, "traj"), step.model_dump_json())
 
     async def trajectory(self, rollout_id: str) -> list[TrajectoryStep]:
         raw = await self.redis.lrange(self.key("rollout", rollout_id, "traj"), 0, -1)
         steps = [TrajectoryStep.model_validate_json(r) for r in raw]
         return sorted(steps, key=lambda s: s.seq)
 
+    def _call_keys(self, rollout_id: str, call_id: str) -> list[str]:
+        return [
+            self.key("rollout", rollout_id, "call", call_id),
+            self.key("rollout", rollout_id, "lock", f"call:{call_id}"),
+            self.key("rollout", rollout_id, "seq"),
+            self.key("rollout", rollout_id),
+            self.key("rollouts", "live"),
+            self.key("rollout", rollout_id, "traj"),
+        ]
+
+    async def begin_call(self, rollout_id: str, call_id: str, *, lock_ttl_s: float) -> CallStart:
+        """In one step: return the stored reply of ``call_id`` if there is one; else take
+        the call's lock, count the call, mark it in flight and the rollout active."""
+        token = uuid.uuid4().hex
+        status, value = await self._begin_call_script(
+            keys=self._call_keys(rollout_id, call_id)[:5],
+            args=[token, int(lock_ttl_s * 1000), time.time(), rollout_id],
+        )
+        if status == "stored":
+            return CallStart(status="stored", stored=json.loads(value))
+        if status == "busy":
+            return CallStart(status="busy")
+        return CallStart(status="run", seq=int(value), token=token)
+
+    async def end_call(
+        self,
+        rollout_id: str,
+        call_id: str,
+        token: str,
+        *,
+        reply: dict[str, Any] | None,
+        step: TrajectoryStep | None,
+    ) -> None:
+        """In one step: store the reply and the trajectory step (when the call produced
+        them), take the call out of flight, release its lock."""
+        await self._end_call_script(
+            keys=self._call_keys(rollout_id, call_id),
+            args=[
+                token,
+                time.time(),
+                rollout_id,
+                REPLY_TTL_S,
+                json.dumps(reply) if reply is not None else "",
+                step.model_dump_json() if step is not None else "",
+            ],
+        )
+
     async def stored_reply(self, rollout_id: str, call_id: str) -> dict[str, Any] | None:
         raw = await self.redis.get(self.key("rollout", rollout_id, "call", call_id))
         return json.loads(raw) if raw else None
 
-    async def store_reply(self, rollout_id: str, call_id: str, reply: dict[str, Any]) -> None:
-        await self.redis.set(
-            self.key("rollout", rollout_id, "call", call_id), json.dumps(reply), ex=7 * 86400
-        )
-
-    # -- locks -----------------------------------------------------------------------------
-
-    @asynccontextmanager
-    async def lock(
-        self, rollout_id: str, name: str, *, ttl_s: float, wait_s: float
-    ) -> AsyncIterator[None]:
-        """A simple NX lock with a TTL, so a crashed holder cannot block forever."""
-        key = self.key("rollout", rollout_id, "lock", name)
-        token = f"{time.time()}"
-        deadline = time.monotonic() + wait_s
-        delay = 0.002
-        while not await self.redis.set(key, token, nx=True, px=int(ttl_s * 1000)):
-            if time.monotonic() > deadline:
-                raise LockTimeout(f"lock {name!r} of rollout {rollout_id} held too long")
-            await _sleep(delay)
-            delay = min(delay * 2, 0.05)
-        try:
-            yield
-        finally:
-            # Release only our own lock (it may have expired and been taken by another).
-            if (await self.redis.get(key)) == token:
-                await self.redis.delete(key)
-
-    async def delete_all(self, rollout_id: str) -> None:
-        """Forget a rollout entirely (tests and explicit purges)."""
-        keys = [k async for k in self.redis.scan_iter(self.key("rollout", rollout_id) + "*")]
-        if keys:
-            await self.redis.delete(*keys)
-        await self.redis.zrem(self.key("rollouts", "live"), rollout_id)
-
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
-
-
-async def _sleep(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
-
-
-def now_utc() -> datetime:
-    return datetime.now(UTC)
