@@ -29,6 +29,17 @@ from orchestrator.config import Settings
 from orchestrator.local import local_stack
 
 COMMANDS = {"true": "true", "grep": "grep -rn 'def __init__' --include=*.py json email | wc -l"}
+EXPECTED = {
+    COMMANDS["true"]: lambda out: out == "(no output)",
+    COMMANDS["grep"]: lambda out: out.strip().isdigit(),
+}
+# The default environment caps a rollout at 50 calls; the benchmark's rollouts make more.
+ENVIRONMENTS = """\
+environments:
+  - name: bench
+    tools: [shell, read_file]
+    grader: {name: file_f1}
+"""
 TARGETS = {"true_p50_ms_at_16": 10.0, "calls_per_s": 400.0}
 THINK_S = 0.1
 
@@ -60,6 +71,10 @@ async def one_rollout(
         response = await http.post("/agent-rft/tools", json=body)
         elapsed = (time.perf_counter() - started) * 1000
         response.raise_for_status()
+        output = response.json()["output"]
+        # Only real runs count: an answer such as "budget spent" never reached a sandbox.
+        if not EXPECTED[command](output):
+            raise RuntimeError(f"unexpected output for {command!r}: {output[:200]!r}")
         return elapsed
 
     await call(0)  # creates the sandbox: not a steady-state call
@@ -103,6 +118,8 @@ def main() -> None:
 
     token = secrets.token_urlsafe(16)
     state = Path(tempfile.mkdtemp(prefix="orch-bench-"))
+    environments = state / "environments.yaml"
+    environments.write_text(ENVIRONMENTS)
     settings = Settings(
         deployment="bench-tc",
         api_port=free_port(),
@@ -110,6 +127,8 @@ def main() -> None:
         state_dir=state,
         host_id=f"bench-{uuid.uuid4().hex[:6]}",
         log_level="WARNING",
+        environments_file=environments,
+        default_environment="bench",
     )
     ensure_bench_codebase(settings)
     results: dict[str, dict[str, Any]] = {}

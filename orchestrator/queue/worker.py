@@ -82,7 +82,10 @@ def start_heartbeat() -> threading.Thread:
 
     def probe() -> None:
         while True:
-            latest[0] = host_status()
+            try:
+                latest[0] = host_status()
+            except Exception as exc:  # noqa: BLE001 - the probe must outlive any failure
+                latest[0] = {"docker_ok": False, "docker_error": f"probe failed: {exc!r}"}
             time.sleep(settings.heartbeat_interval_s)
 
     def beat() -> None:
@@ -92,8 +95,8 @@ def start_heartbeat() -> threading.Thread:
                 ttl = max(1, int(settings.heartbeat_interval_s * 3))
                 client.set(heartbeat_key(settings.host_id), json.dumps(status), ex=ttl)
                 client.sadd(f"{settings.key_prefix}hosts", settings.host_id)
-            except redis.RedisError as exc:
-                log.warning("worker.heartbeat_failed", host=settings.host_id, error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - a dead beat makes a live worker look dead
+                log.warning("worker.heartbeat_failed", host=settings.host_id, error=repr(exc))
             time.sleep(settings.heartbeat_interval_s)
 
     threading.Thread(target=probe, name="docker-probe", daemon=True).start()
