@@ -21,7 +21,7 @@ import docker
 import pytest
 
 from orchestrator.config import Runtime, Settings
-from orchestrator.images.base import build_base_image
+from orchestrator.images.base import BaseBuildResult, build_base_image
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
 
@@ -102,8 +102,21 @@ def settings() -> Iterator[Settings]:
 
 
 @pytest.fixture(scope="session")
-def base_image(settings: Settings) -> str:
-    build_base_image(settings)
+def client() -> Iterator[docker.DockerClient]:
+    """A client of the test machine's dockerd, for looking behind the backend's back."""
+    client = docker.from_env()
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def base(settings: Settings) -> BaseBuildResult:
+    """The base image, built once per run (a no-op when its inputs are unchanged)."""
+    return build_base_image(settings)
+
+
+@pytest.fixture(scope="session")
+def base_image(settings: Settings, base: BaseBuildResult) -> str:
     return settings.base_image
 
 

@@ -14,8 +14,7 @@ import pytest
 from docker.errors import ImageNotFound
 
 from orchestrator.config import Settings
-from orchestrator.docker_client import connect
-from orchestrator.images.base import BaseBuildResult, build_base_image
+from orchestrator.images.base import BaseBuildResult
 from orchestrator.images.codebases import (
     LABEL_COMMIT,
     LABEL_NAME,
@@ -42,24 +41,6 @@ GIT_ENV = {
     "GIT_COMMITTER_NAME": "t",
     "GIT_COMMITTER_EMAIL": "t@example.com",
 }
-
-
-@pytest.fixture(scope="module")
-def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
-    return Settings(state_dir=tmp_path_factory.mktemp("state"))
-
-
-@pytest.fixture(scope="module")
-def client(settings: Settings) -> Iterator[docker.DockerClient]:
-    c = connect(settings)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def base(settings: Settings) -> BaseBuildResult:
-    # Cached by inputs hash: a no-op when another module already built it.
-    return build_base_image(settings)
 
 
 @pytest.fixture

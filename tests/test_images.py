@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import docker
@@ -13,7 +12,6 @@ import pytest
 from docker.errors import ImageNotFound
 
 from orchestrator.config import Settings
-from orchestrator.docker_client import connect
 from orchestrator.images.base import (
     INPUTS_HASH_LABEL,
     OS_IMAGE_SOURCE_LABEL,
@@ -23,24 +21,6 @@ from orchestrator.images.base import (
     make_os_image_with_debootstrap,
     sandbox_images_dir,
 )
-
-
-@pytest.fixture(scope="module")
-def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
-    return Settings(state_dir=tmp_path_factory.mktemp("state"))
-
-
-@pytest.fixture(scope="module")
-def client(settings: Settings) -> Iterator[docker.DockerClient]:
-    c = connect(settings)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def base(settings: Settings) -> BaseBuildResult:
-    # Cached by inputs hash, so only the first module of a session pays for the build.
-    return build_base_image(settings)
 
 
 def run(

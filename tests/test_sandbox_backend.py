@@ -60,13 +60,6 @@ def unique(prefix: str) -> str:
 
 
 @pytest.fixture()
-def client() -> Iterator[docker.DockerClient]:
-    c = docker.from_env()
-    yield c
-    c.close()
-
-
-@pytest.fixture()
 def short_dir() -> Iterator[Path]:
     """A state dir with a short path: agent sockets live under it, and a Unix socket's
     path is limited to 107 bytes (pytest's tmp_path under xdist is too long)."""

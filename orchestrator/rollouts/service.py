@@ -121,18 +121,7 @@ class RolloutService:
             if exclusive:
                 raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
             return await self._wait_ready(existing)
-        now = time.time()
-        record = Rollout(
-            rollout_id=rollout_id,
-            source=source,
-            environment=resolved.environment.name,
-            codebase=resolved.codebase,
-            image=resolved.image,
-            state=RolloutState.CREATING,
-            item=item,
-            created_at=now,
-            last_activity=now,
-        )
+        record = _new_record(rollout_id, source, resolved, item, state=RolloutState.CREATING)
         if not await self.store.create(record):
             if exclusive:
                 raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
@@ -414,18 +403,13 @@ class RolloutService:
             # and keep a record only once the grade succeeded.
             resolved = await self.aresolve(item)
             graded = await self._run_grader(resolved, rollout_id, answer, item, [])
-            now = time.time()
-            record = Rollout(
-                rollout_id=rollout_id,
-                source=source,
-                environment=resolved.environment.name,
-                codebase=resolved.codebase,
-                image=resolved.image,
+            record = _new_record(
+                rollout_id,
+                source,
+                resolved,
+                item,
                 state=RolloutState.GRADED,
-                item=item,
-                created_at=now,
-                last_activity=now,
-                graded_at=now,
+                graded_at=time.time(),
                 score=graded.score,
                 grade_details=graded.details,
                 outcome=Outcome.OK,
@@ -520,6 +504,30 @@ class RolloutService:
         assert updated is not None
         log.info("rollout.closed", rollout_id=rollout_id, reason=reason)
         return updated
+
+
+def _new_record(
+    rollout_id: str,
+    source: str,
+    resolved: ResolvedEnvironment,
+    item: dict[str, Any],
+    *,
+    state: RolloutState,
+    **fields: Any,
+) -> Rollout:
+    now = time.time()
+    return Rollout(
+        rollout_id=rollout_id,
+        source=source,
+        environment=resolved.environment.name,
+        codebase=resolved.codebase,
+        image=resolved.image,
+        state=state,
+        item=item,
+        created_at=now,
+        last_activity=now,
+        **fields,
+    )
 
 
 def _reply(call_id: str, seq: int, result: ToolResult, duration_ms: float) -> CallReply:
