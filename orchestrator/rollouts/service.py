@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
 from orchestrator.grading import GraderConfigError, ItemError, get_grader
+from orchestrator.observability import metrics
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Outcome
 from orchestrator.queue.client import QueueClient, QueueTimeout
@@ -170,6 +171,8 @@ class RolloutService:
             last_activity=time.time(),
         )
         assert updated is not None
+        metrics.SANDBOX_CREATE_SECONDS.observe(time.monotonic() - started)
+        metrics.ROLLOUTS_STARTED.labels(record.source).inc()
         log.info(
             "rollout.started",
             rollout_id=record.rollout_id,
@@ -293,6 +296,8 @@ class RolloutService:
                 return None
             except InvalidArguments as exc:
                 result = agent_error(exc.message, "invalid_arguments", budget=budget)
+        # An unknown name is the agent's free text: never a label value.
+        metrics.TOOL_CALLS.labels(tool_name if tool else "(unknown)", result.outcome).inc()
         return _reply(call_id, 0, result, (time.monotonic() - received) * 1000)
 
     def _check_state(self, rollout: Rollout) -> None:
@@ -358,6 +363,11 @@ class RolloutService:
             queue_ms, exec_ms = round(done.queue_ms, 2), round(done.exec_ms, 2)
         duration_ms = (time.monotonic() - received) * 1000
         reply = _reply(call_id, seq, result, duration_ms)
+        metrics.TOOL_CALLS.labels(tool_name, result.outcome).inc()
+        metrics.TOOL_CALL_SECONDS.labels("total").observe(duration_ms / 1000)
+        if queue_ms is not None and exec_ms is not None:
+            metrics.TOOL_CALL_SECONDS.labels("queue").observe(queue_ms / 1000)
+            metrics.TOOL_CALL_SECONDS.labels("exec").observe(exec_ms / 1000)
         step = TrajectoryStep(
             seq=seq,
             call_id=call_id,
@@ -380,6 +390,7 @@ class RolloutService:
     ) -> None:
         """Sticky: the rollout will never be graded, only 503s from now on."""
         failure = {"cause": cause, "message": message, "evidence": evidence, "at": time.time()}
+        metrics.INFRA_ERRORS.labels(cause).inc()
         await self.store.update(
             rollout_id,
             state=RolloutState.INFRA_FAILED,
@@ -443,6 +454,8 @@ class RolloutService:
         updated = await self.store.update(rollout_id, once=True, **fields)
         if updated is None or updated.score is None:
             raise InfraError("the rollout vanished while it was graded", rollout_id=rollout_id)
+        metrics.ROLLOUTS_GRADED.inc()
+        metrics.GRADE_SCORE.observe(updated.score)
         log.info(
             "rollout.graded", rollout_id=rollout_id, score=updated.score, tool_calls=len(trajectory)
         )

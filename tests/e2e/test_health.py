@@ -65,3 +65,29 @@ def test_openapi_and_docs(stack: Stack) -> None:
     docs = httpx.get(f"{stack.base_url}/docs")
     assert docs.status_code == 200
     assert "swagger" in docs.text.lower()
+
+
+def _sample(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metrics_move_when_calls_are_made(stack: Stack) -> None:
+    from tests.e2e.helpers import function_call, new_trace
+
+    item = {"codebase": stack.codebase, "gold_files": ["README.md"]}
+    name = 'orchestrator_tool_calls_total{outcome="ok",tool="shell"}'
+    before = _sample(httpx.get(f"{stack.base_url}/metrics").text, name)
+    trace = new_trace()
+    with stack.client() as client:
+        for n in range(3):
+            body = function_call(trace, item, "shell", {"command": "true"}, call_id=f"m{n}")
+            assert client.post("/agent-rft/tools", json=body).status_code == 200
+        client.delete(f"/v1/rollouts/{trace}")
+    text = httpx.get(f"{stack.base_url}/metrics").text
+    assert _sample(text, name) == before + 3
+    assert _sample(text, 'orchestrator_tool_call_seconds_count{phase="exec"}') >= 3
+    assert _sample(text, "orchestrator_rollouts_started_total") >= 1
