@@ -611,3 +611,21 @@ def test_read_file_of_a_fifo_is_the_agents_error(make_sandbox: Any, backend: Doc
     request = agent.read_file_request("pipe", 1, None, 1000)
     with pytest.raises(FileReadError):
         agent.read_file_result(agent.call_unix(sock, request, 3.0))
+
+
+def test_sweep_removes_workspace_layers_of_images_that_are_gone(
+    private_backend: DockerBackend, base_image: str
+) -> None:
+    live = private_backend.create(SandboxSpec(image=base_image))
+    try:
+        layers = private_backend.workspaces.layers
+        kept = {p.name for p in layers.iterdir()}
+        assert kept, "creating a sandbox extracts its image's /workspace layer"
+        gone = layers / ("0" * 32)
+        (gone / "workspace").mkdir(parents=True)
+        private_backend.sweep_leftovers()
+        assert not gone.exists()
+        assert {p.name for p in layers.iterdir()} == kept
+        assert out(run(private_backend, live, "ls -d /workspace")) == "/workspace\n"
+    finally:
+        private_backend.destroy(live)

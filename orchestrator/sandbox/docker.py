@@ -392,7 +392,7 @@ class DockerBackend(SandboxBackend):
             ):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed += 1
-        return removed
+        return removed + self.workspaces.sweep_layers()
 
     # -- naming ----------------------------------------------------------------------------
 

@@ -62,6 +62,23 @@ class Workspaces:
     def upper_ids(self) -> list[str]:
         return [p.name for p in self.uppers.iterdir() if p.is_dir()]
 
+    def sweep_layers(self) -> int:
+        """Remove lower layers of images the daemon no longer has. An image cannot go while
+        a container uses it (Docker keeps it, untagged, until the last one is removed), so
+        no mounted layer is touched. Returns how many were removed."""
+        try:
+            present = {
+                str(i["Id"]).removeprefix("sha256:")[:32] for i in self.client.api.images(all=True)
+            }
+        except DockerException:
+            return 0
+        removed = 0
+        for entry in self.layers.iterdir():
+            if entry.is_dir() and not entry.name.startswith(".") and entry.name not in present:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed += 1
+        return removed
+
     def lower(self, image: str) -> Path:
         """The image's /workspace on the host, extracted on first use (races are safe:
         every extractor works in its own directory and the first rename wins)."""
