@@ -134,7 +134,8 @@ def up(
             f"  docs:   {base}/docs\n"
             f"  token:  {token}   (Authorization: Bearer <token>; kept in "
             f"{Path(settings.state_dir) / 'api-token'} unless ORCH_API_TOKENS is set)\n"
-            "Ctrl-C stops everything."
+            "Ctrl-C stops everything.",
+            soft_wrap=True,  # URLs and the token must stay on one line to be copied
         )
     code = 0 if ready else 1
     while ready and not check and not stopping:
