@@ -59,9 +59,6 @@ class Workspaces:
     def remove(self, sandbox_id: str) -> None:
         shutil.rmtree(self.uppers / sandbox_id, ignore_errors=True)
 
-    def upper_ids(self) -> list[str]:
-        return [p.name for p in self.uppers.iterdir() if p.is_dir()]
-
     def sweep_layers(self) -> int:
         """Remove lower layers of images the daemon no longer has. An image cannot go while
         a container uses it (Docker keeps it, untagged, until the last one is removed), so
