@@ -43,7 +43,7 @@ from orchestrator.tools.base import (
     clean_schema,
     decode_arguments,
 )
-from orchestrator.tools.shell import format_exec_result, format_seconds, status_line
+from orchestrator.tools.shell import format_exec_result
 
 MAX_ELEMENT_BYTES = 64 * 1024
 """Longest single argv element (Linux refuses more than 128 KiB per argument)."""
@@ -300,16 +300,10 @@ class CommandTool(Tool[CommandArgs]):
             output_budget_bytes=settings.output_budget_bytes,
             cwd=self.config.cwd or WORKSPACE,
         )
-        shaped = format_exec_result(result, timeout, settings)
-        status = status_line(result, timeout, settings)
-        if result.timed_out and status and shaped.output.endswith(status):
-            # shell's line tells the model to raise timeout_s, which this tool does not take.
-            ours = (
-                f"[{self.name} timed out after {format_seconds(timeout)}; the whole process "
-                "group was killed. Try narrower arguments.]"
-            )
-            shaped = shaped.model_copy(update={"output": shaped.output.removesuffix(status) + ours})
-        return shaped
+        # shell's advice is to raise timeout_s, which this tool does not take.
+        return format_exec_result(
+            result, timeout, settings, timeout=(self.name, "Try narrower arguments.")
+        )
 
     # -- schema ---------------------------------------------------------------------------------
 

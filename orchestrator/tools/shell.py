@@ -43,6 +43,8 @@ MAX_COMMAND_CHARS = 64 * 1024
 # bash, so its UTF-8 size is what must stay under it.
 MAX_COMMAND_BYTES = 64 * 1024
 NO_OUTPUT = "(no output)"
+TimeoutWording = tuple[str, str]
+"""(what timed out, what the agent can do about it), for the timeout status line."""
 STDERR_HEADER = "[stderr]"
 
 
@@ -118,13 +120,19 @@ def signal_description(number: int) -> str:
     return f"{number} ({name})"
 
 
-def status_line(result: ExecResult, timeout_s: float, settings: Settings) -> str | None:
+def status_line(
+    result: ExecResult, timeout_s: float, settings: Settings, timeout: TimeoutWording | None = None
+) -> str | None:
     """The bracketed line closing the output, or None when there is nothing to say."""
     if result.timed_out:
+        subject, advice = timeout or (
+            "command",
+            "Narrow the command, run it in smaller steps, or raise timeout_s "
+            f"(at most {format_seconds(settings.command_timeout_max_s)}).",
+        )
         return (
-            f"[command timed out after {format_seconds(timeout_s)}; the whole process group "
-            f"was killed. Narrow the command, run it in smaller steps, or raise timeout_s "
-            f"(at most {format_seconds(settings.command_timeout_max_s)}).]"
+            f"[{subject} timed out after {format_seconds(timeout_s)}; the whole process group "
+            f"was killed. {advice}]"
         )
     if result.signal:
         return f"[killed by signal {signal_description(result.signal)}]"
@@ -157,10 +165,17 @@ def split_budget(room: int, demand_out: int, demand_err: int) -> tuple[int, int]
     return room - half, half
 
 
-def format_exec_result(result: ExecResult, timeout_s: float, settings: Settings) -> ToolResult:
-    """Turn what the sandbox reported into the tool's output and outcome."""
+def format_exec_result(
+    result: ExecResult,
+    timeout_s: float,
+    settings: Settings,
+    *,
+    timeout: TimeoutWording | None = None,
+) -> ToolResult:
+    """Turn what the sandbox reported into the tool's output and outcome. ``timeout``
+    names what timed out and what to do about it (default: shell's command and timeout_s)."""
     budget = settings.output_budget_bytes
-    status = status_line(result, timeout_s, settings)
+    status = status_line(result, timeout_s, settings, timeout)
     demand_out = capture_demand(result.stdout)
     demand_err = capture_demand(result.stderr)
     # Reserve the fixed parts first: the status line, the stderr header, and the newlines
