@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import secrets
-import socket
 import tempfile
 import time
 import uuid
@@ -26,7 +25,7 @@ import httpx
 
 from bench.common import BENCH_CODEBASE, ensure_bench_codebase, summary, write_report
 from orchestrator.config import Settings
-from orchestrator.local import local_stack
+from orchestrator.local import free_port, local_stack
 
 COMMANDS = {"true": "true", "grep": "grep -rn 'def __init__' --include=*.py json email | wc -l"}
 EXPECTED = {
@@ -42,13 +41,6 @@ environments:
 """
 TARGETS = {"true_p50_ms_at_16": 10.0, "calls_per_s": 400.0}
 THINK_S = 0.1
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def one_rollout(

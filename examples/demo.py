@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import socket
 import statistics
 import tempfile
 import time
@@ -22,14 +21,7 @@ import httpx
 from examples.codebase_planning.agent import localise
 from orchestrator.config import Settings
 from orchestrator.environments.examples import ensure_requests_codebase, planning_example_dir
-from orchestrator.local import local_stack
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+from orchestrator.local import free_port, local_stack
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from orchestrator.config import Runtime, Settings
 from orchestrator.images.base import BaseBuildResult, build_base_image
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.gc import collect_expired
 
 RUNTIMES: list[Runtime] = ["runc", "runsc"]
 
@@ -124,9 +125,7 @@ def base_image(settings: Settings, base: BaseBuildResult) -> str:
 def backend(settings: Settings, base_image: str) -> Iterator[DockerBackend]:
     backend = DockerBackend(settings)
     yield backend
-    for handle in backend.list_owned():
-        backend.destroy(handle)
-    backend.sweep_leftovers()
+    collect_expired(backend, everything=True)
 
 
 @pytest.fixture(scope="session", params=RUNTIMES)

@@ -19,6 +19,7 @@ from orchestrator.cli import sandbox as sandbox_cli
 from orchestrator.config import Runtime, Settings, get_settings
 from orchestrator.sandbox.backend import SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.gc import collect_expired
 
 pytestmark = pytest.mark.xdist_group("cli_sandbox")
 
@@ -58,9 +59,7 @@ def cli(settings: Settings, base_image: str, monkeypatch: pytest.MonkeyPatch) ->
         yield Cli(CliRunner(), backend, monkeypatch)
         assert backend.list_owned() == [], "the CLI left a sandbox behind"
     finally:
-        for handle in backend.list_owned():
-            backend.destroy(handle)
-        backend.sweep_leftovers()
+        collect_expired(backend, everything=True)
         get_settings.cache_clear()
         shutil.rmtree(state_dir, ignore_errors=True)
 

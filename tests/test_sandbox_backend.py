@@ -79,9 +79,7 @@ def private_backend(
     )
     backend = DockerBackend(own)
     yield backend
-    for handle in backend.list_owned():
-        backend.destroy(handle)
-    backend.sweep_leftovers()
+    collect_expired(backend, everything=True)
 
 
 @pytest.fixture()
@@ -505,9 +503,7 @@ def test_a_too_long_state_dir_is_reported_as_such(
         with pytest.raises(SandboxError, match="too long"):
             backend.create(SandboxSpec(image=base_image))
     finally:
-        for handle in backend.list_owned():
-            backend.destroy(handle)
-        backend.sweep_leftovers()
+        collect_expired(backend, everything=True)
 
 
 # -- read_file -------------------------------------------------------------------------------

@@ -109,14 +109,16 @@ class RolloutService:
         environment: str | None = None,
         codebase: str | None = None,
         exclusive: bool = False,
+        resolved: ResolvedEnvironment | None = None,
     ) -> Rollout:
         """Return the rollout, creating it and its sandbox if it is new.
 
         Concurrent first calls of one id create exactly one sandbox: one caller wins the
         record, the others wait for its sandbox. ``exclusive`` (the rollout API) makes an
-        existing id a 409 instead.
+        existing id a 409 instead. ``resolved``: the row, already resolved by the caller.
         """
-        resolved = await self.aresolve(item, environment=environment, codebase=codebase)
+        if resolved is None:
+            resolved = await self.aresolve(item, environment=environment, codebase=codebase)
         existing = await self.store.get(rollout_id)
         if existing is not None:
             if exclusive:
@@ -230,7 +232,7 @@ class RolloutService:
             early = self._check_call(resolved, tool_name, arguments, call_id, received)
             if early is not None:
                 return early
-            rollout = await self.start(rollout_id, item, source=source)
+            rollout = await self.start(rollout_id, item, source=source, resolved=resolved)
         else:
             rollout = await self._wait_ready(existing)
             resolved = self.environment_of(rollout)

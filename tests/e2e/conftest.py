@@ -7,7 +7,6 @@ The stack gets its own deployment name, so its Redis keys, queues and sandboxes 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,16 +22,11 @@ import pytest
 from orchestrator.config import Settings
 from orchestrator.environments.examples import ensure_requests_codebase
 from orchestrator.images.codebases import remove_codebase
+from orchestrator.local import free_port
 from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.gc import collect_expired
 
 TOKEN = "e2e-token-" + uuid.uuid4().hex[:8]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -70,6 +64,15 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+    def shut_down(self, *hosts: Settings) -> None:
+        """Stop every process, destroy what the hosts' daemons still hold for this
+        deployment, and forget its Redis keys."""
+        for name in list(self.procs):
+            self.stop(name)
+        for host in hosts or (self.settings,):
+            collect_expired(DockerBackend(host), everything=True)
+        _flush_redis(self.settings)
 
     def wait_ready(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -133,14 +136,8 @@ def stack(
         stack.wait_ready()
         yield stack
     finally:
-        for name in list(stack.procs):
-            stack.stop(name)
-        backend = DockerBackend(stack_settings)
-        for handle in backend.list_owned():
-            backend.destroy(handle)
-        backend.sweep_leftovers()
+        stack.shut_down()
         remove_codebase(stack_settings, codebase)
-        _flush_redis(stack_settings)
 
 
 def _flush_redis(settings: Settings) -> None:
@@ -239,10 +236,4 @@ def reaper_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iter
         second.wait_ready()
         yield second
     finally:
-        for name in list(second.procs):
-            second.stop(name)
-        backend = DockerBackend(settings)
-        for handle in backend.list_owned():
-            backend.destroy(handle)
-        backend.sweep_leftovers()
-        _flush_redis(settings)
+        second.shut_down()

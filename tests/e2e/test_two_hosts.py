@@ -19,8 +19,8 @@ import docker
 import pytest
 
 from orchestrator.config import Settings
-from orchestrator.sandbox.docker import DockerBackend
-from tests.e2e.conftest import TOKEN, Stack, free_port, stack_env
+from orchestrator.local import free_port
+from tests.e2e.conftest import TOKEN, Stack, stack_env
 
 pytestmark = [pytest.mark.xdist_group("two-hosts")]
 
@@ -168,16 +168,7 @@ def two_host_stack(settings: Settings, second_daemon: docker.DockerClient) -> It
         _wait_for_hosts(stack, 2)
         yield stack
     finally:
-        for name in list(stack.procs):
-            stack.stop(name)
-        for host_settings in hosts.values():
-            backend = DockerBackend(host_settings)
-            for handle in backend.list_owned():
-                backend.destroy(handle)
-            backend.sweep_leftovers()
-        from tests.e2e.conftest import _flush_redis
-
-        _flush_redis(api_settings)
+        stack.shut_down(*hosts.values())
 
 
 def _wait_for_hosts(stack: Stack, n: int) -> None:
