@@ -62,23 +62,14 @@ def second_daemon(base_image: str) -> Iterator[docker.DockerClient]:
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    client = docker.DockerClient(base_url=SOCKET, timeout=120)
+    client: docker.DockerClient | None = None
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                client.ping()
-                break
-            except docker.errors.DockerException:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"second dockerd did not start: see {ROOT}/dockerd.log"
-                    ) from None
-                time.sleep(0.3)
+        client = _wait_for_daemon(proc)
         _copy_image(base_image, client)
         yield client
     finally:
-        client.close()
+        if client is not None:
+            client.close()
         proc.terminate()
         try:
             proc.wait(timeout=30)
@@ -86,6 +77,22 @@ def second_daemon(base_image: str) -> Iterator[docker.DockerClient]:
             proc.kill()
             proc.wait()
         _sh("ip", "link", "del", BRIDGE)
+
+
+def _wait_for_daemon(proc: subprocess.Popen[bytes]) -> docker.DockerClient:
+    # The client asks the daemon for its API version when it is built, so building it
+    # is itself the readiness probe.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            client = docker.DockerClient(base_url=SOCKET, timeout=120)
+            client.ping()
+            return client
+        except docker.errors.DockerException:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log = ROOT / "dockerd.log"
+                raise RuntimeError(f"second dockerd did not start: see {log}") from None
+            time.sleep(0.3)
 
 
 def _empty_config() -> Path:
