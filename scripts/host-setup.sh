@@ -19,6 +19,9 @@ install_packages() {
   command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
   command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
   command -v runsc >/dev/null 2>&1 || missing+=(runsc)
+  # Each sandbox's /workspace is capped by an ext4 image of its own, loop-mounted.
+  command -v mkfs.ext4 >/dev/null 2>&1 || missing+=(e2fsprogs)
+  command -v losetup >/dev/null 2>&1 || missing+=(mount)
   if [ "${#missing[@]}" -eq 0 ]; then
     return
   fi
@@ -99,7 +102,21 @@ start_redis() {
   log "redis did not come up"; exit 1
 }
 
+loop_devices() {
+  # The kernel makes loop devices on demand through /dev/loop-control; without it, load
+  # the module (sandboxes with a capped /workspace cannot be created otherwise).
+  if [ -e /dev/loop-control ]; then
+    return
+  fi
+  need_root
+  modprobe loop 2>/dev/null || true
+  if [ ! -e /dev/loop-control ]; then
+    log "no loop devices (/dev/loop-control): set ORCH_SANDBOX_DISK_MB=0 to run with an uncapped /workspace"
+  fi
+}
+
 install_packages
+loop_devices
 start_dockerd
 start_redis
 if docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q runsc; then

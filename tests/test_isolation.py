@@ -112,6 +112,38 @@ def test_tmp_is_size_limited(make_sandbox: Any, backend: DockerBackend, runtime:
     result = run(backend, handle, "dd if=/dev/zero of=/tmp/fill bs=1M count=64 2>&1; echo rc=$?")
     assert "No space left on device" in out(result), result
     assert_healthy(backend, handle)
+    # Quietly, too: the sandbox sees the filesystem full after the command failed.
+    assert run(backend, handle, "rm /tmp/fill").exit_code == 0
+    quiet = run(backend, handle, "dd if=/dev/zero of=/tmp/fill bs=1M 2>/dev/null")
+    assert quiet.limits_hit == ["disk"], quiet
+    hit = quiet.limit("disk")
+    assert hit is not None and hit.path == "/tmp" and hit.limit == 32 and hit.unit == "MB"
+    assert_healthy(backend, handle)
+
+
+def test_workspace_is_size_limited(
+    make_sandbox: Any, backend: DockerBackend, runtime: Runtime
+) -> None:
+    handle = make_sandbox(runtime=runtime, limits={"disk_mb": 64})
+    image = backend.workspaces.image_path(handle.sandbox_id)
+    writer = (
+        "python3 -c 'import os\n"
+        'with open("/workspace/fill", "wb") as f:\n'
+        "    while True: f.write(os.urandom(1 << 20))'"
+    )
+    result = run(backend, handle, writer, timeout_s=60)
+    assert result.exit_code == 1 and "No space left on device" in err(result), result
+    assert result.limits_hit == ["disk"], result
+    hit = result.limit("disk")
+    assert hit is not None and hit.path == "/workspace" and hit.limit == 64
+    # The host's disk took no more than the cap, and the sandbox carries on.
+    assert image.stat().st_blocks * 512 <= 65 << 20
+    assert_healthy(backend, handle)
+    assert run(backend, handle, "false").limits_hit == [], "a full disk is not every failure's"
+    again = run(
+        backend, handle, "rm /workspace/fill && echo ok > /workspace/small && cat /workspace/small"
+    )
+    assert out(again) == "ok\n" and again.limits_hit == [], again
 
 
 def test_workspace_dies_with_the_sandbox(
@@ -138,6 +170,15 @@ def test_memory_limit_kills_the_command_not_the_sandbox(
     result = run(backend, handle, hog)
     assert result.exit_code != 0, result
     assert "536870912" not in out(result)
+    assert result.limits_hit == ["memory"], result
+    hit = result.limit("memory")
+    assert hit is not None
+    if runtime == "runc":
+        # The cgroup's OOM killer took the command.
+        assert hit.killed and hit.limit == 128 and hit.unit == "MB", hit
+    else:
+        # gVisor: the allocation failed at the command's RLIMIT_AS (3/4 of the limit).
+        assert not hit.killed and hit.limit == 96 and hit.unit == "MB per process", hit
     assert_healthy(backend, handle)
 
 
@@ -182,6 +223,9 @@ def test_pids_limit_stops_a_fork_bomb(
     bomb = "bomb() { bomb | bomb & }; bomb; sleep 3"
     result = run(backend, handle, bomb, timeout_s=5)
     assert result.timed_out or result.exit_code is not None
+    assert "pids" in result.limits_hit, result
+    hit = result.limit("pids")
+    assert hit is not None and hit.limit == 64 and hit.unit == "processes"
     # The bomb's processes are gone with its command; the sandbox and its neighbour work.
     time.sleep(0.5)
     assert_healthy(backend, handle)
@@ -189,17 +233,27 @@ def test_pids_limit_stops_a_fork_bomb(
     assert_healthy(backend, bystander)
 
 
-def test_output_budget_caps_a_flood(backend: DockerBackend, sandbox: SandboxHandle) -> None:
-    result = run(backend, sandbox, "yes", timeout_s=2, budget=4096)
-    assert result.timed_out
+def test_output_budget_caps_a_flood(
+    make_sandbox: Any, backend: DockerBackend, runtime: Runtime
+) -> None:
+    sandbox = make_sandbox(runtime=runtime, limits={"output_mb": 8})
+    # Drained within the budget, then killed at the output limit: not left to run (and
+    # burn a CPU) until its timeout.
+    result = run(backend, sandbox, "yes", timeout_s=60, budget=4096)
+    assert not result.timed_out and result.exit_code is None, result
+    assert result.limits_hit == ["output"]
+    hit = result.limit("output")
+    assert hit is not None and hit.killed and hit.limit == 8 and hit.unit == "MB"
     assert result.stdout.truncated
     assert result.stdout.kept_bytes <= 4096
-    assert result.stdout.total_bytes > 100_000
+    assert result.stdout.total_bytes > 8 << 20
     assert result.stdout.head.startswith("y\ny\n") and result.stdout.tail.endswith("y\n")
     bounded = run(backend, sandbox, "head -c 1000000 /dev/zero | tr '\\0' x", budget=1000)
     assert bounded.stdout.total_bytes == 1_000_000
     assert bounded.stdout.kept_bytes == 1000
     assert not bounded.timed_out and bounded.exit_code == 0
+    assert bounded.limits_hit == [], "output cut to the budget is no limit hit"
+    assert_healthy(backend, sandbox)
 
 
 def test_timeout_kills_the_whole_process_group(
@@ -214,6 +268,7 @@ def test_timeout_kills_the_whole_process_group(
     )
     elapsed = time.monotonic() - started
     assert result.timed_out and result.exit_code is None
+    assert result.limits_hit == ["timeout"]
     assert elapsed < 5, elapsed
     left = out(run(backend, sandbox, "ps -u agent -o args= | grep -c '^sleep 30' || true"))
     assert left.strip() == "0", left
@@ -254,6 +309,8 @@ def test_destructive_commands_stay_inside_one_sandbox(
     victim = make_sandbox(runtime=runtime)
     run(backend, bystander, "echo mine > /workspace/keep")
     run(backend, victim, "rm -rf / 2>/dev/null; rm -rf /workspace/* /tmp/*", timeout_s=30)
+    run(backend, victim, "rm -rf --no-preserve-root / 2>/dev/null", timeout_s=30)
+    run(backend, victim, "kill -9 -1", timeout_s=5)
     run(backend, victim, "dd if=/dev/zero of=/tmp/fill bs=1M 2>/dev/null", timeout_s=10)
     run(backend, victim, "yes > /dev/null & yes > /dev/null & sleep 2", timeout_s=5)
     assert_healthy(backend, victim)

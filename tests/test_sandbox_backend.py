@@ -28,11 +28,13 @@ from orchestrator.sandbox.backend import (
     FileReadError,
     SandboxError,
     SandboxHandle,
+    SandboxLimits,
     SandboxSpec,
     SandboxUnavailable,
 )
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
+from tests.sandbox_scripts import PIDS_FILLER
 
 pytestmark = pytest.mark.xdist_group("sandbox_backend")
 
@@ -401,7 +403,8 @@ def test_sweep_leftovers_removes_orphans_only(
     deployment = private_backend.settings.deployment
     live = private_backend.create(SandboxSpec(image=base_image))
     orphan_id = "sbx-" + uuid.uuid4().hex[:16]
-    now = datetime.now(UTC)
+    # Long ago: a young volume may belong to a sandbox being created right now.
+    then = datetime.now(UTC) - timedelta(hours=1)
 
     def stamp(of: str) -> dict[str, str]:
         return labels.sandbox_labels(
@@ -410,8 +413,8 @@ def test_sweep_leftovers_removes_orphans_only(
             rollout_id="crashed",
             host=private_backend.host,
             runtime="runc",
-            created_at=now,
-            expires_at=now + timedelta(hours=1),
+            created_at=then,
+            expires_at=then + timedelta(hours=2),
         )
 
     orphan_volume = client.volumes.create(
@@ -420,6 +423,8 @@ def test_sweep_leftovers_removes_orphans_only(
     foreign_volume = client.volumes.create(
         name=unique("orch-foreign"), labels=stamp(deployment + "-foreign")
     )
+    young_stamp = {**stamp(deployment), labels.CREATED: datetime.now(UTC).isoformat()}
+    young_volume = client.volumes.create(name=unique(f"orch-{deployment}-"), labels=young_stamp)
     orphan_dir = private_backend.sockets_dir / orphan_id
     orphan_dir.mkdir()
     (orphan_dir / "agent.sock").write_text("stale")
@@ -437,6 +442,7 @@ def test_sweep_leftovers_removes_orphans_only(
         volumes = {v.name for v in client.volumes.list()}
         assert orphan_volume.name not in volumes
         assert foreign_volume.name in volumes
+        assert young_volume.name in volumes, "a fresh volume may be a sandbox being created"
         assert live.native_id in volumes
         assert not orphan_dir.exists()
         assert not orphan_upper.exists()
@@ -448,6 +454,7 @@ def test_sweep_leftovers_removes_orphans_only(
         assert private_backend.sweep_leftovers() == 0
     finally:
         foreign_volume.remove(force=True)
+        young_volume.remove(force=True)
         with contextlib.suppress(NotFound):
             client.api.remove_volume(str(orphan_volume.name), force=True)
         private_backend.destroy(live)
@@ -625,3 +632,176 @@ def test_sweep_removes_workspace_layers_of_images_that_are_gone(
         assert out(run(private_backend, live, "ls -d /workspace")) == "/workspace\n"
     finally:
         private_backend.destroy(live)
+
+
+# -- the /workspace disk cap -----------------------------------------------------------------
+
+
+def loop_devices_of(image: Path) -> list[str]:
+    """Loop devices backed by ``image`` (even once it is deleted)."""
+    found = []
+    for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+        with contextlib.suppress(OSError):
+            if backing.read_text().strip().removesuffix(" (deleted)") == str(image):
+                found.append(backing.parts[3])
+    return found
+
+
+def test_workspace_is_a_filesystem_of_its_own_gone_with_the_sandbox(
+    backend: DockerBackend, base_image: str, runtime: Runtime
+) -> None:
+    handle = backend.create(
+        SandboxSpec(image=base_image, runtime=runtime, limits=SandboxLimits(disk_mb=64))
+    )
+    top = backend.workspaces.uppers / handle.sandbox_id
+    image = backend.workspaces.image_path(handle.sandbox_id)
+    try:
+        assert top.is_mount() and image.is_file()
+        assert image.stat().st_size == 64 << 20
+        assert loop_devices_of(image)
+        size_kb = int(out(run(backend, handle, "df -k --output=size /workspace | tail -1")))
+        assert 50_000 < size_kb <= 64 * 1024, size_kb
+        fill = run(
+            backend, handle, "head -c 100M /dev/zero > /workspace/fill; echo rc=$?; ls /workspace"
+        )
+        assert "No space left on device" in err(fill), fill
+        # The host's file holds the sandbox's writes and never more than the cap.
+        assert image.stat().st_blocks * 512 <= 65 << 20
+    finally:
+        backend.destroy(handle)
+    assert not top.exists() and not image.exists()
+    assert loop_devices_of(image) == []
+
+
+def test_disk_mb_zero_leaves_the_workspace_uncapped(
+    make_sandbox: Any, backend: DockerBackend
+) -> None:
+    handle = make_sandbox(limits={"disk_mb": 0})
+    top = backend.workspaces.uppers / handle.sandbox_id
+    assert top.is_dir() and not top.is_mount()
+    assert not backend.workspaces.image_path(handle.sandbox_id).exists()
+    assert out(run(backend, handle, "echo x > /workspace/f && cat /workspace/f")) == "x\n"
+
+
+def test_sweep_unmounts_the_workspace_of_a_sandbox_lost_in_a_crash(
+    private_backend: DockerBackend, base_image: str, client: docker.DockerClient
+) -> None:
+    lost = private_backend.create(SandboxSpec(image=base_image))
+    top = private_backend.workspaces.uppers / lost.sandbox_id
+    image = private_backend.workspaces.image_path(lost.sandbox_id)
+    assert run(private_backend, lost, "echo x > /workspace/f").exit_code == 0
+    # A worker that crashed after its container went: mount, image and loop device stay.
+    client.api.remove_container(lost.native_id, force=True)
+    client.api.remove_volume(lost.native_id, force=True)
+    assert top.is_mount()
+    os.utime(image, (0, 0))
+    os.utime(top, (0, 0))
+    live = private_backend.create(SandboxSpec(image=base_image))
+    try:
+        assert private_backend.sweep_leftovers() >= 1
+        assert not top.exists() and not image.exists()
+        assert loop_devices_of(image) == []
+        live_top = private_backend.workspaces.uppers / live.sandbox_id
+        assert live_top.is_mount(), "a live sandbox's filesystem stays"
+        assert out(run(private_backend, live, "echo still-here")) == "still-here\n"
+    finally:
+        private_backend.destroy(live)
+
+
+# -- evidence for the worker: limits, probe, host health -------------------------------------
+
+
+def test_paused_sandbox_is_infrastructure_and_can_be_destroyed(
+    make_sandbox: Any, backend: DockerBackend, client: docker.DockerClient, runtime: Runtime
+) -> None:
+    handle = make_sandbox(runtime=runtime)
+    image = backend.workspaces.image_path(handle.sandbox_id)
+    client.api.pause(handle.native_id)
+    started = time.monotonic()
+    probe = backend.probe(handle)
+    assert time.monotonic() - started < 2, "a probe never waits on a paused sandbox"
+    assert probe.state == "paused" and not probe.alive and not probe.agent_ok
+    assert probe.agent_caused is None and not probe.oom_killed and probe.exit_code is None
+    started = time.monotonic()
+    with pytest.raises(SandboxUnavailable, match="paused"):
+        run(backend, handle, "echo frozen", timeout_s=0.5)
+    assert time.monotonic() - started < 0.5 + agent.REPLY_SLACK_S + 2
+    started = time.monotonic()
+    backend.destroy(handle)
+    assert time.monotonic() - started < 5
+    assert backend.probe(handle).state == "missing"
+    assert not image.exists()
+
+
+def test_pids_filled_by_the_agent_is_the_agents_doing(
+    make_sandbox: Any, backend: DockerBackend
+) -> None:
+    handle = make_sandbox(limits={"pids": 32})
+    # A process that escaped its command (setsid) keeps every free slot of the pids limit
+    # taken, so the agent itself cannot fork the next command.
+    filler = PIDS_FILLER
+    run(backend, handle, filler)
+    time.sleep(1)
+    result = run(backend, handle, "echo never")
+    assert result.exit_code is None and result.limits_hit == ["pids"], result
+    assert "could not start the command" in err(result)
+    hit = result.limit("pids")
+    assert hit is not None and hit.limit == 32 and hit.unit == "processes"
+    with pytest.raises(FileReadError) as caught:
+        backend.read_file(handle, "anything", max_bytes=100)
+    assert caught.value.kind == "pids_limit"
+    probe = backend.probe(handle)
+    assert probe.alive and not probe.agent_ok and probe.agent_caused == "pids_limit", probe
+
+
+def test_whole_sandbox_oom_is_the_agents_doing(
+    make_sandbox: Any, backend: DockerBackend, runtime: Runtime
+) -> None:
+    if runtime != "runsc":
+        pytest.skip("under runc the OOM killer takes a command, never the whole sandbox")
+    handle = make_sandbox(runtime=runtime, limits={"memory_mb": 256, "pids": 64})
+    # Each process stays under its RLIMIT_AS (3/4 of the limit); together they pass the
+    # sandbox's memory limit, and under gVisor that kills the whole sandbox.
+    hogs = (
+        "for i in 1 2 3 4; do python3 -c 'import time; x = bytearray(150 << 20); "
+        "time.sleep(20)' & done; wait"
+    )
+    with pytest.raises(SandboxUnavailable):
+        run(backend, handle, hogs, timeout_s=30)
+    # At once, as the worker does: the probe waits for the dying sandbox to be seen exited.
+    probe = backend.probe(handle)
+    assert probe.state == "exited" and not probe.alive, probe
+    assert probe.oom_killed and probe.exit_code == 137, probe
+    assert probe.agent_caused == "memory_limit", probe
+
+
+def test_a_killed_sandbox_is_not_the_agents_doing(
+    make_sandbox: Any, backend: DockerBackend, client: docker.DockerClient
+) -> None:
+    handle = make_sandbox()
+    client.api.kill(handle.native_id)
+    client.api.wait(handle.native_id, timeout=20)
+    probe = backend.probe(handle)
+    assert probe.state == "exited" and probe.exit_code == 137 and not probe.oom_killed
+    assert probe.agent_caused is None
+
+
+def test_host_health_reports_daemon_disk_and_sandboxes(
+    backend: DockerBackend, shared_sandbox: SandboxHandle
+) -> None:
+    health = backend.host_health()
+    assert health.docker_ok and health.error is None
+    assert health.docker_ping_ms is not None and health.docker_ping_ms > 0
+    assert health.disk_free_bytes > 0
+    assert health.sandboxes >= 1
+
+
+def test_host_health_reports_an_unreachable_daemon(settings: Settings, short_dir: Path) -> None:
+    unreachable = DockerBackend(
+        settings.model_copy(update={"state_dir": short_dir}),
+        # An explicit API version: the client then does not ask the daemon at construction.
+        client=docker.DockerClient(base_url="unix:///nonexistent/docker.sock", version="1.41"),
+    )
+    health = unreachable.host_health()
+    assert not health.docker_ok and health.error
+    assert health.docker_ping_ms is None and health.disk_free_bytes > 0

@@ -26,6 +26,7 @@ from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.tools.registry import run_tool
+from tests.sandbox_scripts import PIDS_FILLER
 
 pytestmark = pytest.mark.xdist_group("tools_sandbox")
 
@@ -125,6 +126,133 @@ def test_shell_strips_ansi_escapes(
     assert result.outcome == Outcome.OK
     assert result.output == "red and bold green\nx"
     assert "\x1b" not in result.output
+
+
+# -- limits the agent's command hits: agent_error naming the limit, never infra -----------
+
+
+def assert_healthy(backend: DockerBackend, handle: SandboxHandle) -> None:
+    probe = backend.probe(handle)
+    assert probe.alive and probe.agent_ok and probe.agent_caused is None, probe
+    assert shell(backend, handle, "echo alive") == "alive\n"
+
+
+def test_filling_the_workspace_is_a_disk_limit_error(
+    make_sandbox: Any, backend: DockerBackend, runtime: Runtime, settings: Settings
+) -> None:
+    handle = make_sandbox(runtime=runtime, limits={"disk_mb": 48})
+    command = "echo writing; dd if=/dev/zero of=/workspace/fill bs=1M count=100"
+    result = run_tool("shell", backend, handle, {"command": command}, settings)
+    assert result.outcome == Outcome.AGENT_ERROR and result.error_kind == "disk_limit", result
+    assert result.output.startswith("writing\n[stderr]\ndd: error writing")
+    assert "No space left on device" in result.output
+    assert "[/workspace is full: the command hit the sandbox's limit of 48 MB for /workspace." in (
+        result.output
+    )
+    image = backend.workspaces.image_path(handle.sandbox_id)
+    assert image.stat().st_blocks * 512 <= 49 << 20, "the host file never grows past the cap"
+    assert_healthy(backend, handle)
+
+
+def test_filling_tmp_is_a_disk_limit_error(
+    make_sandbox: Any, backend: DockerBackend, runtime: Runtime, settings: Settings
+) -> None:
+    handle = make_sandbox(runtime=runtime, limits={"tmp_mb": 16, "memory_mb": 256})
+    writer = (
+        "python3 -c 'import os\n"
+        'with open("/tmp/fill", "wb") as f:\n'
+        "    while True: f.write(os.urandom(1 << 16))'"
+    )
+    result = run_tool("shell", backend, handle, {"command": writer}, settings)
+    assert result.outcome == Outcome.AGENT_ERROR and result.error_kind == "disk_limit", result
+    assert "[/tmp is full: the command hit the sandbox's limit of 16 MB for /tmp." in result.output
+    assert_healthy(backend, handle)
+
+
+def test_a_memory_hog_is_a_memory_limit_error(
+    make_sandbox: Any, backend: DockerBackend, runtime: Runtime, settings: Settings
+) -> None:
+    handle = make_sandbox(runtime=runtime, limits={"memory_mb": 128})
+    hog = "echo start; python3 -c 'x = bytearray(512 << 20); print(len(x))'"
+    result = run_tool("shell", backend, handle, {"command": hog}, settings)
+    assert result.outcome == Outcome.AGENT_ERROR and result.error_kind == "memory_limit", result
+    assert result.output.startswith("start\n")
+    if runtime == "runc":
+        assert "[the command was killed: it exceeded the sandbox's memory limit of 128 MB." in (
+            result.output
+        )
+    else:
+        assert "MemoryError" in result.output
+        assert "memory limit of 96 MB per process." in result.output
+    assert_healthy(backend, handle)
+
+
+def test_a_fork_bomb_is_a_pids_limit_error(
+    make_sandbox: Any, backend: DockerBackend, runtime: Runtime, settings: Settings
+) -> None:
+    handle = make_sandbox(runtime=runtime, limits={"pids": 48})
+    bomb = {"command": "bomb() { bomb | bomb & }; bomb; sleep 2", "timeout_s": 6}
+    result = run_tool("shell", backend, handle, bomb, settings)
+    assert result.outcome == Outcome.AGENT_ERROR and result.error_kind == "pids_limit", result
+    assert "the sandbox's process limit of 48 processes" in result.output
+    time.sleep(0.5)
+    assert_healthy(backend, handle)
+
+
+def test_an_output_flood_is_an_output_limit_error(
+    make_sandbox: Any, backend: DockerBackend, runtime: Runtime, settings: Settings
+) -> None:
+    handle = make_sandbox(runtime=runtime, limits={"output_mb": 4})
+    started = time.monotonic()
+    result = run_tool("shell", backend, handle, {"command": "echo first; yes"}, settings)
+    assert time.monotonic() - started < settings.command_timeout_s / 2, "killed, not timed out"
+    assert result.outcome == Outcome.AGENT_ERROR and result.error_kind == "output_limit", result
+    assert result.truncated and len(result.output.encode()) <= settings.output_budget_bytes
+    assert result.output.startswith("first\ny\ny\n") and "bytes omitted" in result.output
+    assert result.output.endswith(
+        "y\n[the command was killed: its output exceeded the sandbox's output limit of 4 MB; "
+        "only its start and end are shown. Filter it (grep, head, tail) or redirect it to a "
+        "file and read_file parts of it.]"
+    )
+    assert_healthy(backend, handle)
+
+
+def test_a_pids_limit_filled_by_leftovers_is_the_agents_error(
+    make_sandbox: Any, backend: DockerBackend, runtime: Runtime, settings: Settings
+) -> None:
+    handle = make_sandbox(runtime=runtime, limits={"pids": 32})
+    # Processes that escaped their command (setsid) keep the process limit full.
+    filler = PIDS_FILLER
+    run_tool("shell", backend, handle, {"command": filler}, settings)
+    time.sleep(1)
+    calls: list[tuple[str, dict[str, Any]]] = [
+        ("shell", {"command": "ls /", "timeout_s": 3}),
+        ("read_file", {"path": "anything"}),
+    ]
+    for name, arguments in calls:
+        result = run_tool(name, backend, handle, arguments, settings)
+        if runtime == "runsc" and name == "read_file":
+            # gVisor limits the user's processes (RLIMIT_NPROC), not the agent's own: it
+            # still reads files.
+            assert result.error_kind == "not_found", result
+            continue
+        assert result.outcome == Outcome.AGENT_ERROR, (name, result)
+        assert result.error_kind == "pids_limit", (name, result)
+        assert "32 processes" in result.output, result.output
+
+
+def test_commands_that_attack_the_sandbox_are_not_infrastructure_errors(
+    make_sandbox: Any, backend: DockerBackend, runtime: Runtime, settings: Settings
+) -> None:
+    handle = make_sandbox(runtime=runtime)
+    for command in [
+        "kill -9 -1",
+        "rm -rf --no-preserve-root / 2>/dev/null; echo done",
+        "kill -9 -1; sleep 1",
+    ]:
+        result = run_tool("shell", backend, handle, {"command": command}, settings)
+        assert result.outcome in (Outcome.OK, Outcome.AGENT_ERROR), (command, result)
+        assert_healthy(backend, handle)
 
 
 def test_read_file_numbers_lines_and_names_the_range(

@@ -14,11 +14,14 @@ from hypothesis import strategies as st
 
 from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
+from orchestrator.sandbox.agent import client as agent_client
+from orchestrator.sandbox.agent import exec_agent
 from orchestrator.sandbox.agent.exec_agent import Capture
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
     ExecResult,
     FileReadError,
+    LimitHit,
     ProbeResult,
     ReadFileResult,
     SandboxBackend,
@@ -521,6 +524,198 @@ def test_split_budget(room: int, out: int, err: int, expected: tuple[int, int]) 
 def test_format_seconds() -> None:
     assert format_seconds(30.0) == "30 s"
     assert format_seconds(2.5) == "2.5 s"
+
+
+# --------------------------------------------------------------------------- limits hit
+
+
+def limited(*hits: LimitHit, stdout: str = "", stderr: str = "", **fields: Any) -> ExecResult:
+    """An exec result that hit ``hits``, as the agent reports them."""
+    result = exec_result(stdout, stderr, **fields)
+    return result.model_copy(
+        update={"limits_hit": [h.kind for h in hits], "limit_details": list(hits)}
+    )
+
+
+MEMORY_KILL = LimitHit(kind="memory", limit=1024, unit="MB", killed=True, evidence="oom 0 -> 1")
+
+
+def test_memory_kill_is_an_agent_error_naming_the_limit() -> None:
+    result = run(
+        "shell",
+        {"command": "x"},
+        FakeBackend(exec_result=limited(MEMORY_KILL, stdout="start\n", exit_code=137, signal=9)),
+    )
+    assert result.outcome == Outcome.AGENT_ERROR and result.error_kind == "memory_limit"
+    assert result.exit_code == 137
+    assert result.output.startswith("start\n[killed by signal 9 (SIGKILL)]\n")
+    assert (
+        "[the command was killed: it exceeded the sandbox's memory limit of 1024 MB."
+        in result.output
+    )
+    assert "possibly" not in result.output
+
+
+def test_memory_kill_of_a_child_names_the_process() -> None:
+    result = run("shell", {"command": "x"}, FakeBackend(exec_result=limited(MEMORY_KILL)))
+    assert result.outcome == Outcome.AGENT_ERROR and result.exit_code == 0
+    assert result.output.startswith("(no output)\n[a process of the command was killed: it ")
+
+
+def test_failed_allocation_is_a_memory_limit() -> None:
+    hit = LimitHit(kind="memory", limit=768, unit="MB per process")
+    backend = FakeBackend(exec_result=limited(hit, stderr="MemoryError\n", exit_code=1))
+    result = run("shell", {"command": "x"}, backend)
+    assert result.error_kind == "memory_limit"
+    assert result.output == (
+        "[stderr]\nMemoryError\n[exit code 1]\n[the command ran out of memory: allocations "
+        "fail past the sandbox's memory limit of 768 MB per process. Use less memory, e.g. "
+        "process the data in chunks.]"
+    )
+
+
+def test_pids_limit() -> None:
+    hit = LimitHit(kind="pids", limit=256, unit="processes")
+    result = run("shell", {"command": "x"}, FakeBackend(exec_result=limited(hit, exit_code=254)))
+    assert result.outcome == Outcome.AGENT_ERROR and result.error_kind == "pids_limit"
+    assert result.output.endswith(
+        "[exit code 254]\n[the command hit the sandbox's process limit of 256 processes: new "
+        "processes could not be started. Run fewer processes at once.]"
+    )
+
+
+def test_command_that_could_not_start_for_pids_is_an_agent_error() -> None:
+    reply = {
+        "spawn_error": "BlockingIOError: [Errno 11] Resource temporarily unavailable",
+        "limits_hit": ["pids"],
+        "limit_details": [{"kind": "pids", "limit": 64, "unit": "processes", "evidence": "x"}],
+    }
+    backend = FakeBackend(exec_result=agent_client.exec_result(reply))
+    result = run("shell", {"command": "ls"}, backend)
+    assert result.outcome == Outcome.AGENT_ERROR and result.error_kind == "pids_limit"
+    assert result.exit_code is None
+    assert result.output.startswith("[stderr]\ncould not start the command: BlockingIOError")
+    assert "[the command could not start: processes left running by earlier commands" in (
+        result.output
+    )
+    assert "process limit of 64 processes.]" in result.output
+
+
+def test_spawn_failure_not_blamed_on_the_agent_is_ours() -> None:
+    with pytest.raises(agent_client.CommandSpawnFailed):
+        agent_client.exec_result({"spawn_error": "OSError: [Errno 12] Cannot allocate memory"})
+
+
+def test_disk_limits_name_each_full_filesystem() -> None:
+    hits = [
+        LimitHit(kind="disk", limit=2048, unit="MB", path="/workspace"),
+        LimitHit(kind="disk", limit=256, unit="MB", path="/tmp"),
+    ]
+    backend = FakeBackend(exec_result=limited(*hits, stderr="No space left\n", exit_code=1))
+    result = run("shell", {"command": "x"}, backend)
+    assert result.outcome == Outcome.AGENT_ERROR and result.error_kind == "disk_limit"
+    assert (
+        "[/workspace is full: the command hit the sandbox's limit of 2048 MB for /workspace."
+        in (result.output)
+    )
+    assert "[/tmp is full: the command hit the sandbox's limit of 256 MB for /tmp." in result.output
+
+
+def test_output_limit_keeps_head_and_tail() -> None:
+    hit = LimitHit(kind="output", limit=64, unit="MB", killed=True)
+    flood = "y\n" * 20_000
+    backend = FakeBackend(exec_result=limited(hit, stdout=flood, exit_code=None, signal=9))
+    result = run("shell", {"command": "yes"}, backend)
+    assert result.outcome == Outcome.AGENT_ERROR and result.error_kind == "output_limit"
+    assert result.truncated and size(result.output) <= SETTINGS.output_budget_bytes
+    assert result.output.startswith("y\ny\n") and "bytes omitted" in result.output
+    assert result.output.endswith(
+        "y\n[the command was killed: its output exceeded the sandbox's output limit of 64 MB; "
+        "only its start and end are shown. Filter it (grep, head, tail) or redirect it to a "
+        "file and read_file parts of it.]"
+    )
+    assert "signal" not in result.output
+
+
+def test_the_cause_names_the_error_kind_when_several_limits_are_hit() -> None:
+    pids = LimitHit(kind="pids", limit=64, unit="processes")
+    timeout = LimitHit(kind="timeout", limit=5, unit="s", killed=True)
+    backend = FakeBackend(
+        exec_result=limited(pids, timeout, exit_code=None, signal=9, timed_out=True)
+    )
+    result = run("shell", {"command": "bomb", "timeout_s": 5}, backend)
+    assert result.error_kind == "pids_limit"
+    lines = result.output.splitlines()
+    assert lines[-2].startswith("[the command hit the sandbox's process limit of 64 processes")
+    assert lines[-1].startswith("[command timed out after 5 s;")
+
+
+def test_a_reply_without_limits_is_read_as_before() -> None:
+    old = {
+        "exit_code": None,
+        "signal": 9,
+        "timed_out": True,
+        "stdout": {"head": "", "tail": "", "total_bytes": 0, "kept_bytes": 0},
+        "stderr": {"head": "", "tail": "", "total_bytes": 0, "kept_bytes": 0},
+        "duration_ms": 5.0,
+    }
+    result = agent_client.exec_result(old)
+    assert result.limits_hit == ["timeout"] and result.limit_details == []
+    ok = agent_client.exec_result({**old, "exit_code": 0, "signal": None, "timed_out": False})
+    assert ok.limits_hit == []
+
+
+@given(
+    st.lists(st.sampled_from(["memory", "pids", "disk", "output", "timeout"]), unique=True),
+    st.integers(min_value=256, max_value=2048),
+    st.text(max_size=2000),
+)
+@hyp_settings(max_examples=100)
+def test_limits_output_property(kinds: list[str], budget: int, stdout: str) -> None:
+    hits = [LimitHit(kind=k, limit=123, unit="MB", path="/tmp") for k in kinds]
+    settings = Settings(output_budget_bytes=budget)
+    result = run(
+        "shell",
+        {"command": "x"},
+        FakeBackend(exec_result=limited(*hits, stdout=stdout, budget=budget, exit_code=1)),
+        settings,
+    )
+    assert size(result.output) <= budget
+    assert result.outcome == (Outcome.AGENT_ERROR if kinds else Outcome.OK)
+
+
+# --------------------------------------------------------------------------- the agent's evidence
+
+
+def test_a_filesystem_is_full_near_its_end_or_out_of_inodes() -> None:
+    mb = 1 << 20
+    assert exec_agent.is_full((100 * 1024, 64 * mb, 100))
+    assert not exec_agent.is_full((10 * mb, 64 * mb, 100))
+    assert exec_agent.is_full((10 * mb, 64 * mb, 0))
+    assert not exec_agent.is_full((10 * mb, 64 * mb, -1)), "-1: inodes not counted (gVisor)"
+    assert exec_agent.is_full((4 * mb, 2048 * mb, 100))
+    assert not exec_agent.is_full((9 * mb, 2048 * mb, 100))
+
+
+def test_agent_limits_read_only_capped_filesystems_and_counters() -> None:
+    limits = exec_agent.Limits(
+        {"memory_mb": 512, "pids": 64, "output_mb": 8, "disk": {"/workspace": 0, "/tmp": 32}},
+        uid=1000,
+        limit_as_mb=384,
+        limit_nproc=64,
+    )
+    limits.counters = {}  # this host's own cgroup counters are not the sandbox's
+    assert limits.disks == {"/tmp": 32}, "an uncapped /workspace is the host's disk"
+    assert limits.output_bytes == 8 << 20
+    snapshot = limits.snapshot()
+    # Out-of-memory text counts only under RLIMIT_AS and for a command that failed.
+    texts = ["Traceback ...\nMemoryError\n"]
+    [memory] = limits.hits(snapshot, failed=True, texts=texts, nproc_full=False)
+    assert memory["kind"] == "memory" and memory["limit"] == 384
+    assert memory["unit"] == "MB per process" and not memory["killed"]
+    assert limits.hits(snapshot, failed=False, texts=texts, nproc_full=False) == []
+    [pids] = limits.hits(snapshot, failed=False, texts=[], nproc_full=True)
+    assert pids["kind"] == "pids" and pids["limit"] == 64
 
 
 # --------------------------------------------------------------------------- shell errors

@@ -254,6 +254,8 @@ class EnvironmentLimits(BaseModel):
     cpus: float | None = Field(None, gt=0, allow_inf_nan=False)
     pids: int | None = Field(None, ge=16)
     tmp_mb: int | None = Field(None, ge=1)
+    disk_mb: int | None = Field(None, ge=0, description="/workspace writes; 0 = uncapped.")
+    output_mb: int | None = Field(None, ge=1, description="A command printing more is killed.")
 
     def resolve(self, settings: Settings) -> SandboxLimits:
         """The limits to create a sandbox with."""
@@ -262,6 +264,8 @@ class EnvironmentLimits(BaseModel):
             cpus=self.cpus if self.cpus is not None else settings.sandbox_cpus,
             pids=self.pids if self.pids is not None else settings.sandbox_pids,
             tmp_mb=self.tmp_mb if self.tmp_mb is not None else settings.sandbox_tmp_mb,
+            disk_mb=self.disk_mb if self.disk_mb is not None else settings.sandbox_disk_mb,
+            output_mb=self.output_mb if self.output_mb is not None else settings.sandbox_output_mb,
         )
 
 

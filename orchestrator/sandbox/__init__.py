@@ -3,6 +3,9 @@
 from orchestrator.sandbox.backend import (
     ExecResult,
     FileReadError,
+    HostHealth,
+    LimitHit,
+    LimitKind,
     ProbeResult,
     ReadFileResult,
     SandboxBackend,
@@ -17,6 +20,9 @@ from orchestrator.sandbox.backend import (
 __all__ = [
     "ExecResult",
     "FileReadError",
+    "HostHealth",
+    "LimitHit",
+    "LimitKind",
     "ProbeResult",
     "ReadFileResult",
     "SandboxBackend",

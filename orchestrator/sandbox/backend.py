@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.config import Runtime, Settings
 
@@ -26,6 +26,18 @@ class SandboxLimits(BaseModel):
     cpus: float = Field(1.0, gt=0)
     pids: int = Field(256, ge=16)
     tmp_mb: int = Field(256, ge=1)
+    disk_mb: int | None = Field(
+        None,
+        ge=0,
+        description="Cap on what the sandbox may write under /workspace, in MB; 0 means "
+        "uncapped; None takes the deployment's sandbox_disk_mb.",
+    )
+    output_mb: int | None = Field(
+        None,
+        ge=1,
+        description="A command producing more output than this (stdout and stderr together, "
+        "in MB) is killed; None takes the deployment's sandbox_output_mb.",
+    )
 
 
 class SandboxSpec(BaseModel):
@@ -59,6 +71,8 @@ class SandboxSpec(BaseModel):
                 cpus=settings.sandbox_cpus,
                 pids=settings.sandbox_pids,
                 tmp_mb=settings.sandbox_tmp_mb,
+                disk_mb=settings.sandbox_disk_mb,
+                output_mb=settings.sandbox_output_mb,
             ),
         )
 
@@ -96,15 +110,53 @@ class StreamCapture(BaseModel):
         return self.total_bytes - self.kept_bytes
 
 
+LimitKind = Literal["timeout", "memory", "pids", "disk", "output"]
+"""A sandbox limit a command can hit. Hitting one is the agent's doing, never ours."""
+
+
+class LimitHit(BaseModel):
+    """Evidence that a command hit one limit, with the limit's value for the model."""
+
+    kind: LimitKind
+    limit: float | None = Field(None, description="The limit's value, in ``unit``.")
+    unit: str = Field("", description="MB, processes, s.")
+    path: str | None = Field(None, description="For disk: the filesystem that filled up.")
+    killed: bool = Field(
+        False, description="A process was killed for it (not merely refused a resource)."
+    )
+    evidence: str = Field("", description="What the sandbox saw, for logs and records.")
+
+
 class ExecResult(BaseModel):
     """What a command did. A non-zero exit status is still a successful exec."""
 
-    exit_code: int | None = Field(description="None when killed by the timeout.")
+    exit_code: int | None = Field(
+        description="None when the sandbox killed the command (timeout, output limit) or "
+        "could not start it."
+    )
     signal: int | None = Field(None, description="Signal that ended the command, if any.")
     stdout: StreamCapture
     stderr: StreamCapture
     timed_out: bool = False
     duration_ms: float
+    limits_hit: list[LimitKind] = Field(
+        default_factory=list,
+        description="Limits the command hit, most telling first (an old agent reports none).",
+    )
+    limit_details: list[LimitHit] = Field(
+        default_factory=list, description="One entry per limit in limits_hit, with its value."
+    )
+
+    @model_validator(mode="after")
+    def _timeout_is_a_limit(self) -> ExecResult:
+        # Replies of agents older than limits_hit still say timed_out.
+        if self.timed_out and "timeout" not in self.limits_hit:
+            self.limits_hit.append("timeout")
+        return self
+
+    def limit(self, kind: LimitKind) -> LimitHit | None:
+        """The details of the limit ``kind`` if the command hit it."""
+        return next((hit for hit in self.limit_details if hit.kind == kind), None)
 
     @property
     def truncated(self) -> bool:
@@ -124,13 +176,36 @@ class ReadFileResult(BaseModel):
 
 
 class ProbeResult(BaseModel):
-    """Evidence of a sandbox's health: is it running, does its agent answer."""
+    """Evidence of a sandbox's health: is it running, does its agent answer, and if it is
+    broken, did the agent break it (``agent_caused``) or did we."""
 
     alive: bool
     state: str = Field(description="Backend state, e.g. running, exited, paused, missing.")
     agent_ok: bool
     latency_ms: float | None = None
     detail: str = ""
+    exit_code: int | None = Field(None, description="Exit status of a sandbox that stopped.")
+    oom_killed: bool = Field(False, description="The backend saw the sandbox OOM-killed.")
+    agent_caused: str | None = Field(
+        None,
+        description="Set when the sandbox is unusable because of what the agent ran: "
+        "memory_limit (the whole sandbox was killed at its memory limit) or pids_limit (the "
+        "agent's processes fill the process limit, so no command can start). None when it "
+        "is healthy or the fault is ours (paused, killed, vanished, agent not answering).",
+    )
+
+
+class HostHealth(BaseModel):
+    """Evidence of a worker host's health, for its heartbeat."""
+
+    docker_ok: bool
+    docker_ping_ms: float | None = None
+    disk_free_bytes: int = Field(
+        description="Free bytes (for unprivileged use) on the filesystem of state_dir, which "
+        "holds the sandboxes' workspace images."
+    )
+    sandboxes: int = Field(description="Sandboxes of this deployment on this host.")
+    error: str | None = None
 
 
 class SandboxError(Exception):
@@ -146,8 +221,16 @@ class BackendUnavailable(SandboxError):
 
 
 FileErrorKind = Literal[
-    "not_found", "is_directory", "binary", "outside_workspace", "permission", "invalid"
+    "not_found",
+    "is_directory",
+    "binary",
+    "outside_workspace",
+    "permission",
+    "invalid",
+    "pids_limit",
 ]
+"""``pids_limit``: the reader could not start because the agent's own processes fill the
+sandbox's process limit."""
 
 
 class FileReadError(Exception):

@@ -9,7 +9,10 @@ directory that is mounted into that sandbox only, so a call costs ~1 ms instead 
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import signal
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -19,6 +22,7 @@ from typing import Any
 import docker
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.types import DriverConfig, Mount
+from requests.exceptions import RequestException
 
 from orchestrator.config import Settings
 from orchestrator.docker_client import connect
@@ -29,6 +33,7 @@ from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
     ExecResult,
+    HostHealth,
     ProbeResult,
     ReadFileResult,
     SandboxBackend,
@@ -52,7 +57,14 @@ SANDBOX_UID = 1000
 # user's process groups; it drops even these from its bounding set before running anything.
 AGENT_CAPABILITIES = ["SETUID", "SETGID", "SETPCAP", "KILL"]
 PING_TIMEOUT_S = 5.0
+# How long a probe whose agent did not answer waits for a dying sandbox to be seen exited.
+PROBE_SETTLE_S = 3.0
 SANDBOX_ID_HEX = 12
+# What a call to the daemon raises when it fails: the SDK's own errors, and those of the
+# HTTP library under it when the daemon cannot be reached at all.
+DOCKER_FAILURES = (DockerException, RequestException)
+# Size of the tmpfs at the sandbox user's home.
+HOME_MB = 16
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_UNIX_SOCKET_PATH = 107
 
@@ -125,8 +137,9 @@ class DockerBackend(SandboxBackend):
         self, spec: SandboxSpec, name: str, stamp: dict[str, str], socket_dir: Path
     ) -> None:
         api = self.client.api
-        workspace = self.workspaces.volume_options(spec.image, stamp[labels.SANDBOX])
         limits = spec.limits
+        disk_mb = self._disk_mb(spec)
+        workspace = self.workspaces.volume_options(spec.image, stamp[labels.SANDBOX], disk_mb)
         memory = f"{limits.memory_mb}m"
         host_config = api.create_host_config(
             network_mode="none",
@@ -136,7 +149,9 @@ class DockerBackend(SandboxBackend):
             read_only=True,
             tmpfs={
                 "/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777",
-                "/home/agent": f"rw,nosuid,nodev,size=16m,uid={SANDBOX_UID},gid={SANDBOX_UID}",
+                "/home/agent": (
+                    f"rw,nosuid,nodev,size={HOME_MB}m,uid={SANDBOX_UID},gid={SANDBOX_UID}"
+                ),
             },
             mem_limit=memory,
             memswap_limit=memory,
@@ -170,6 +185,16 @@ class DockerBackend(SandboxBackend):
             str(SANDBOX_UID),
             "--gid",
             str(SANDBOX_UID),
+            # What the agent needs to say which limit a command hit, and its value.
+            "--limits",
+            json.dumps(
+                {
+                    "memory_mb": limits.memory_mb,
+                    "pids": limits.pids,
+                    "output_mb": self._output_mb(spec),
+                    "disk": {"/workspace": disk_mb, "/tmp": limits.tmp_mb, "/home/agent": HOME_MB},
+                }
+            ),
         ]
         if spec.runtime == "runsc":
             # See exec_agent.shell_wrapper: under gVisor a limit hit at the sandbox level
@@ -196,7 +221,7 @@ class DockerBackend(SandboxBackend):
             api.start(container["Id"])
         except ImageNotFound as exc:
             raise SandboxError(f"sandbox image {spec.image!r} not found on {self.host}") from exc
-        except (APIError, DockerException) as exc:
+        except DOCKER_FAILURES as exc:
             raise _docker_fault("create sandbox", exc) from exc
 
     def _wait_for_agent(self, handle: SandboxHandle) -> None:
@@ -223,12 +248,21 @@ class DockerBackend(SandboxBackend):
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
+    def _disk_mb(self, spec: SandboxSpec) -> int:
+        disk_mb = spec.limits.disk_mb
+        return self.settings.sandbox_disk_mb if disk_mb is None else disk_mb
+
+    def _output_mb(self, spec: SandboxSpec) -> int:
+        output_mb = spec.limits.output_mb
+        return self.settings.sandbox_output_mb if output_mb is None else output_mb
+
     def destroy(self, handle: SandboxHandle) -> None:
         self._destroy_by_id(handle.sandbox_id)
         log.info("sandbox.destroyed", sandbox_id=handle.sandbox_id, rollout_id=handle.rollout_id)
 
     def _destroy_by_id(self, sandbox_id: str) -> None:
         name = self._resource_name(sandbox_id)
+        self._unpause(name)
         try:
             self.client.api.remove_container(name, force=True, v=True)
         except NotFound:
@@ -237,16 +271,25 @@ class DockerBackend(SandboxBackend):
             # A removal already in progress is as good as done.
             if "already in progress" not in str(exc):
                 raise _docker_fault("remove sandbox", exc) from exc
-        except DockerException as exc:
+        except DOCKER_FAILURES as exc:
             raise _docker_fault("remove sandbox", exc) from exc
         try:
             self.client.api.remove_volume(name, force=True)
         except NotFound:
             pass
-        except DockerException as exc:
+        except DOCKER_FAILURES as exc:
             raise _docker_fault("remove sandbox volume", exc) from exc
         shutil.rmtree(self._socket_dir(sandbox_id), ignore_errors=True)
         self.workspaces.remove(sandbox_id)
+
+    def _unpause(self, name: str) -> None:
+        """Thaw a paused container before removing it: gVisor ignores the kill of a frozen
+        sandbox, and its removal then waits out Docker's 10 s stop timeout."""
+        try:
+            if self.client.api.inspect_container(name).get("State", {}).get("Paused"):
+                self.client.api.unpause(name)
+        except DOCKER_FAILURES:
+            pass  # gone already, or the removal below reports what is wrong
 
     # -- commands --------------------------------------------------------------------------
 
@@ -283,44 +326,133 @@ class DockerBackend(SandboxBackend):
             raise SandboxUnavailable(
                 f"sandbox {handle.sandbox_id} lives on {handle.host}, not on {self.host}"
             )
-        return agent.call_unix(str(self._socket_path(handle.sandbox_id)), request, timeout_s)
+        try:
+            return agent.call_unix(str(self._socket_path(handle.sandbox_id)), request, timeout_s)
+        except SandboxUnavailable as exc:
+            # Only on failure, so calls never pay for it: say what state the sandbox is in
+            # (a paused one accepts connections and never answers).
+            raise SandboxUnavailable(f"{exc}; {self._state_evidence(handle)}") from exc
+
+    def _state_evidence(self, handle: SandboxHandle) -> str:
+        try:
+            return f"sandbox state: {self._container_state(handle)}"
+        except SandboxError as exc:
+            return f"sandbox state unknown: {exc}"
 
     # -- health ----------------------------------------------------------------------------
 
     def probe(self, handle: SandboxHandle) -> ProbeResult:
-        state = self._container_state(handle)
+        """Container state from the daemon, then a trivial command through the agent.
+
+        Says ``agent_caused`` when the agent broke the sandbox itself: the whole sandbox
+        OOM-killed (under gVisor the sandbox's memory limit kills the whole sandbox), or
+        no command can start because the agent's processes fill the pids limit. A paused,
+        killed or vanished sandbox, or an agent that does not answer, is ours."""
+        info = self._inspect(handle)
+        state = _state_name(info)
         if state != "running":
-            return ProbeResult(alive=False, state=state, agent_ok=False, detail=f"state={state}")
+            return self._stopped_probe(handle, info, state)
         started = time.monotonic()
         try:
             # cwd "/": the agent may have made /workspace unusable; that is not ill health.
             result = self.exec(handle, "true", timeout_s=5, output_budget_bytes=256, cwd="/")
         except SandboxError as exc:
+            # A sandbox being killed (its memory limit under gVisor) drops the agent's
+            # connection a moment before Docker sees it exit: wait for that moment, so the
+            # evidence is the exit and its cause rather than "running but not answering".
+            info = self._settled(handle)
+            if _state_name(info) not in ("running", "paused"):
+                return self._stopped_probe(handle, info, _state_name(info))
             return ProbeResult(alive=True, state=state, agent_ok=False, detail=str(exc))
-        latency = (time.monotonic() - started) * 1000
+        latency = round((time.monotonic() - started) * 1000, 2)
+        if "pids" in result.limits_hit:
+            hit = result.limit("pids")
+            return ProbeResult(
+                alive=True,
+                state=state,
+                agent_ok=False,
+                latency_ms=latency,
+                agent_caused="pids_limit",
+                detail=f"`true` could not start: {hit.evidence if hit else 'pids limit'}",
+            )
         ok = result.exit_code == 0
         detail = "" if ok else f"`true` gave exit {result.exit_code}, timed_out={result.timed_out}"
+        return ProbeResult(alive=True, state=state, agent_ok=ok, latency_ms=latency, detail=detail)
+
+    def _stopped_probe(
+        self, handle: SandboxHandle, info: dict[str, Any] | None, state: str
+    ) -> ProbeResult:
+        raw = (info or {}).get("State", {})
+        stopped = state in ("exited", "dead")
+        exit_code = raw.get("ExitCode") if stopped else None
+        oom_killed = bool(raw.get("OOMKilled"))
+        # Docker sets OOMKilled on any OOM kill in the container, even one of a single
+        # command that the sandbox survived; SIGKILL as the exit status says the OOM
+        # killer took the whole sandbox.
+        whole_oom = stopped and oom_killed and exit_code == 128 + signal.SIGKILL
+        detail = f"state={state}"
+        if stopped:
+            detail += f" exit={exit_code} oom_killed={oom_killed} error={raw.get('Error')!r}"
         return ProbeResult(
-            alive=True, state=state, agent_ok=ok, latency_ms=round(latency, 2), detail=detail
+            alive=False,
+            state=state,
+            agent_ok=False,
+            detail=detail,
+            exit_code=exit_code if isinstance(exit_code, int) else None,
+            oom_killed=oom_killed,
+            agent_caused="memory_limit" if whole_oom else None,
         )
 
-    def _container_state(self, handle: SandboxHandle) -> str:
+    def _settled(self, handle: SandboxHandle) -> dict[str, Any] | None:
+        """The container's inspect data once it stops, or as it is after PROBE_SETTLE_S."""
+        deadline = time.monotonic() + PROBE_SETTLE_S
+        while True:
+            info = self._inspect(handle)
+            if _state_name(info) != "running" or time.monotonic() >= deadline:
+                return info
+            time.sleep(0.1)
+
+    def _inspect(self, handle: SandboxHandle) -> dict[str, Any] | None:
+        """The container's inspect data, or None when it is gone."""
         try:
-            info = self.client.api.inspect_container(handle.native_id)
+            info: dict[str, Any] = self.client.api.inspect_container(handle.native_id)
         except NotFound:
-            return "missing"
-        except DockerException as exc:
+            return None
+        except DOCKER_FAILURES as exc:
             raise _docker_fault("inspect sandbox", exc) from exc
-        state = info.get("State", {})
-        if state.get("Paused"):
-            return "paused"
-        return str(state.get("Status", "unknown"))
+        return info
+
+    def _container_state(self, handle: SandboxHandle) -> str:
+        return _state_name(self._inspect(handle))
+
+    def host_health(self) -> HostHealth:
+        """This host's health for the worker's heartbeat: the daemon's ping time, free
+        space where sandboxes' workspaces live, and how many sandboxes it holds. Never
+        raises: a failure is reported in ``error``."""
+        try:
+            disk_free = _free_bytes(self.settings.state_dir)
+        except OSError as exc:
+            return HostHealth(
+                docker_ok=False, disk_free_bytes=0, sandboxes=0, error=f"statvfs: {exc}"
+            )
+        started = time.monotonic()
+        try:
+            self.client.ping()
+            ping_ms = round((time.monotonic() - started) * 1000, 2)
+            sandboxes = len(self.list_owned())
+        except (*DOCKER_FAILURES, SandboxError) as exc:
+            return HostHealth(
+                docker_ok=False, disk_free_bytes=disk_free, sandboxes=0, error=str(exc)[:500]
+            )
+        return HostHealth(
+            docker_ok=True, docker_ping_ms=ping_ms, disk_free_bytes=disk_free, sandboxes=sandboxes
+        )
 
     def _container_evidence(self, handle: SandboxHandle) -> str:
         try:
             info = self.client.api.inspect_container(handle.native_id)
             logs = self.client.api.logs(handle.native_id, tail=20).decode(errors="replace")
-        except DockerException as exc:
+        except DOCKER_FAILURES as exc:
             return f"no evidence: {exc}"
         state = info.get("State", {})
         return (
@@ -336,7 +468,7 @@ class DockerBackend(SandboxBackend):
             containers = self.client.api.containers(
                 all=True, filters={"label": labels.deployment_filter(self.settings.deployment)}
             )
-        except DockerException as exc:
+        except DOCKER_FAILURES as exc:
             raise _docker_fault("list sandboxes", exc) from exc
         return [self._handle_from_labels(c) for c in containers]
 
@@ -359,6 +491,9 @@ class DockerBackend(SandboxBackend):
         crash between creating and removing them). Returns how many were removed."""
         live = {h.sandbox_id for h in self.list_owned()}
         removed = 0
+        # A volume, socket directory or workspace layer is made just before its container:
+        # a young one may belong to a sandbox being created right now.
+        settled = time.time() - self.settings.sandbox_start_timeout_s * 2
         try:
             volumes = (
                 self.client.api.volumes(
@@ -366,11 +501,13 @@ class DockerBackend(SandboxBackend):
                 ).get("Volumes")
                 or []
             )
-        except DockerException as exc:
+        except DOCKER_FAILURES as exc:
             raise _docker_fault("list volumes", exc) from exc
         for volume in volumes:
-            sandbox_id = (volume.get("Labels") or {}).get(labels.SANDBOX, "")
-            if sandbox_id not in live:
+            volume_labels = volume.get("Labels") or {}
+            sandbox_id = volume_labels.get(labels.SANDBOX, "")
+            created = labels.parse_time(volume_labels.get(labels.CREATED)).timestamp()
+            if sandbox_id not in live and created < settled:
                 try:
                     self.client.api.remove_volume(volume["Name"], force=True)
                     removed += 1
@@ -380,10 +517,7 @@ class DockerBackend(SandboxBackend):
                     log.warning(
                         "sandbox.sweep_volume_failed", volume=volume["Name"], error=str(exc)
                     )
-        # A socket directory or workspace layer is made just before its container: a young
-        # one may belong to a sandbox being created right now.
-        settled = time.time() - self.settings.sandbox_start_timeout_s * 2
-        for entry in [*self.sockets_dir.iterdir(), *self.workspaces.uppers.iterdir()]:
+        for entry in self.sockets_dir.iterdir():
             if (
                 entry.name.startswith("sbx-")
                 and entry.name not in live
@@ -392,6 +526,7 @@ class DockerBackend(SandboxBackend):
             ):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed += 1
+        removed += self.workspaces.sweep_uppers(live, settled)
         return removed + self.workspaces.sweep_layers()
 
     # -- naming ----------------------------------------------------------------------------
@@ -406,6 +541,21 @@ class DockerBackend(SandboxBackend):
         return self._socket_dir(sandbox_id) / SOCKET_NAME
 
 
+def _state_name(info: dict[str, Any] | None) -> str:
+    """running, paused, exited, created, dead, ... or missing when there is no container."""
+    if info is None:
+        return "missing"
+    state = info.get("State", {})
+    if state.get("Paused"):
+        return "paused"
+    return str(state.get("Status", "unknown"))
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def _host_pids_limit(spec: SandboxSpec) -> int:
     """The cgroup pids limit. Under gVisor it counts the sandbox kernel's own host threads,
     which grow with the guest's processes; hitting it crashes the whole sandbox. So there
@@ -416,7 +566,7 @@ def _host_pids_limit(spec: SandboxSpec) -> int:
     return spec.limits.pids
 
 
-def _docker_fault(action: str, exc: DockerException) -> SandboxError:
+def _docker_fault(action: str, exc: Exception) -> SandboxError:
     """Daemon unreachable vs. the daemon refusing: both infrastructure, told apart for
     the evidence."""
     text = str(exc)

@@ -3,9 +3,10 @@
 Tools turn one call of the model into backend calls and back into text for the model. They
 know nothing of HTTP or of which backend runs them. Their contract on errors:
 
-- The agent's mistakes (bad arguments, a file that does not exist, a command that timed
-  out) come back as a :class:`ToolResult` with outcome ``agent_error`` and an output that
-  says what went wrong, so the model can learn from it.
+- The agent's mistakes (bad arguments, a file that does not exist, a command that hit one
+  of the sandbox's limits: time, memory, processes, disk, output) come back as a
+  :class:`ToolResult` with outcome ``agent_error`` and an output that says what went wrong,
+  so the model can learn from it.
 - Infrastructure faults (:class:`~orchestrator.sandbox.backend.SandboxError` and its
   subclasses) are never caught here: they propagate to the caller, which classifies them as
   ``infra_error``. Catching them would risk scoring a broken machine as the agent's fault.
@@ -47,8 +48,10 @@ class ToolResult(BaseModel):
     duration_ms: float = Field(0.0, ge=0, description="Wall time of the call in the tool layer.")
     error_kind: str | None = Field(
         None,
-        description="Why the call was an agent_error: invalid_arguments, unknown_tool, timeout,"
-        " out_of_range, or a read_file error kind (not_found, is_directory, binary, ...).",
+        description="Why the call was an agent_error: invalid_arguments, unknown_tool, a "
+        "sandbox limit the command hit (timeout, memory_limit, pids_limit, disk_limit, "
+        "output_limit), out_of_range, or a read_file error kind (not_found, is_directory, "
+        "binary, ..., pids_limit).",
     )
 
 

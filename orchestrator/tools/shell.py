@@ -5,19 +5,25 @@ Output format (the model sees exactly this; every part is cleaned by
 
 - stdout as is;
 - then, only when stderr is not empty, a line ``[stderr]`` followed by stderr;
-- then, only when there is something to say, one status line:
+- then, only when there is something to say, status lines:
   ``[exit code N]`` for a non-zero exit (for 128 + a signal number, with the signal named,
   since that is how bash reports a child killed by the memory limit),
   ``[killed by signal 9 (SIGKILL, possibly the sandbox's memory limit)]`` (or another signal)
-  when a signal ended the command, or, on timeout,
+  when a signal ended the command (the guess is left out once the sandbox has said which
+  limit, if any, was hit); then one line per sandbox limit the command hit, naming the
+  limit and its value (``[the command was killed: it exceeded the sandbox's memory limit of
+  1024 MB. ...]``, likewise for the process limit, a full /workspace or /tmp, and output
+  past the output limit); or, on timeout,
   ``[command timed out after 30 s; the whole process group was killed; ...]``;
 - ``(no output)`` in place of both streams when both are empty.
 
 A non-zero exit status and death by a signal are outcome ``ok``: the agent's command
-failed, the tool did not. A timeout is ``agent_error`` (the agent asked for too much), with
-whatever output the command produced before it was killed.
+failed, the tool did not. A command that hit a sandbox limit is ``agent_error`` (the agent
+asked for too much), whose ``error_kind`` names the limit (:data:`LIMIT_ERROR_KINDS`:
+``timeout``, ``memory_limit``, ``pids_limit``, ``disk_limit``, ``output_limit``), with
+whatever output the command produced (head and tail).
 
-The whole output is at most ``settings.output_budget_bytes`` bytes. The status line and the
+The whole output is at most ``settings.output_budget_bytes`` bytes. The status lines and the
 ``[stderr]`` header are reserved first; the rest is shared between the streams fairly: a
 stream that needs less than half keeps all of it and the other gets the remainder; when both
 need more than half, each gets half. Each stream is cut in its middle with a marker
@@ -34,7 +40,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
-from orchestrator.sandbox.backend import ExecResult, SandboxBackend, SandboxHandle
+from orchestrator.sandbox.backend import (
+    ExecResult,
+    LimitHit,
+    LimitKind,
+    SandboxBackend,
+    SandboxHandle,
+)
 from orchestrator.tools.base import Tool, ToolResult
 from orchestrator.tools.shaping import SHELL_HINT, Shaped, capture_demand, shape_capture
 
@@ -109,33 +121,131 @@ def format_seconds(seconds: float) -> str:
     return f"{text} s"
 
 
-def signal_description(number: int) -> str:
-    """``9 (SIGKILL, possibly the sandbox's memory limit)``, ``15 (SIGTERM)``."""
+def signal_description(number: int, *, memory_hint: bool = True) -> str:
+    """``9 (SIGKILL, possibly the sandbox's memory limit)``, ``15 (SIGTERM)``; without the
+    hint when the sandbox already said whether the memory limit was hit."""
     try:
         name = signals.Signals(number).name
     except ValueError:
         return str(number)
-    if number == signals.SIGKILL:
+    if number == signals.SIGKILL and memory_hint:
         return f"{number} ({name}, possibly the sandbox's memory limit)"
     return f"{number} ({name})"
+
+
+LIMIT_ERROR_KINDS: dict[LimitKind, str] = {
+    "memory": "memory_limit",
+    "pids": "pids_limit",
+    "disk": "disk_limit",
+    "output": "output_limit",
+    "timeout": "timeout",
+}
+"""The ``error_kind`` of a call whose command hit each limit. When it hit several, the
+first in this order names the call (the cause before its consequences: a fork bomb that
+also ran out of time is a pids_limit)."""
+
+
+def limit_error_kind(result: ExecResult) -> str | None:
+    """The ``error_kind`` for the limits ``result`` hit, or None when it hit none."""
+    hit = set(result.limits_hit)
+    return next((kind for limit, kind in LIMIT_ERROR_KINDS.items() if limit in hit), None)
+
+
+def _value(hit: LimitHit | None, fallback: str) -> str:
+    """``1024 MB``, ``256 processes``: a limit's value as the model reads it."""
+    if hit is None or hit.limit is None:
+        return fallback
+    return f"{hit.limit:g} {hit.unit}".strip()
+
+
+def limit_lines(result: ExecResult, subject: str) -> list[str]:
+    """One bracketed line per limit (other than the timeout) that the command hit, naming
+    the limit and its value. ``subject`` is what ran: "command" or a configured tool."""
+    who = "the command" if subject == "command" else subject
+    lines: list[str] = []
+    memory = result.limit("memory")
+    if "memory" in result.limits_hit:
+        value = _value(memory, "the sandbox's memory limit")
+        if memory is not None and not memory.killed:
+            lines.append(
+                f"[{who} ran out of memory: allocations fail past the sandbox's memory limit "
+                f"of {value}. Use less memory, e.g. process the data in chunks.]"
+            )
+        else:
+            whole = result.signal == signals.SIGKILL or result.exit_code == 128 + signals.SIGKILL
+            victim = f"{who} was killed" if whole else f"a process of {who} was killed"
+            lines.append(
+                f"[{victim}: it exceeded the sandbox's memory limit of {value}. Use less "
+                "memory, e.g. process the data in chunks.]"
+            )
+    if "pids" in result.limits_hit:
+        value = _value(result.limit("pids"), "the sandbox's process limit")
+        if _never_started(result):
+            lines.append(
+                f"[{who} could not start: processes left running by earlier commands (e.g. "
+                f"with setsid or nohup) fill the sandbox's process limit of {value}.]"
+            )
+        else:
+            lines.append(
+                f"[{who} hit the sandbox's process limit of {value}: new processes could not "
+                "be started. Run fewer processes at once.]"
+            )
+    for disk in (d for d in result.limit_details if d.kind == "disk"):
+        where = disk.path or "the disk"
+        lines.append(
+            f"[{where} is full: {who} hit the sandbox's limit of {_value(disk, '?')} for "
+            f"{where}. Delete files that are no longer needed (du -sh shows what is big).]"
+        )
+    if "disk" in result.limits_hit and not result.limit("disk"):
+        lines.append(f"[{who} hit the sandbox's disk limit.]")
+    if "output" in result.limits_hit:
+        value = _value(result.limit("output"), "the sandbox's output limit")
+        lines.append(
+            f"[{who} was killed: its output exceeded the sandbox's output limit of {value}; "
+            "only its start and end are shown. Filter it (grep, head, tail) or redirect it "
+            "to a file and read_file parts of it.]"
+        )
+    return lines
+
+
+def _never_started(result: ExecResult) -> bool:
+    """A pids_limit result of a command the sandbox could not start at all."""
+    return (
+        result.exit_code is None
+        and result.signal is None
+        and not result.timed_out
+        and "output" not in result.limits_hit
+    )
 
 
 def status_line(
     result: ExecResult, timeout_s: float, settings: Settings, timeout: TimeoutWording | None = None
 ) -> str | None:
-    """The bracketed line closing the output, or None when there is nothing to say."""
+    """The bracketed line(s) closing the output, or None when there is nothing to say:
+    how the command ended, then each limit it hit with the limit's value."""
+    subject, advice = timeout or (
+        "command",
+        "Narrow the command, run it in smaller steps, or raise timeout_s "
+        f"(at most {format_seconds(settings.command_timeout_max_s)}).",
+    )
+    lines = limit_lines(result, subject)
     if result.timed_out:
-        subject, advice = timeout or (
-            "command",
-            "Narrow the command, run it in smaller steps, or raise timeout_s "
-            f"(at most {format_seconds(settings.command_timeout_max_s)}).",
-        )
-        return (
+        lines.append(
             f"[{subject} timed out after {format_seconds(timeout_s)}; the whole process group "
             f"was killed. {advice}]"
         )
+    elif "output" not in result.limits_hit:
+        ended = _exit_line(result)
+        if ended:
+            lines.insert(0, ended)
+    return "\n".join(lines) or None
+
+
+def _exit_line(result: ExecResult) -> str | None:
+    # Once the sandbox has said whether the memory limit was hit, SIGKILL needs no guess.
+    hint = not result.limits_hit
     if result.signal:
-        return f"[killed by signal {signal_description(result.signal)}]"
+        return f"[killed by signal {signal_description(result.signal, memory_hint=hint)}]"
     code = result.exit_code
     if code:
         # bash reports a child killed by a signal as 128 + the signal number without being
@@ -143,7 +253,7 @@ def status_line(
         if 128 < code < 128 + 65 and code - 128 in _SIGNAL_NUMBERS:
             return (
                 f"[exit code {code}, which usually means a process was killed by signal "
-                f"{signal_description(code - 128)}]"
+                f"{signal_description(code - 128, memory_hint=hint)}]"
             )
         return f"[exit code {code}]"
     return None
@@ -203,13 +313,14 @@ def format_exec_result(
     if status:
         parts.append(status + "\n")
     output = "".join(parts).removesuffix("\n")
+    error_kind = limit_error_kind(result)
     return ToolResult(
         output=output,
-        outcome=Outcome.AGENT_ERROR if result.timed_out else Outcome.OK,
+        outcome=Outcome.AGENT_ERROR if error_kind else Outcome.OK,
         exit_code=result.exit_code,
         truncated=out.truncated or err.truncated,
         duration_ms=result.duration_ms,
-        error_kind="timeout" if result.timed_out else None,
+        error_kind=error_kind,
     )
 
 

@@ -12,6 +12,7 @@ from orchestrator.sandbox.backend import (
     ReadFileResult,
     SandboxError,
     SandboxUnavailable,
+    StreamCapture,
 )
 
 # Slack on top of a command's own timeout: the agent enforces the timeout itself, then
@@ -81,9 +82,27 @@ def exec_request(
 
 
 def exec_result(result: dict[str, Any]) -> ExecResult:
-    if "spawn_error" in result:
-        raise CommandSpawnFailed(f"could not start the command: {result['spawn_error']}")
-    return ExecResult.model_validate(result)
+    """The agent's exec reply as an :class:`ExecResult`.
+
+    A command that could not start is an infrastructure fault (:class:`CommandSpawnFailed`)
+    unless the agent blamed the agent's own processes for it (they fill the pids limit):
+    then it is a result whose ``limits_hit`` says ``pids``, with the error as its stderr.
+    """
+    if "spawn_error" not in result:
+        return ExecResult.model_validate(result)
+    message = f"could not start the command: {result['spawn_error']}"
+    if "pids" not in (result.get("limits_hit") or []):
+        raise CommandSpawnFailed(message)
+    text = message + "\n"
+    size = len(text.encode())
+    return ExecResult(
+        exit_code=None,
+        stdout=StreamCapture(),
+        stderr=StreamCapture(head=text, total_bytes=size, kept_bytes=size),
+        duration_ms=0.0,
+        limits_hit=result["limits_hit"],
+        limit_details=result.get("limit_details") or [],
+    )
 
 
 def read_file_request(

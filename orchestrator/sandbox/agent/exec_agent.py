@@ -28,6 +28,7 @@ import stat
 import subprocess
 import sys
 import time
+from typing import Any
 
 PROTOCOL_VERSION = 1
 MAX_REQUEST_BYTES = 1 << 20
@@ -37,6 +38,51 @@ READ_CHUNK = 65536
 DRAIN_AFTER_EXIT_S = 0.1
 PR_CAPBSET_DROP = 24
 WORKSPACE = "/workspace"
+MB = 1 << 20
+# cgroup counters that rise when a limit stops the sandbox's processes: (file, key) per
+# limit, cgroup v1 first, then v2. gVisor shows no cgroup files (its limits are per-process
+# rlimits, see shell_wrapper); then the evidence comes from what the command printed.
+CGROUP_COUNTERS = {
+    "memory": [
+        ("/sys/fs/cgroup/memory/memory.oom_control", "oom_kill"),
+        ("/sys/fs/cgroup/memory.events", "oom_kill"),
+    ],
+    "pids": [
+        ("/sys/fs/cgroup/pids/pids.events", "max"),
+        ("/sys/fs/cgroup/pids.events", "max"),
+    ],
+}
+# What programs print when an allocation fails (Python, glibc's strerror(ENOMEM), C++,
+# bash, GCC/Go/Rust runtimes). Only read under per-process memory rlimits (gVisor): there
+# an allocation past the limit fails instead of drawing the OOM killer.
+OUT_OF_MEMORY_TEXT = (
+    "MemoryError",
+    "Cannot allocate memory",
+    "std::bad_alloc",
+    "out of memory",
+    "memory exhausted",
+    "failed to allocate",
+    "memory allocation of",
+)
+# What programs print when fork or clone fails with EAGAIN: the process limit.
+FORK_FAILED_TEXT = (
+    "fork: retry",
+    "fork: Resource temporarily unavailable",
+    "Cannot fork",
+    "can't fork",
+    "BlockingIOError: [Errno 11]",
+    "thread: Resource temporarily unavailable",
+    "pthread_create failed",
+    "failed to create new OS thread",
+)
+NO_SPACE_TEXT = ("No space left on device", "[Errno 28]", "Disk quota exceeded")
+# A filesystem counts as full when less than this much of it is left (a writer that hit
+# ENOSPC leaves less than one of its writes free), or when it has no free inode.
+FULL_FRACTION = 0.02
+FULL_MIN_BYTES = 1 * MB
+FULL_MAX_BYTES = 8 * MB
+# Share of the pids limit the agent's user must hold for a failed fork to be its doing.
+PIDS_BLAME_SHARE = 0.5
 # Raises the command's OOM score so the kernel picks the agent's commands, never the agent,
 # then runs the command in the requested directory. The directory arrives as $1 and the
 # command as the next $1 (a shell command line) or as "$@" (an argv, for configured tools):
@@ -87,6 +133,10 @@ class Capture:
         self.tail_len += len(data)
         while self.tail_len - len(self.tail[0]) >= self.tail_limit:
             self.tail_len -= len(self.tail.popleft())
+
+    def text(self) -> str:
+        """What is kept so far, head and tail run together (for looking for messages)."""
+        return (bytes(self.head) + b"".join(self.tail)).decode("utf-8", "replace")
 
     def result(self) -> dict[str, object]:
         tail = b"".join(self.tail)
@@ -185,11 +235,232 @@ def kill_tree(pid: int) -> None:
             pass
 
 
+def read_counter(path: str, key: str) -> int | None:
+    """The value of ``key`` in a flat-keyed cgroup file, or None when unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def find_counters() -> dict[str, tuple[str, str]]:
+    """The cgroup counters this sandbox shows, by limit (none under gVisor)."""
+    found = {}
+    for limit, candidates in CGROUP_COUNTERS.items():
+        for path, key in candidates:
+            if read_counter(path, key) is not None:
+                found[limit] = (path, key)
+                break
+    return found
+
+
+def number(value: object) -> float | None:
+    """A limit's value from the host's JSON; None when absent or not a number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value
+
+
+class Snapshot:
+    """Counters and free space read just before a command starts."""
+
+    def __init__(
+        self,
+        counters: dict[str, int | None],
+        spaces: dict[str, tuple[int, int, int] | None],
+    ) -> None:
+        self.counters = counters
+        self.spaces = spaces
+
+
+def free_space(path: str) -> tuple[int, int, int] | None:
+    """(free bytes for unprivileged users, total bytes, free inodes or -1 when the
+    filesystem does not count them, like gVisor's tmpfs) of a filesystem."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    inodes = st.f_favail if st.f_files else -1
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, inodes
+
+
+def is_full(space: tuple[int, int, int]) -> bool:
+    free, total, inodes = space
+    threshold = min(FULL_MAX_BYTES, max(FULL_MIN_BYTES, int(total * FULL_FRACTION)))
+    return free < threshold or inodes == 0
+
+
+def user_tasks(uid: int) -> int:
+    """Threads of every process of ``uid``: what the pids limit counts (RLIMIT_NPROC
+    counts them too)."""
+    count = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(b")") + 2 :].split()
+        count += int(fields[17]) if len(fields) > 17 else 1
+    return count
+
+
+def mentions(texts: list[str], needles: tuple[str, ...]) -> str | None:
+    """The first of ``needles`` found in ``texts``, or None."""
+    for needle in needles:
+        for text in texts:
+            if needle in text:
+                return needle
+    return None
+
+
+def hit(
+    kind: str,
+    limit: float | None,
+    unit: str,
+    evidence: str,
+    *,
+    killed: bool = False,
+    path: str | None = None,
+) -> dict[str, object]:
+    """One entry of an exec reply's ``limit_details``."""
+    return {
+        "kind": kind,
+        "limit": limit,
+        "unit": unit,
+        "path": path,
+        "killed": killed,
+        "evidence": evidence,
+    }
+
+
+class Limits:
+    """The sandbox's limits, as the host configured them, and how to tell that a command
+    hit one. Everything here is evidence for the host; nothing here enforces a limit."""
+
+    def __init__(
+        self,
+        config: dict[str, object],
+        uid: int,
+        limit_as_mb: int | None,
+        limit_nproc: int | None,
+    ) -> None:
+        self.uid = uid
+        self.memory_mb = number(config.get("memory_mb"))
+        self.pids = number(config.get("pids"))
+        self.output_mb = number(config.get("output_mb"))
+        disks = config.get("disk")
+        # Only filesystems with a limit of their own: a full uncapped one is the host's disk.
+        self.disks = {
+            str(path): mb
+            for path, mb in (disks.items() if isinstance(disks, dict) else [])
+            if isinstance(mb, int) and mb > 0
+        }
+        self.limit_as_mb = limit_as_mb
+        self.limit_nproc = limit_nproc
+        self.counters = find_counters()
+
+    @property
+    def output_bytes(self) -> int:
+        """Output past which a command is killed; 0 for none."""
+        return int(self.output_mb * MB) if self.output_mb else 0
+
+    def snapshot(self) -> Snapshot:
+        """What to compare against once a command is done: counters and free space."""
+        counters = {kind: read_counter(*where) for kind, where in self.counters.items()}
+        spaces = {path: free_space(path) for path in self.disks}
+        return Snapshot(counters, spaces)
+
+    def processes_at_limit(self) -> bool:
+        """Under per-process rlimits (gVisor): the agent's user holds its process limit
+        (read before the command's processes are killed)."""
+        return bool(self.limit_nproc) and user_tasks(self.uid) >= (self.limit_nproc or 0) - 1
+
+    def hits(
+        self, before: Snapshot, *, failed: bool, texts: list[str], nproc_full: bool
+    ) -> list[dict[str, object]]:
+        """The memory, pids and disk limits a finished command hit. ``failed``: it ended
+        with a non-zero status, a signal or a kill; ``texts``: its captured output."""
+        rose = {}
+        for kind, where in self.counters.items():
+            now = read_counter(*where)
+            was = before.counters.get(kind)
+            if now is not None and was is not None and now > was:
+                rose[kind] = f"{where[0]} {where[1]} {was} -> {now}"
+        found = []
+        if "memory" in rose:
+            found.append(hit("memory", self.memory_mb, "MB", rose["memory"], killed=True))
+        elif self.limit_as_mb and failed:
+            text = mentions(texts, OUT_OF_MEMORY_TEXT)
+            if text:
+                evidence = f"allocation failed ({text!r}) under RLIMIT_AS {self.limit_as_mb} MB"
+                found.append(hit("memory", self.limit_as_mb, "MB per process", evidence))
+        if "pids" in rose:
+            found.append(hit("pids", self.pids, "processes", rose["pids"]))
+        elif nproc_full:
+            evidence = f"the agent's user held its RLIMIT_NPROC of {self.limit_nproc}"
+            found.append(hit("pids", self.pids, "processes", evidence))
+        elif self.limit_nproc and failed:
+            text = mentions(texts, FORK_FAILED_TEXT)
+            if text:
+                evidence = f"fork failed ({text!r}) under RLIMIT_NPROC {self.limit_nproc}"
+                found.append(hit("pids", self.pids, "processes", evidence))
+        if failed:
+            found += self._disk_hits(before, texts)
+        return found
+
+    def _disk_hits(self, before: Snapshot, texts: list[str]) -> list[dict[str, object]]:
+        said = mentions(texts, NO_SPACE_TEXT)
+        filled, full = [], []
+        for path, mb in self.disks.items():
+            now = free_space(path)
+            if now is None or not is_full(now):
+                continue
+            was = before.spaces.get(path)
+            evidence = f"{now[0]} bytes free of {now[1]}"
+            if now[2] >= 0:
+                evidence += f", {now[2]} inodes free"
+            entry = hit("disk", mb, "MB", evidence, path=path)
+            if was is not None and (now[0] < was[0] or now[2] < was[2]):
+                filled.append(entry)
+            full.append(entry)
+        # Full, and this command filled it; or full and the command was refused space (a
+        # full disk alone does not make every later failing command the disk's fault).
+        return filled or (full if said else [])
+
+    def spawn_failure(self, exc: OSError) -> dict[str, object]:
+        """The reply when the command could not even start. EAGAIN with the agent's user
+        holding at least half of the process limit is that user's doing: the limit is
+        full of its own processes (left behind with setsid, or of concurrent commands)."""
+        reply: dict[str, object] = {"spawn_error": f"{type(exc).__name__}: {exc}"}
+        limit = self.limit_nproc or self.pids
+        if exc.errno != errno.EAGAIN or not limit:
+            return reply
+        tasks = user_tasks(self.uid)
+        if tasks >= limit * PIDS_BLAME_SHARE:
+            evidence = f"fork failed with EAGAIN while the agent's user ran {tasks} tasks"
+            reply["limits_hit"] = ["pids"]
+            reply["limit_details"] = [hit("pids", self.pids, "processes", evidence)]
+        return reply
+
+
 class Agent:
-    def __init__(self, uid: int, gid: int, home: str, preload: str | None, wrapper: str) -> None:
+    def __init__(
+        self, uid: int, gid: int, home: str, preload: str | None, wrapper: str, limits: Limits
+    ) -> None:
         self.uid = uid
         self.gid = gid
         self.wrapper = wrapper
+        self.limits = limits
         self.env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "HOME": home,
@@ -220,6 +491,7 @@ class Agent:
         timeout = float(req["timeout_s"])  # type: ignore[arg-type]
         budget = int(req["budget"])  # type: ignore[call-overload]
         started = time.monotonic()
+        before = self.limits.snapshot()
         try:
             proc = subprocess.Popen(
                 ["/bin/bash", "-c", *args],
@@ -235,9 +507,51 @@ class Agent:
                 close_fds=True,
             )
         except OSError as exc:
-            # EAGAIN here is the sandbox's pids limit, hit by the agent's own processes.
-            return {"spawn_error": f"{type(exc).__name__}: {exc}"}
+            # EAGAIN here is usually the sandbox's pids limit, hit by the agent's own
+            # processes; spawn_failure says whether they fill it.
+            return self.limits.spawn_failure(exc)
         captures = {proc.stdout: Capture(budget), proc.stderr: Capture(budget)}
+        killed_for, nproc_full = self._wait(proc, captures, started + timeout)
+        duration_ms = (time.monotonic() - started) * 1000
+        returncode = proc.returncode
+        sig = -returncode if returncode < 0 else None
+        stdout = captures[proc.stdout].result()
+        stderr = captures[proc.stderr].result()
+        texts = [str(c[part]) for c in (stdout, stderr) for part in ("head", "tail")]
+        details = self.limits.hits(
+            before,
+            failed=killed_for is not None or returncode != 0,
+            texts=texts,
+            nproc_full=nproc_full,
+        )
+        if killed_for == "output":
+            total = sum(c.total for c in captures.values())
+            evidence = f"{total} bytes of output when it was killed"
+            details.append(hit("output", self.limits.output_mb, "MB", evidence, killed=True))
+        elif killed_for == "timeout":
+            evidence = "still running at the deadline"
+            details.append(hit("timeout", timeout, "s", evidence, killed=True))
+        return {
+            "exit_code": None if killed_for else (128 + sig if sig else returncode),
+            "signal": sig,
+            "timed_out": killed_for == "timeout",
+            "stdout": stdout,
+            "stderr": stderr,
+            "duration_ms": duration_ms,
+            "limits_hit": [d["kind"] for d in details],
+            "limit_details": details,
+        }
+
+    def _wait(
+        self,
+        proc: subprocess.Popen[bytes],
+        captures: dict[Any, Capture],
+        deadline: float,
+    ) -> tuple[str | None, bool]:
+        """Capture the command's output until it has exited and its streams are closed,
+        it passed the deadline, or its output passed the output limit; then kill what is
+        left of it. Returns (why it was killed: "timeout", "output" or None, whether the
+        agent's user held its process limit just before the kill)."""
         sel = selectors.DefaultSelector()
         for stream in captures:
             assert stream is not None
@@ -248,10 +562,11 @@ class Agent:
         pidfd = open_pidfd(proc.pid)
         if pidfd is not None:
             sel.register(pidfd, selectors.EVENT_READ)
-        deadline = started + timeout
         exited_at: float | None = None
+        output_limit = self.limits.output_bytes
+        flooded = False
         try:
-            while True:
+            while not flooded:
                 now = time.monotonic()
                 if exited_at is None and proc.poll() is not None:
                     exited_at = now
@@ -276,37 +591,58 @@ class Agent:
                     except BlockingIOError:
                         continue
                     if data:
-                        captures[key.fileobj].feed(data)  # type: ignore[index]
+                        captures[key.fileobj].feed(data)
                     else:
                         sel.unregister(key.fileobj)
+                # A flood is drained, never buffered; past the output limit it is stopped,
+                # rather than left to burn the CPU until the timeout.
+                if output_limit and sum(c.total for c in captures.values()) > output_limit:
+                    flooded = True
         finally:
             sel.close()
             if pidfd is not None:
                 os.close(pidfd)
-            timed_out = proc.poll() is None
-            if timed_out:
+            running = proc.poll() is None
+            # Under RLIMIT_NPROC (gVisor) a fork bomb shows only now, before it is killed;
+            # counting processes costs a walk of /proc, so only when something went wrong.
+            nproc_full = (
+                bool(self.limits.limit_nproc)
+                and (
+                    running
+                    or proc.returncode != 0
+                    or any(mentions([c.text()], FORK_FAILED_TEXT) for c in captures.values())
+                )
+                and self.limits.processes_at_limit()
+            )
+            if running:
                 kill_tree(proc.pid)
-            returncode = proc.wait()
+            proc.wait()
             # Whatever the command left running in its process group goes too.
             kill_group(proc.pid)
             for stream in captures:
-                stream.close()  # type: ignore[union-attr]
-        duration_ms = (time.monotonic() - started) * 1000
-        sig = -returncode if returncode < 0 else None
-        return {
-            "exit_code": None if timed_out else (128 + sig if sig else returncode),
-            "signal": sig,
-            "timed_out": timed_out,
-            "stdout": captures[proc.stdout].result(),
-            "stderr": captures[proc.stderr].result(),
-            "duration_ms": duration_ms,
-        }
+                stream.close()
+        if flooded:
+            return "output", nproc_full
+        return ("timeout" if running else None), nproc_full
 
     def read_file(self, req: dict[str, object]) -> dict[str, object]:
         """Read in a forked child that has become the unprivileged user, so read_file can
         see exactly what the agent's own shell could, and nothing more."""
         rfd, wfd = os.pipe()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:
+            os.close(rfd)
+            os.close(wfd)
+            spawn = self.limits.spawn_failure(exc)
+            if "limits_hit" not in spawn:
+                raise
+            detail = spawn["limit_details"][0]  # type: ignore[index]
+            message = (
+                f"cannot read {req.get('path')}: the sandbox's limit of {detail['limit']} "
+                "processes is full of processes the agent's commands left running"
+            )
+            return file_error("pids_limit", message)
         if pid == 0:  # child
             code = 0
             try:
@@ -427,7 +763,19 @@ class Handler(socketserver.StreamRequestHandler):
 
 class Server(socketserver.ThreadingUnixStreamServer):
     daemon_threads = True
+    # Threads are not tracked for a join at close (the agent exits with its sandbox), so
+    # a thread that failed to start leaves nothing behind.
+    block_on_close = False
     request_queue_size = 256
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request(request, client_address)
+        except RuntimeError:
+            # No thread to be had: the pids limit counts threads, and the agent's user
+            # may fill it. Answer in the serving thread, so the host hears why (a reply
+            # that says pids_limit) instead of seeing its connection closed.
+            self.process_request_thread(request, client_address)
 
 
 def log(message: str) -> None:
@@ -448,10 +796,18 @@ def main() -> None:
     parser.add_argument("--preload", default=None, help="LD_PRELOAD for commands")
     parser.add_argument("--limit-as-mb", type=int, default=None, help="RLIMIT_AS per command")
     parser.add_argument("--limit-nproc", type=int, default=None, help="RLIMIT_NPROC per command")
+    parser.add_argument(
+        "--limits",
+        type=json.loads,
+        default={},
+        help="The sandbox's limits as JSON (memory_mb, pids, output_mb, disk: {path: mb}), "
+        "to tell when a command hits one",
+    )
     args = parser.parse_args()
     drop_bounding_set()
     wrapper = shell_wrapper(args.limit_as_mb, args.limit_nproc)
-    agent = Agent(args.uid, args.gid, args.home, args.preload, wrapper)
+    limits = Limits(args.limits, args.uid, args.limit_as_mb, args.limit_nproc)
+    agent = Agent(args.uid, args.gid, args.home, args.preload, wrapper, limits)
     try:
         os.unlink(args.socket)
     except FileNotFoundError:
