@@ -45,6 +45,21 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(5.0, gt=0)
     reaper_interval_s: float = Field(10.0, gt=0)
     sandbox_create_timeout_s: float = Field(60.0, gt=0)
+    worker_shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, how long running calls may take to finish."
+    )
+    host_max_sandboxes: int = Field(
+        512, ge=1, description="A host holding this many sandboxes takes no new ones."
+    )
+    host_min_free_disk_mb: int = Field(
+        2048, ge=0, description="A host with less free disk under state_dir takes no new ones."
+    )
+    host_unhealthy_after: int = Field(
+        3, ge=1, description="Failed daemon probes in a row before a host's rollouts fail."
+    )
+    host_lost_after_s: float = Field(
+        30.0, gt=0, description="A host silent this long has its rollouts marked infra_failed."
+    )
 
     docker_host: str | None = Field(
         None, description="Docker daemon URL; None means DOCKER_HOST or the local socket."
@@ -68,6 +83,18 @@ class Settings(BaseSettings):
     sandbox_tmp_mb: int = Field(256, ge=1)
     sandbox_lifetime_s: int = Field(3600, ge=10, description="Hard expiry stamped on labels.")
     sandbox_start_timeout_s: float = Field(20.0, gt=0)
+    sandbox_disk_mb: int = Field(
+        2048,
+        ge=0,
+        description="Cap on a sandbox's writes under /workspace (its own sparse ext4 image, "
+        "loop-mounted); 0 leaves them uncapped, on state_dir's filesystem.",
+    )
+    sandbox_output_mb: int = Field(
+        64,
+        ge=1,
+        description="A command whose output (stdout and stderr together) exceeds this is "
+        "killed; the model sees only the output budget's head and tail of it anyway.",
+    )
 
     command_timeout_s: float = Field(30.0, gt=0, description="Default per-command timeout.")
     command_timeout_max_s: float = Field(600.0, gt=0)

@@ -2,15 +2,21 @@
 
 Each pytest worker gets its own deployment name (``test-<run>-<worker>-...``), so its
 sandboxes are told apart by label; the controlling process compares the daemon's
-containers, volumes and networks before and after the whole run and fails the run if this
-run left any behind. Resources labelled for another run's deployment (another suite
-running at the same time on this machine) are not this run's to answer for.
+containers, volumes and networks, and the host's loop mounts, loop devices and workspace
+images, before and after the whole run and fails the run if this run left any behind.
+Resources of another run's deployment (another suite running at the same time on this
+machine) are not this run's to answer for: labels say whose a container or volume is, and
+a workspace filesystem's path holds its deployment (``.../upper/<deployment>/<sandbox>``).
+Leaked loop mounts and devices are removed once reported, so that a failed run does not
+leave the host holding them.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import subprocess
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -25,6 +31,7 @@ from orchestrator.images.base import BaseBuildResult, build_base_image
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
+from tests.faults.report import REPORT_ENV, read_rows, table
 
 RUNTIMES: list[Runtime] = ["runc", "runsc"]
 
@@ -51,13 +58,69 @@ def _docker_inventory() -> dict[str, set[str]]:
         client.close()
 
 
+def _our_workspace_path(path: str) -> bool:
+    return f"/upper/test-{RUN_ID}-" in path
+
+
+def _host_inventory() -> dict[str, set[str]]:
+    """This run's workspace filesystems: mount points, loop devices and image files."""
+    with open("/proc/self/mountinfo") as f:
+        mounts = {line.split()[4] for line in f if _our_workspace_path(line.split()[4])}
+    devices = set()
+    for backing in glob.glob("/sys/block/loop*/loop/backing_file"):
+        try:
+            with open(backing) as f:
+                target = f.read().strip()
+        except OSError:
+            continue  # detached meanwhile
+        if _our_workspace_path(target):
+            devices.add(f"/dev/{backing.split('/')[3]}={target}")
+    images = set(glob.glob(f"/tmp/orch-*/upper/test-{RUN_ID}-*/*.img"))
+    return {"loop mounts": mounts, "loop devices": devices, "workspace images": images}
+
+
+def _inventory() -> dict[str, set[str]]:
+    return {**_docker_inventory(), **_host_inventory()}
+
+
+def _remove_host_leaks(leaked: dict[str, list[str]]) -> None:
+    for mount in leaked.get("loop mounts", []):
+        subprocess.run(["umount", "-l", mount], capture_output=True)
+    for device in leaked.get("loop devices", []):
+        subprocess.run(["losetup", "-d", device.split("=")[0]], capture_output=True)
+    for image in leaked.get("workspace images", []):
+        Path(image).unlink(missing_ok=True)
+
+
 def _is_controller(config: pytest.Config) -> bool:
     return not hasattr(config, "workerinput")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if _is_controller(config):
-        config.stash[_inventory_key] = _docker_inventory()
+        config.stash[_inventory_key] = _inventory()
+        # The fault suite's rows (tests/faults/report.py) are written by xdist workers and
+        # printed here, by the controller, which never loads tests/faults/conftest.py.
+        report = Path(tempfile.mkdtemp(prefix=f"orch-faults-{RUN_ID}-")) / "rows.jsonl"
+        config.stash[_fault_report_key] = report
+        os.environ[REPORT_ENV] = str(report)
+
+
+_fault_report_key = pytest.StashKey[Path]()
+
+
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, exitstatus: int, config: pytest.Config
+) -> None:
+    if _fault_report_key not in config.stash:
+        return
+    report = config.stash[_fault_report_key]
+    rows = read_rows(report)
+    shutil.rmtree(report.parent, ignore_errors=True)
+    if rows:
+        terminalreporter.write_sep("=", "fault injection")
+        for line in table(rows):
+            terminalreporter.write_line(line)
 
 
 _inventory_key = pytest.StashKey[dict[str, set[str]]]()
@@ -68,16 +131,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not _is_controller(config) or _inventory_key not in config.stash:
         return
     before = config.stash[_inventory_key]
-    after = _docker_inventory()
-    leaked = {kind: sorted(after[kind] - before[kind]) for kind in after}
+    after = _inventory()
+    leaked = {kind: sorted(after[kind] - before.get(kind, set())) for kind in after}
     leaked = {kind: ids for kind, ids in leaked.items() if ids}
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if leaked:
         if reporter is not None:
             reporter.write_line(f"LEAK CHECK FAILED: the suite left behind {leaked}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        _remove_host_leaks(leaked)
     elif reporter is not None:
-        reporter.write_line("leak check: no container, volume or network left behind")
+        reporter.write_line(
+            "leak check: no container, volume, network, loop mount or workspace image left behind"
+        )
 
 
 def runsc_available() -> bool:

@@ -27,6 +27,7 @@ router = APIRouter(prefix="/agent-rft", tags=["agent-rft"], dependencies=[Depend
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Malformed JSON."},
     401: {"model": ErrorResponse, "description": "Missing or wrong bearer token."},
+    409: {"model": ErrorResponse, "description": "The rollout has ended (graded or closed)."},
     413: {"model": ErrorResponse, "description": "Body over the size limit."},
     422: {"model": ErrorResponse, "description": "Invalid body, unknown environment or codebase."},
     503: {"model": ErrorResponse, "description": "Infrastructure fault: retry, then discard."},

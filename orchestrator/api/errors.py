@@ -8,12 +8,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected
 
 RETRY_AFTER_S = "1"
+
+log = get_logger(__name__)
 
 
 def error_response(
@@ -61,6 +65,19 @@ def install(app: FastAPI) -> None:
             "infra_error",
             exc.message,
             rollout_id=exc.rollout_id,
+            headers={"Retry-After": RETRY_AFTER_S},
+        )
+
+    @app.exception_handler(RedisError)
+    async def _state_store(request: Request, exc: RedisError) -> JSONResponse:
+        # Redis restarting: nothing was recorded, so a retry is safe (a call that reached a
+        # worker keeps its result on its ticket, rollouts/tickets.py).
+        log.error("api.state_store_unavailable", path=request.url.path, error=repr(exc))
+        return error_response(
+            503,
+            Outcome.INFRA_ERROR,
+            "state_store_unavailable",
+            f"the state store (Redis) is unavailable: {type(exc).__name__}; retry",
             headers={"Retry-After": RETRY_AFTER_S},
         )
 

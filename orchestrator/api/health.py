@@ -19,9 +19,14 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    responses={503: {"description": "Not ready: Redis down or no schedulable host."}},
+)
 async def readyz(request: Request) -> JSONResponse:
-    """Ready when Redis answers and at least one worker host reports a working daemon."""
+    """Ready when Redis answers and at least one worker host is schedulable (alive, its
+    daemon answering, disk and capacity to spare, not draining). Each host's heartbeat is
+    shown with why it is cordoned, if it is."""
     app = state(request)
     checks: dict[str, Any] = {}
     try:
@@ -33,10 +38,18 @@ async def readyz(request: Request) -> JSONResponse:
     checks["hosts"] = hosts
     checks["workers"] = len(hosts)
     checks["docker"] = any(h.get("docker_ok") for h in hosts)
-    ready = bool(checks["redis"] and checks["docker"])
+    checks["schedulable_hosts"] = sorted(h["host"] for h in hosts if h.get("schedulable"))
+    checks["cordoned_hosts"] = {
+        h["host"]: h.get("cordon_reasons", []) for h in hosts if not h.get("schedulable")
+    }
+    ready = bool(checks["redis"] and checks["schedulable_hosts"])
     return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text."}},
+)
 async def metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.models import TrajectoryStep
@@ -12,6 +12,28 @@ from orchestrator.rollouts.models import TrajectoryStep
 # No ':' — it separates the parts of the store's Redis keys.
 ROLLOUT_ID = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$"
 CALL_ID = r"^[A-Za-z0-9_.-]{1,200}$"
+
+
+# Rows, samples and arguments are stored as JSON; deeper nesting than this is no real
+# dataset row and would fail to serialise later (pydantic stops at 255 levels).
+MAX_JSON_DEPTH = 64
+
+
+def _bounded_depth(value: Any) -> Any:
+    level = [value]
+    for _ in range(MAX_JSON_DEPTH):
+        level = [
+            child
+            for node in level
+            for child in (node.values() if isinstance(node, dict) else node)
+            if isinstance(child, dict | list)
+        ]
+        if not level:
+            return value
+    raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(_bounded_depth)]
 
 
 class _Lenient(BaseModel):
@@ -25,9 +47,9 @@ class FunctionCall(_Lenient):
     id: str = Field("", max_length=200)
     call_id: str = Field(pattern=CALL_ID)
     name: str | None = Field(None, max_length=64)
-    arguments: str | dict[str, Any] | None = None
+    arguments: str | JsonObject | None = None
     trace_id: str = Field(pattern=ROLLOUT_ID, description="The rollout's identity.")
-    item: dict[str, Any] = Field(default_factory=dict, description="The dataset row.")
+    item: JsonObject = Field(default_factory=dict, description="The dataset row.")
 
 
 class FunctionCallOutput(BaseModel):
@@ -40,8 +62,8 @@ class FunctionCallOutput(BaseModel):
 class GradeRequest(_Lenient):
     """What Agent RFT posts to an endpoint grader."""
 
-    sample: dict[str, Any] = Field(default_factory=dict)
-    item: dict[str, Any] = Field(default_factory=dict)
+    sample: JsonObject = Field(default_factory=dict)
+    item: JsonObject = Field(default_factory=dict)
     trace_id: str = Field(pattern=ROLLOUT_ID)
 
 
@@ -53,7 +75,7 @@ class Score(BaseModel):
 class CreateRollout(_Lenient):
     environment: str | None = Field(None, max_length=100)
     codebase: str | None = Field(None, max_length=100)
-    item: dict[str, Any] = Field(default_factory=dict)
+    item: JsonObject = Field(default_factory=dict)
     id: str | None = Field(None, pattern=ROLLOUT_ID)
 
 
@@ -68,7 +90,7 @@ class RolloutCreated(BaseModel):
 
 
 class ToolCallRequest(_Lenient):
-    arguments: str | dict[str, Any] | None = None
+    arguments: str | JsonObject | None = None
     call_id: str | None = Field(None, pattern=CALL_ID)
 
 
@@ -85,7 +107,7 @@ class ToolCallResponse(BaseModel):
 
 class RolloutGradeRequest(_Lenient):
     answer: str | None = None
-    sample: dict[str, Any] | None = None
+    sample: JsonObject | None = None
 
     @model_validator(mode="after")
     def _one_of(self) -> RolloutGradeRequest:

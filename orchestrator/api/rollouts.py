@@ -13,6 +13,7 @@ from orchestrator.api.deps import service
 from orchestrator.api.models import (
     ROLLOUT_ID,
     CreateRollout,
+    ErrorResponse,
     RolloutCreated,
     RolloutGradeRequest,
     RolloutView,
@@ -29,8 +30,8 @@ from orchestrator.rollouts.store import Rollout
 router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"], dependencies=[Depends(require_token)])
 RESPONSES = {
     **ERRORS,
-    404: {"description": "Unknown rollout."},
-    409: {"description": "Exists or ended."},
+    404: {"model": ErrorResponse, "description": "Unknown rollout."},
+    409: {"model": ErrorResponse, "description": "Exists or ended."},
 }
 Svc = Annotated[RolloutService, Depends(service)]
 RolloutId = Annotated[str, Path(pattern=ROLLOUT_ID, description="The rollout's id.")]

@@ -1,8 +1,19 @@
 """The Celery application: broker and results in Redis, one queue per worker host.
 
-Delivery is at most once (early acknowledgement): a tool call whose worker dies is
-reported to the trainer as an infrastructure error after a bounded wait, never run again
-behind its back. Results expire after an hour; the rollout store keeps what matters.
+Delivery, deliberately:
+
+- ``task_acks_late=False``: a message is acknowledged when its task starts. Whether a
+  tool call ran is not Celery's to decide: the call's run ticket (rollouts/tickets.py) is
+  claimed before it runs, so it runs at most once even if a message were delivered twice,
+  and a worker that dies mid-call is noticed by its heartbeat and the ticket, not by a
+  redelivery that would run the command again.
+- ``visibility_timeout``: a message a worker reserved but never started (the worker was
+  killed) comes back after this long. By then its ``expires`` (the call's own bound) has
+  passed and the API has cancelled its ticket, so it is dropped; it is set just above the
+  longest bound so nothing still wanted is ever dropped early.
+- Every publish carries ``expires``; replies go through Redis lists, not the result
+  backend (queue/client.py). Results expire after an hour; the rollout store keeps what
+  matters.
 """
 
 from __future__ import annotations
@@ -28,7 +39,9 @@ def make_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         worker_send_task_events=False,
         task_ignore_result=False,
-        broker_transport_options={"visibility_timeout": 3600},
+        broker_transport_options={
+            "visibility_timeout": int(settings.command_timeout_max_s + settings.queue_wait_s + 60)
+        },
         beat_schedule={
             "reap": {
                 "task": "orchestrator.reap",

@@ -33,11 +33,17 @@ class QueueClient:
         self.app = app
         self.redis = redis
 
-    def _reply_key(self) -> str:
+    def reply_key(self) -> str:
+        """A fresh list for one reply."""
         return f"{self.settings.key_prefix}reply:{uuid.uuid4().hex}"
 
     async def worker_alive(self, host_id: str) -> bool:
         return bool(await self.redis.exists(f"{self.settings.key_prefix}worker:{host_id}"))
+
+    async def heartbeat(self, host_id: str) -> dict[str, Any] | None:
+        """The host's latest heartbeat (queue/worker.py), None when it has none."""
+        raw = await self.redis.get(f"{self.settings.key_prefix}worker:{host_id}")
+        return json.loads(raw) if raw else None
 
     async def live_hosts(self) -> list[dict[str, Any]]:
         hosts = await self.redis.smembers(f"{self.settings.key_prefix}hosts")
@@ -49,9 +55,10 @@ class QueueClient:
         return statuses
 
     async def choose_host(self) -> str | None:
-        """The live host (daemon answering) holding the fewest of our rollouts; ties are
-        broken at random so a burst spreads out."""
-        candidates = [h["host"] for h in await self.live_hosts() if h.get("docker_ok")]
+        """The schedulable host (alive, daemon answering, not cordoned: see
+        queue/worker.py) holding the fewest of our rollouts; ties are broken at random so
+        a burst spreads out."""
+        candidates = [h["host"] for h in await self.live_hosts() if h.get("schedulable")]
         if not candidates:
             return None
         loads = await self.redis.hmget(self._load_key(), candidates)
@@ -88,7 +95,7 @@ class QueueClient:
         comes within ``timeout_s`` or the worker of ``host_id`` stops beating."""
         if host_id is not None and not await self.worker_alive(host_id):
             raise QueueTimeout(f"no live worker on host {host_id!r}")
-        reply_key = self._reply_key()
+        reply_key = self.reply_key()
         payload = {**payload, "reply_to": reply_key}
         # Expiry makes a late worker drop the task instead of running a call whose caller
         # has already been told it failed.
@@ -105,6 +112,17 @@ class QueueClient:
             if host_id is not None and not await self.worker_alive(host_id):
                 raise QueueTimeout(f"the worker on host {host_id!r} stopped while running {task}")
 
-    def send(self, task: str, payload: dict[str, Any], *, queue: str) -> None:
-        """Fire and forget (teardown): the reaper's label sweep covers a lost message."""
-        self.app.send_task(task, args=[payload], queue=queue, ignore_result=True)
+    def send(
+        self, task: str, payload: dict[str, Any], *, queue: str, expires: float | None = None
+    ) -> None:
+        """Publish without waiting here (teardown, or a call whose reply is awaited by
+        :meth:`wait_reply`)."""
+        self.app.send_task(task, args=[payload], queue=queue, expires=expires, ignore_result=True)
+
+    async def wait_reply(self, reply_key: str, timeout_s: float) -> dict[str, Any] | None:
+        """One bounded wait on a reply list; None when nothing came."""
+        popped = await self.redis.blpop([reply_key], timeout=timeout_s)
+        if popped is None:
+            return None
+        reply: dict[str, Any] = json.loads(popped[1])
+        return reply

@@ -22,6 +22,9 @@ class SandboxCreated(BaseModel):
 
 class ToolCall(BaseModel):
     rollout_id: str
+    call_id: str
+    ticket: str = Field(description="The call's run ticket key (rollouts/tickets.py).")
+    attempt: str = Field(description="The attempt the ticket must name for this to run.")
     environment: str
     handle: SandboxHandle
     tool: str
@@ -40,3 +43,7 @@ class ToolCallDone(BaseModel):
 class DestroySandbox(BaseModel):
     handle: SandboxHandle
     reason: str
+
+
+class ProbeSandbox(BaseModel):
+    handle: SandboxHandle

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from celery import shared_task as _shared_task
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 
 from orchestrator.config import get_settings
 from orchestrator.observability.logging import get_logger
@@ -18,12 +20,14 @@ from orchestrator.queue import worker
 from orchestrator.queue.payloads import (
     CreateSandbox,
     DestroySandbox,
+    ProbeSandbox,
     SandboxCreated,
     ToolCall,
     ToolCallDone,
 )
-from orchestrator.sandbox.backend import SandboxError
+from orchestrator.sandbox.backend import ProbeResult, SandboxError
 from orchestrator.sandbox.gc import collect_expired
+from orchestrator.tools.base import ToolResult, agent_error
 
 log = get_logger(__name__)
 
@@ -38,10 +42,47 @@ def shared_task(name: str) -> Callable[[Task], Task]:
 
 def _on_worker_ready(**_: Any) -> None:
     worker.start_heartbeat()
-    log.info("worker.ready", host=get_settings().host_id)
+    log.info("worker.ready", host=get_settings().host_id, instance=worker.INSTANCE)
+    # What a crash or a lost Redis left behind goes now, not at the first reaper pass.
+    threading.Thread(target=_sweep_at_start, name="start-sweep", daemon=True).start()
+
+
+def _sweep_at_start() -> None:
+    try:
+        log.info("worker.start_sweep", **sweep_host({}))
+    except Exception:  # the periodic sweep tries again
+        log.exception("worker.start_sweep_failed")
+
+
+def _on_shutting_down(**_: Any) -> None:
+    """SIGTERM: take no new sandboxes, let running calls finish within the grace period,
+    then settle the rest as infrastructure errors and go (Celery's warm shutdown would
+    wait for a 10-minute command)."""
+    worker.in_flight.draining = True
+    settings = get_settings()
+    log.info("worker.draining", running=len(worker.in_flight.snapshot()))
+
+    def give_up() -> None:
+        deadline = time.monotonic() + settings.worker_shutdown_grace_s
+        while worker.in_flight.snapshot() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        aborted = worker.abort_in_flight("the shutdown grace period ran out")
+        if aborted:
+            worker.retire_heartbeat()
+            log.error("worker.aborted_calls", calls=aborted)
+            os._exit(1)
+
+    threading.Thread(target=give_up, name="shutdown-grace", daemon=True).start()
+
+
+def _on_shutdown(**_: Any) -> None:
+    worker.retire_heartbeat()
+    log.info("worker.stopped", instance=worker.INSTANCE)
 
 
 worker_ready.connect(_on_worker_ready, weak=False)
+worker_shutting_down.connect(_on_shutting_down, weak=False)
+worker_shutdown.connect(_on_shutdown, weak=False)
 
 
 def replies(
@@ -71,44 +112,108 @@ def create_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 @shared_task(name="orchestrator.run_tool")
-@replies
 def run_tool(payload: dict[str, Any]) -> dict[str, Any]:
+    """Run one tool call, at most once: only after claiming its ticket, whose result then
+    outlives this process (rollouts/tickets.py). The reply goes to the attempt the ticket
+    names, which may be a retry of the one that sent this message."""
     started = time.time()
     call = ToolCall.model_validate(payload)
+    claimed = worker.tickets().claim(call.ticket, call.attempt, worker.INSTANCE, started)
+    if claimed != "running":
+        log.info("tool.skipped", rollout_id=call.rollout_id, call_id=call.call_id, ticket=claimed)
+        return {"skipped": claimed}
+    with worker.in_flight.running(call):
+        done = _run_claimed(call, started)
+    state, reply_to = worker.tickets().finish(
+        call.ticket, worker.INSTANCE, done.model_dump_json(), time.time()
+    )
+    reply = done.model_dump(mode="json")
+    if reply_to:
+        worker.push_reply(reply_to, reply)
+    elif state != "done":
+        log.warning("tool.result_too_late", rollout_id=call.rollout_id, ticket=state)
+    return reply
+
+
+# Agent-caused limits after which the sandbox is probed: a limit the agent hit must not
+# have taken the sandbox with it unnoticed.
+_PROBE_AFTER = {"timeout", "memory_limit", "pids_limit", "disk_limit"}
+
+
+def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
     queue_ms = max(0.0, (started - call.enqueued_at) * 1000)
     settings = get_settings()
     config = worker.environments().get(call.environment)
     tool = worker.environments().tools(call.environment)[call.tool]
+    tool_settings = config.tool_settings(settings)
+
+    def finished(**fields: Any) -> ToolCallDone:
+        return ToolCallDone(queue_ms=queue_ms, exec_ms=(time.time() - started) * 1000, **fields)
+
     try:
-        result = tool.run(
-            worker.backend(), call.handle, call.arguments, config.tool_settings(settings)
-        )
+        result = tool.run(worker.backend(), call.handle, call.arguments, tool_settings)
     except SandboxError as exc:
-        probe = _probe_evidence(call)
+        probe = _probe(call)
+        if probe.agent_caused:
+            # The agent's own doing took the whole sandbox down (gVisor ends the sandbox
+            # at its memory limit): scored as the agent's mistake, with what is lost.
+            return finished(result=_killed_by_agent(probe, tool_settings.output_budget_bytes))
         log.error(
             "tool.infra_error",
             rollout_id=call.rollout_id,
             sandbox_id=call.handle.sandbox_id,
             host=call.handle.host,
             error=str(exc),
-            probe=probe,
+            probe=probe.model_dump(mode="json"),
         )
-        return ToolCallDone(
+        return finished(
             infra_error=f"{type(exc).__name__}: {exc}",
-            evidence={"probe": probe},
-            queue_ms=queue_ms,
-            exec_ms=(time.time() - started) * 1000,
-        ).model_dump(mode="json")
-    return ToolCallDone(
-        result=result, queue_ms=queue_ms, exec_ms=(time.time() - started) * 1000
-    ).model_dump(mode="json")
+            evidence={"probe": probe.model_dump(mode="json")},
+        )
+    if result.error_kind in _PROBE_AFTER:
+        probe = _probe(call)
+        if not (probe.alive and probe.agent_ok) and not probe.agent_caused:
+            log.error(
+                "tool.sandbox_unhealthy_after_limit",
+                rollout_id=call.rollout_id,
+                sandbox_id=call.handle.sandbox_id,
+                limit=result.error_kind,
+                probe=probe.model_dump(mode="json"),
+            )
+            return finished(
+                infra_error=f"the sandbox is unhealthy after a {result.error_kind}: "
+                f"{probe.detail or probe.state}",
+                evidence={"probe": probe.model_dump(mode="json")},
+            )
+    return finished(result=result)
 
 
-def _probe_evidence(call: ToolCall) -> dict[str, Any]:
+def _killed_by_agent(probe: ProbeResult, budget: int) -> ToolResult:
+    cause = probe.agent_caused or "limit"
+    message = (
+        f"the sandbox was killed ({cause.replace('_', ' ')}: {probe.detail or probe.state}); "
+        "it cannot run commands any more in this rollout"
+    )
+    return agent_error(message, cause, budget=budget)
+
+
+def _probe(call: ToolCall) -> ProbeResult:
     try:
-        return worker.backend().probe(call.handle).model_dump(mode="json")
+        return worker.backend().probe(call.handle)
     except SandboxError as exc:
-        return {"alive": False, "detail": f"probe failed: {exc}"}
+        return ProbeResult(alive=False, state="unknown", agent_ok=False, detail=f"probe: {exc}")
+
+
+@shared_task(name="orchestrator.probe_sandbox")
+@replies
+def probe_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
+    """Is this sandbox alive and does a trivial command run (before grading)."""
+    request = ProbeSandbox.model_validate(payload)
+    try:
+        return worker.backend().probe(request.handle).model_dump(mode="json")
+    except SandboxError as exc:
+        probe = ProbeResult(alive=False, state="unknown", agent_ok=False, detail=f"probe: {exc}")
+        return probe.model_dump(mode="json")
 
 
 @shared_task(name="orchestrator.destroy_sandbox")
@@ -130,8 +235,13 @@ def destroy_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
 
 @shared_task(name="orchestrator.sweep_host")
 def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
-    """Destroy this host's expired sandboxes and leftovers, by label alone."""
-    return collect_expired(worker.backend()).model_dump(mode="json")
+    """Destroy this host's expired sandboxes and leftovers by label, and every sandbox
+    whose rollout is over or unknown to Redis (orphans)."""
+    from orchestrator.rollouts.reaper import sweep_orphans
+
+    swept = collect_expired(worker.backend()).model_dump(mode="json")
+    swept["orphans"] = sweep_orphans(worker.backend(), worker.redis_client(), get_settings())
+    return swept
 
 
 @shared_task(name="orchestrator.reap")

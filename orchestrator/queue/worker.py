@@ -1,11 +1,14 @@
-"""Per-worker-process state: the sandbox backend, the environments, and the heartbeat that
-tells the API this host is alive and its daemon answers."""
+"""Per-worker-process state: the sandbox backend, the environments, the calls running now,
+and the heartbeat that tells the API this host is alive, healthy and schedulable."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -14,7 +17,8 @@ import redis
 from orchestrator.config import get_settings
 from orchestrator.environments.loader import EnvironmentRegistry, load_environments
 from orchestrator.observability.logging import get_logger
-from orchestrator.sandbox.backend import SandboxError
+from orchestrator.queue.payloads import ToolCall, ToolCallDone
+from orchestrator.rollouts.tickets import WorkerTickets
 from orchestrator.sandbox.docker import DockerBackend
 
 log = get_logger(__name__)
@@ -38,8 +42,11 @@ def redis_client() -> redis.Redis:
 def reply(payload: dict[str, Any], result: dict[str, Any]) -> None:
     """Push a task's reply to the list its caller waits on (see queue/client.py)."""
     key = payload.get("reply_to")
-    if not key:
-        return
+    if key:
+        push_reply(str(key), result)
+
+
+def push_reply(key: str, result: dict[str, Any]) -> None:
     client = redis_client()
     with client.pipeline(transaction=False) as pipe:
         pipe.rpush(key, json.dumps(result))
@@ -51,55 +58,170 @@ def heartbeat_key(host_id: str) -> str:
     return f"{get_settings().key_prefix}worker:{host_id}"
 
 
-def host_status() -> dict[str, Any]:
-    """One heartbeat: is the daemon answering, how many sandboxes does this host hold."""
+# This worker process, as named in the heartbeat and on the tickets it claims: a worker
+# restarted under the same host name is another instance, so the calls the old one held
+# are known to be lost although the host's heartbeat never stopped.
+INSTANCE = uuid.uuid4().hex
+
+
+@lru_cache(maxsize=1)
+def tickets() -> WorkerTickets:
+    return WorkerTickets(redis_client())
+
+
+class _InFlight:
+    """The calls this process is running, so a shutdown that cannot wait for them can
+    still settle their tickets (as infrastructure errors) before it exits."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: dict[str, ToolCall] = {}
+        self.draining = False
+
+    @contextmanager
+    def running(self, call: ToolCall) -> Iterator[None]:
+        with self._lock:
+            self._calls[call.ticket] = call
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls.pop(call.ticket, None)
+
+    def snapshot(self) -> list[ToolCall]:
+        with self._lock:
+            return list(self._calls.values())
+
+
+in_flight = _InFlight()
+
+
+def host_status(previous: dict[str, Any]) -> dict[str, Any]:
+    """One probe of this host: daemon, free disk, sandbox count against capacity.
+
+    ``schedulable`` is False (the host is cordoned: no new sandboxes) while any check
+    fails; ``docker_failures`` counts consecutive failed daemon probes, and the reaper
+    fails the rollouts of a host whose daemon failed ``host_unhealthy_after`` in a row."""
     settings = get_settings()
-    status: dict[str, Any] = {"host": settings.host_id, "time": time.time()}
-    try:
-        started = time.monotonic()
-        docker = backend()
-        docker.client.ping()
-        status["docker_ok"] = True
-        status["docker_ping_ms"] = round((time.monotonic() - started) * 1000, 2)
-        status["sandboxes"] = len(docker.list_owned())
-    except (SandboxError, Exception) as exc:  # noqa: BLE001 - any failure is evidence
-        status["docker_ok"] = False
-        status["docker_error"] = str(exc)[:500]
-    return status
+    health = backend().host_health()
+    failures = 0 if health.docker_ok else int(previous.get("docker_failures", 0)) + 1
+    reasons: list[str] = []
+    if not health.docker_ok:
+        reasons.append(f"daemon: {health.error}")
+    min_free = settings.host_min_free_disk_mb * 1024 * 1024
+    if health.docker_ok and health.disk_free_bytes < min_free:
+        reasons.append(
+            f"disk: {health.disk_free_bytes // 2**20} MiB free, "
+            f"below {settings.host_min_free_disk_mb} MiB"
+        )
+    if health.sandboxes >= settings.host_max_sandboxes:
+        reasons.append(f"full: {health.sandboxes} of {settings.host_max_sandboxes} sandboxes")
+    return {
+        **health.model_dump(mode="json"),
+        "docker_failures": failures,
+        "capacity": settings.host_max_sandboxes,
+        "cordon_reasons": reasons,
+    }
 
 
 def start_heartbeat() -> threading.Thread:
     """Publish this host's status every ``heartbeat_interval_s`` with a TTL of three beats,
     so a dead worker's key vanishes on its own.
 
-    Liveness and the daemon's health are measured apart: a daemon slowed by a burst of
+    Liveness and the host's health are measured apart: a daemon slowed by a burst of
     creations must not make a live worker look dead, so the beat never waits on Docker; a
-    second thread probes the daemon and the beat publishes its latest finding."""
+    second thread probes the host and the beat publishes its latest finding."""
     settings = get_settings()
-    client = redis_client()
     # Replaced whole by the probe (never mutated), so the beat always reads one finding.
-    latest: list[dict[str, Any]] = [{"docker_ok": False, "docker_error": "not probed yet"}]
+    latest: list[dict[str, Any]] = [
+        {"docker_ok": False, "error": "not probed yet", "cordon_reasons": ["starting"]}
+    ]
 
     def probe() -> None:
         while True:
             try:
-                latest[0] = host_status()
+                latest[0] = host_status(latest[0])
             except Exception as exc:  # noqa: BLE001 - the probe must outlive any failure
-                latest[0] = {"docker_ok": False, "docker_error": f"probe failed: {exc!r}"}
+                failures = int(latest[0].get("docker_failures", 0)) + 1
+                latest[0] = {
+                    "docker_ok": False,
+                    "docker_failures": failures,
+                    "error": f"probe failed: {exc!r}",
+                    "cordon_reasons": [f"probe failed: {exc!r}"],
+                }
             time.sleep(settings.heartbeat_interval_s)
 
     def beat() -> None:
         while True:
-            status = {**latest[0], "host": settings.host_id, "time": time.time()}
-            try:
-                ttl = max(1, int(settings.heartbeat_interval_s * 3))
-                client.set(heartbeat_key(settings.host_id), json.dumps(status), ex=ttl)
-                client.sadd(f"{settings.key_prefix}hosts", settings.host_id)
-            except Exception as exc:  # noqa: BLE001 - a dead beat makes a live worker look dead
-                log.warning("worker.heartbeat_failed", host=settings.host_id, error=repr(exc))
+            publish_heartbeat(latest[0])
             time.sleep(settings.heartbeat_interval_s)
 
-    threading.Thread(target=probe, name="docker-probe", daemon=True).start()
+    threading.Thread(target=probe, name="host-probe", daemon=True).start()
     thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
     thread.start()
     return thread
+
+
+def publish_heartbeat(finding: dict[str, Any]) -> None:
+    settings = get_settings()
+    reasons = list(finding.get("cordon_reasons", []))
+    if in_flight.draining:
+        reasons.append("draining: the worker is stopping")
+    status = {
+        **finding,
+        "host": settings.host_id,
+        "instance": INSTANCE,
+        "time": time.time(),
+        "running_calls": len(in_flight.snapshot()),
+        "draining": in_flight.draining,
+        "cordon_reasons": reasons,
+        "schedulable": not reasons,
+    }
+    try:
+        ttl = max(1, int(settings.heartbeat_interval_s * 3))
+        client = redis_client()
+        client.set(heartbeat_key(settings.host_id), json.dumps(status), ex=ttl)
+        client.sadd(f"{settings.key_prefix}hosts", settings.host_id)
+    except Exception as exc:  # noqa: BLE001 - a dead beat makes a live worker look dead
+        log.warning("worker.heartbeat_failed", host=settings.host_id, error=repr(exc))
+
+
+# Only delete the heartbeat if it is still ours: a new instance may have started already.
+_RETIRE = """
+local raw = redis.call('GET', KEYS[1])
+if raw and string.find(raw, ARGV[1], 1, true) then redis.call('DEL', KEYS[1]) return 1 end
+return 0
+"""
+
+
+def retire_heartbeat() -> None:
+    """Say at once that this worker is gone (instead of letting the key expire), so the
+    API stops waiting on it and cancels calls still queued for it."""
+    try:
+        redis_client().eval(_RETIRE, 1, heartbeat_key(get_settings().host_id), INSTANCE)
+    except Exception as exc:  # noqa: BLE001 - shutting down anyway
+        log.warning("worker.retire_failed", error=repr(exc))
+
+
+def abort_in_flight(reason: str) -> int:
+    """Settle every call still running here as an infrastructure error (the shutdown grace
+    ran out): the waiting API marks their rollouts infra_failed instead of hanging."""
+    aborted = 0
+    for call in in_flight.snapshot():
+        done = ToolCallDone(
+            infra_error=f"worker stopped: {reason}", evidence={"host": call.handle.host}
+        )
+        state, reply_to = tickets().finish(
+            call.ticket, INSTANCE, done.model_dump_json(), time.time()
+        )
+        if reply_to:
+            push_reply(reply_to, done.model_dump(mode="json"))
+        aborted += 1
+        log.error(
+            "tool.aborted",
+            rollout_id=call.rollout_id,
+            sandbox_id=call.handle.sandbox_id,
+            call_id=call.call_id,
+            ticket_state=state,
+        )
+    return aborted

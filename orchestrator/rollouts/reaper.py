@@ -1,18 +1,29 @@
 """The reaper (run by beat): ends rollouts that are idle, too old, or graded and past their
-grace period, and has every live host sweep its expired sandboxes by label."""
+grace period; fails the rollouts of hosts that are lost or unhealthy; and has every live
+host sweep its expired and orphaned sandboxes (:func:`sweep_orphans`, also run by each
+worker when it starts)."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
+import redis
+
 from orchestrator.config import Settings
+from orchestrator.observability.logging import get_logger
 from orchestrator.queue.app import celery_app
 from orchestrator.queue.client import QueueClient
 from orchestrator.queue.worker import environments
 from orchestrator.rollouts.models import RolloutState
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.rollouts.store import Rollout, RolloutStore
+from orchestrator.sandbox.backend import SandboxBackend, SandboxError
+
+log = get_logger(__name__)
+
+_ENDED = {RolloutState.CLOSED.value, RolloutState.INFRA_FAILED.value}
 
 
 def reason_to_end(rollout: Rollout, service: RolloutService, now: float) -> str | None:
@@ -44,11 +55,17 @@ async def reap_once(settings: Settings) -> dict[str, Any]:
     ended: dict[str, str] = {}
     try:
         now = time.time()
+        failing = await _failing_hosts(settings, store, queue, now)
         for rollout_id in await store.live_ids():
             rollout = await store.get(rollout_id)
             if rollout is None:
                 await store.redis.zrem(store.key("rollouts", "live"), rollout_id)
                 continue
+            host = rollout.sandbox.host if rollout.sandbox is not None else None
+            if host in failing and rollout.state != RolloutState.INFRA_FAILED:
+                cause, message, evidence = failing[host]
+                await service.mark_infra_failed(rollout_id, cause, message, evidence)
+                rollout = await store.get(rollout_id) or rollout
             reason = reason_to_end(rollout, service, now)
             if reason is None:
                 continue
@@ -64,7 +81,79 @@ async def reap_once(settings: Settings) -> dict[str, Any]:
             queue.send("orchestrator.sweep_host", {}, queue=settings.host_queue(host))
     finally:
         await store.close()
-    return {"ended": ended, "hosts_swept": hosts}
+    return {"ended": ended, "hosts_swept": hosts, "hosts_failing": sorted(failing)}
+
+
+async def _failing_hosts(
+    settings: Settings, store: RolloutStore, queue: QueueClient, now: float
+) -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """Hosts whose rollouts cannot go on: silent for ``host_lost_after_s`` (first silence
+    remembered in Redis, so the clock survives a beat restart), or whose daemon failed
+    ``host_unhealthy_after`` probes in a row. Value: (cause, message, evidence)."""
+    silent_key = store.key("hosts", "silent-since")
+    failing: dict[str, tuple[str, str, dict[str, Any]]] = {}
+    for host in sorted(str(h) for h in await store.redis.smembers(store.key("hosts"))):
+        beat = await queue.heartbeat(host)
+        if beat is None:
+            since = float((await store.redis.hsetnx(silent_key, host, now) and now) or 0)
+            since = since or float(await store.redis.hget(silent_key, host) or now)
+            if now - since > settings.host_lost_after_s:
+                message = f"host {host!r} sent no heartbeat for {now - since:.0f} s"
+                failing[host] = ("host_lost", message, {"silent_since": since})
+            continue
+        await store.redis.hdel(silent_key, host)
+        if int(beat.get("docker_failures", 0)) >= settings.host_unhealthy_after:
+            message = f"host {host!r} is unhealthy: {beat.get('error') or 'daemon probe failed'}"
+            failing[host] = ("host_unhealthy", message, {"heartbeat": beat})
+    for host, (cause, message, _) in failing.items():
+        log.error("host.failing", host=host, cause=cause, error=message)
+    return failing
+
+
+def sweep_orphans(backend: SandboxBackend, client: redis.Redis, settings: Settings) -> int:
+    """Destroy this host's sandboxes that no live rollout owns: its record is gone (Redis
+    lost it), ended, or names another sandbox. Works from labels and Redis alone, so it
+    cleans up after any crash, including a destroy that failed while the daemon was down.
+    No age guard is needed: a rollout's record is written before its sandbox is created,
+    and a record still creating names no sandbox, which spares it. Returns how many went."""
+    destroyed = 0
+    for handle in backend.list_owned():
+        if not handle.rollout_id:
+            continue  # ad hoc sandboxes (`orchestrator sandbox run`) go at their expiry
+        key = f"{settings.key_prefix}rollout:{handle.rollout_id}"
+        state, sandbox, closed_at = client.hmget(key, ["state", "sandbox", "closed_at"])
+        why = _orphaned(state, sandbox, closed_at, handle.sandbox_id)
+        if why is None:
+            continue
+        try:
+            backend.destroy(handle)
+        except SandboxError as exc:
+            log.warning(
+                "sandbox.orphan_destroy_failed", sandbox_id=handle.sandbox_id, error=str(exc)
+            )
+            continue
+        destroyed += 1
+        log.info(
+            "sandbox.orphan_destroyed",
+            sandbox_id=handle.sandbox_id,
+            rollout_id=handle.rollout_id,
+            reason=why,
+        )
+    return destroyed
+
+
+def _orphaned(state: Any, sandbox: Any, closed_at: Any, sandbox_id: str) -> str | None:
+    text = [v.decode() if isinstance(v, bytes) else v for v in (state, sandbox, closed_at)]
+    state_s, sandbox_s, closed_s = text
+    if state_s is None:
+        return "no rollout record"
+    if state_s in _ENDED or closed_s:
+        return f"rollout {state_s}"
+    if sandbox_s and sandbox_s != "null":
+        owner = json.loads(sandbox_s)
+        if isinstance(owner, dict) and owner.get("sandbox_id") != sandbox_id:
+            return "rollout owns another sandbox"
+    return None
 
 
 async def _recount_host_loads(store: RolloutStore, queue: QueueClient) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,13 +25,17 @@ from orchestrator.queue.client import QueueClient, QueueTimeout
 from orchestrator.queue.payloads import (
     CreateSandbox,
     DestroySandbox,
+    ProbeSandbox,
     SandboxCreated,
     ToolCall,
     ToolCallDone,
 )
-from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected
+from orchestrator.rollouts.dispatch import CallDispatcher
+from orchestrator.rollouts.errors import CallLost, GraderFailed, InfraError, Rejected
 from orchestrator.rollouts.models import RolloutState, TrajectoryStep
-from orchestrator.rollouts.store import Rollout, RolloutStore
+from orchestrator.rollouts.store import CallStart, Rollout, RolloutStore
+from orchestrator.rollouts.tickets import TicketState, ticket_key
+from orchestrator.sandbox.backend import ProbeResult
 from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
 
 log = get_logger(__name__)
@@ -47,6 +52,19 @@ class CallReply(BaseModel):
     duration_ms: float
     truncated: bool = False
     error_kind: str | None = None
+
+
+@dataclass(frozen=True)
+class PendingCall:
+    """One counted tool call on its way through :meth:`RolloutService.call_tool`."""
+
+    rollout: Rollout
+    resolved: ResolvedEnvironment
+    tool: str
+    arguments: Any
+    call_id: str
+    received: float  # time.monotonic() when the request came
+    started_at: datetime
 
 
 class GradeReply(BaseModel):
@@ -66,6 +84,7 @@ class RolloutService:
         self.store = store
         self.environments = environments
         self.queue = queue
+        self.dispatcher = CallDispatcher(settings, store, queue)
 
     # -- resolving ---------------------------------------------------------------------------
 
@@ -245,34 +264,99 @@ class RolloutService:
             if stored is not None:
                 return CallReply.model_validate(stored)
             self._check_state(rollout)
-        lock_ttl = self.settings.command_timeout_max_s + self.settings.queue_wait_s + 60
+        return await self._call_once(
+            PendingCall(
+                rollout=rollout,
+                resolved=resolved,
+                tool=tool_name,
+                arguments=arguments,
+                call_id=call_id,
+                received=received,
+                started_at=started_at,
+            )
+        )
+
+    async def _call_once(self, call: PendingCall) -> CallReply:
+        """Run the call once, or give back what its other attempt did (a retry racing
+        its original, or one whose first waiter died: the result is on its ticket)."""
+        rollout, rollout_id, call_id = call.rollout, call.rollout.rollout_id, call.call_id
+        lock_ttl = self.dispatcher.timeout_s() + 60
         deadline = time.monotonic() + lock_ttl
+        reply_key = self.queue.reply_key()
+        delay = 0.02
         while True:
-            start = await self.store.begin_call(rollout_id, call_id, lock_ttl_s=lock_ttl)
-            if start.stored is not None:
+            start = await self.store.begin_call(
+                rollout_id, call_id, lock_ttl_s=lock_ttl, reply_to=reply_key
+            )
+            if start.status == "stored":
+                assert start.stored is not None
                 return CallReply.model_validate(start.stored)
-            if start.status == "run":
+            if start.status == "lost" or start.ticket == "lost":
+                raise await self._lost(
+                    CallLost("the worker running this call died", rollout_id=rollout_id)
+                )
+            if start.status in ("run", "done"):
                 break
-            # The same call id is running (a retry raced its original): wait for its reply.
+            # Another attempt of this call is under way.
+            ticket = await self.store.ticket(rollout_id, call_id)
+            if ticket.state == TicketState.DONE:
+                finished = ToolCallDone.model_validate_json(ticket.result)
+                return await self._settle(call, ticket.seq, "", finished)
+            if ticket.state == TicketState.RUNNING and rollout.sandbox is not None:
+                try:
+                    await self.dispatcher.check_running(
+                        rollout_id, call_id, rollout.sandbox.host, ticket
+                    )
+                except CallLost as exc:
+                    raise await self._lost(exc) from exc
             if time.monotonic() > deadline:
                 raise InfraError(f"call {call_id} never finished", rollout_id=rollout_id)
-            await asyncio.sleep(0.02)
-        reply: CallReply | None = None
-        step: TrajectoryStep | None = None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+        done: ToolCallDone | None = None
         try:
-            reply, step = await self._run_call(
-                rollout, resolved, tool_name, arguments, call_id, start.seq, received, started_at
-            )
+            if start.status == "done":
+                ticket = await self.store.ticket(rollout_id, call_id)
+                done = ToolCallDone.model_validate_json(ticket.result)
+            else:
+                done = await self._dispatch(call, start, reply_key)
+        except CallLost as exc:
+            raise await self._lost(exc) from exc
         finally:
-            await self.store.end_call(
-                rollout_id,
-                call_id,
-                start.token,
-                reply=reply.model_dump(mode="json") if reply is not None else None,
-                step=step,
+            if done is None:  # nothing to store: out of flight, lock released
+                await self.store.end_call(rollout_id, call_id, start.token, reply=None, step=None)
+        return await self._settle(call, start.seq, start.token, done)
+
+    async def _dispatch(self, call: PendingCall, start: CallStart, reply_key: str) -> ToolCallDone:
+        """The call's result: from its host's worker, or the spent budget's answer."""
+        rollout, resolved = call.rollout, call.resolved
+        budget = resolved.environment.tool_call_budget
+        if budget is not None and start.seq > budget:
+            return ToolCallDone(
+                result=agent_error(
+                    f"the tool-call budget of {budget} calls for this rollout is spent; "
+                    "give your final answer now",
+                    "budget_exhausted",
+                    budget=resolved.environment.effective_output_budget(self.settings),
+                )
             )
-        assert reply is not None  # _run_call returned: it raises otherwise
-        return reply
+        assert rollout.sandbox is not None
+        payload = ToolCall(
+            rollout_id=rollout.rollout_id,
+            call_id=call.call_id,
+            ticket=ticket_key(self.settings.key_prefix, rollout.rollout_id, call.call_id),
+            attempt=start.token,
+            environment=resolved.environment.name,
+            handle=rollout.sandbox,
+            tool=call.tool,
+            arguments=call.arguments,
+            enqueued_at=time.time(),
+        )
+        return await self.dispatcher.run(payload, reply_key=reply_key)
+
+    async def _lost(self, exc: CallLost) -> CallLost:
+        await self.mark_infra_failed(exc.rollout_id, exc.cause, exc.message, exc.evidence)
+        return exc
 
     def _check_call(
         self,
@@ -309,83 +393,49 @@ class RolloutService:
         if rollout.state in (RolloutState.GRADED, RolloutState.CLOSED):
             raise Rejected(409, f"rollout {rollout.rollout_id} is {rollout.state}", code="ended")
 
-    async def _run_call(
-        self,
-        rollout: Rollout,
-        resolved: ResolvedEnvironment,
-        tool_name: str,
-        arguments: Any,
-        call_id: str,
-        seq: int,
-        received: float,
-        started_at: datetime,
-    ) -> tuple[CallReply, TrajectoryStep]:
-        """Run one counted call (``seq``) on the rollout's host; the caller stores it."""
-        rollout_id = rollout.rollout_id
-        budget = resolved.environment.tool_call_budget
-        queue_ms = exec_ms = None
-        if budget is not None and seq > budget:
-            result = agent_error(
-                f"the tool-call budget of {budget} calls for this rollout is spent; "
-                "give your final answer now",
-                "budget_exhausted",
-                budget=resolved.environment.effective_output_budget(self.settings),
+    async def _settle(
+        self, call: PendingCall, seq: int, token: str, done: ToolCallDone
+    ) -> CallReply:
+        """Store a finished call's reply and trajectory step (the first stored wins) and
+        return it; an infrastructure fault marks the rollout infra_failed instead."""
+        rollout, rollout_id, call_id = call.rollout, call.rollout.rollout_id, call.call_id
+        if done.result is None:
+            await self.store.end_call(rollout_id, call_id, token, reply=None, step=None)
+            await self.mark_infra_failed(
+                rollout_id, "tool_call_failed", done.infra_error or "unknown", done.evidence
             )
-        else:
-            assert rollout.sandbox is not None
-            call = ToolCall(
-                rollout_id=rollout_id,
-                environment=resolved.environment.name,
-                handle=rollout.sandbox,
-                tool=tool_name,
-                arguments=arguments,
-                enqueued_at=time.time(),
-            )
-            try:
-                raw = await self.queue.call(
-                    "orchestrator.run_tool",
-                    call.model_dump(mode="json"),
-                    queue=self.settings.host_queue(rollout.sandbox.host),
-                    timeout_s=self.settings.command_timeout_max_s + self.settings.queue_wait_s,
-                    host_id=rollout.sandbox.host,
-                )
-                done = ToolCallDone.model_validate(raw)
-            except QueueTimeout as exc:
-                done = ToolCallDone(infra_error=f"queue: {exc}")
-            if done.result is None:
-                await self.mark_infra_failed(
-                    rollout_id, "tool_call_failed", done.infra_error or "unknown", done.evidence
-                )
-                raise InfraError(
-                    done.infra_error or "tool call failed",
-                    rollout_id=rollout_id,
-                    evidence=done.evidence,
-                )
-            result = done.result
-            queue_ms, exec_ms = round(done.queue_ms, 2), round(done.exec_ms, 2)
-        duration_ms = (time.monotonic() - received) * 1000
+            message = done.infra_error or "tool call failed"
+            raise InfraError(message, rollout_id=rollout_id, evidence=done.evidence)
+        result = done.result
+        ran = rollout.sandbox is not None and (done.queue_ms or done.exec_ms)
+        queue_ms = round(done.queue_ms, 2) if ran else None
+        exec_ms = round(done.exec_ms, 2) if ran else None
+        duration_ms = (time.monotonic() - call.received) * 1000
         reply = _reply(call_id, seq, result, duration_ms)
-        metrics.TOOL_CALLS.labels(tool_name, result.outcome).inc()
-        metrics.TOOL_CALL_SECONDS.labels("total").observe(duration_ms / 1000)
-        if queue_ms is not None and exec_ms is not None:
-            metrics.TOOL_CALL_SECONDS.labels("queue").observe(queue_ms / 1000)
-            metrics.TOOL_CALL_SECONDS.labels("exec").observe(exec_ms / 1000)
         step = TrajectoryStep(
             seq=seq,
             call_id=call_id,
-            tool=tool_name,
-            arguments=arguments,
+            tool=call.tool,
+            arguments=call.arguments,
             outcome=result.outcome,
             exit_code=result.exit_code,
             output=result.output,
             truncated=result.truncated,
             error_kind=result.error_kind,
-            started_at=started_at,
+            started_at=call.started_at,
             duration_ms=round(duration_ms, 2),
             queue_ms=queue_ms,
             exec_ms=exec_ms,
         )
-        return reply, step
+        stored = await self.store.end_call(
+            rollout_id, call_id, token, reply=reply.model_dump(mode="json"), step=step
+        )
+        metrics.TOOL_CALLS.labels(call.tool, result.outcome).inc()
+        metrics.TOOL_CALL_SECONDS.labels("total").observe(duration_ms / 1000)
+        if queue_ms is not None and exec_ms is not None:
+            metrics.TOOL_CALL_SECONDS.labels("queue").observe(queue_ms / 1000)
+            metrics.TOOL_CALL_SECONDS.labels("exec").observe(exec_ms / 1000)
+        return CallReply.model_validate(stored) if stored is not None else reply
 
     async def mark_infra_failed(
         self, rollout_id: str, cause: str, message: str, evidence: dict[str, Any]
@@ -439,6 +489,7 @@ class RolloutService:
             )
         if rollout.score is not None:
             return GradeReply(score=rollout.score, details=rollout.grade_details or {})
+        await self._probe_before_grading(rollout)
         resolved = self.environment_of(rollout)
         trajectory = await self.store.trajectory(rollout_id)
         graded = await self._run_grader(
@@ -462,6 +513,40 @@ class RolloutService:
             "rollout.graded", rollout_id=rollout_id, score=updated.score, tool_calls=len(trajectory)
         )
         return GradeReply(score=updated.score, details=updated.grade_details or {})
+
+    async def _probe_before_grading(self, rollout: Rollout) -> None:
+        """A sandbox that died behind the agent's back (not by its own doing) makes the
+        trajectory suspect: the rollout is infra_failed rather than scored."""
+        handle = rollout.sandbox
+        if handle is None or rollout.closed_at is not None:
+            return
+        try:
+            raw = await self.queue.call(
+                "orchestrator.probe_sandbox",
+                ProbeSandbox(handle=handle).model_dump(mode="json"),
+                queue=self.settings.host_queue(handle.host),
+                timeout_s=15,
+                host_id=handle.host,
+            )
+        except QueueTimeout as exc:
+            await self.mark_infra_failed(
+                rollout.rollout_id, "probe_failed", f"the sandbox could not be probed: {exc}", {}
+            )
+            raise InfraError(
+                f"the sandbox could not be checked before grading: {exc}",
+                rollout_id=rollout.rollout_id,
+            ) from exc
+        probe = ProbeResult.model_validate(raw)
+        if (probe.alive and probe.agent_ok) or probe.agent_caused:
+            return
+        evidence = {"probe": probe.model_dump(mode="json")}
+        message = f"the sandbox is not healthy: {probe.detail or probe.state}"
+        await self.mark_infra_failed(rollout.rollout_id, "sandbox_dead", message, evidence)
+        raise InfraError(
+            f"{message}; the rollout must not be scored",
+            rollout_id=rollout.rollout_id,
+            evidence=evidence,
+        )
 
     async def _run_grader(
         self,
@@ -515,7 +600,14 @@ class RolloutService:
         if rollout.sandbox is not None and rollout.closed_at is None:
             await self.queue.count_rollout(rollout.sandbox.host, -1)
         state = rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED
-        updated = await self.store.update(rollout_id, state=state, closed_at=time.time())
+        fields: dict[str, Any] = {"state": state, "closed_at": time.time()}
+        if rollout.outcome is None:
+            # Ended without a grade and without a fault (idle, lifetime, closed by the
+            # trainer): nothing went wrong on our side.
+            fields["outcome"] = (
+                Outcome.INFRA_ERROR if state == RolloutState.INFRA_FAILED else Outcome.OK
+            )
+        updated = await self.store.update(rollout_id, **fields)
         assert updated is not None
         log.info("rollout.closed", rollout_id=rollout_id, reason=reason)
         return updated

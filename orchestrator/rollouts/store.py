@@ -6,6 +6,7 @@ Keys (all under the deployment's prefix):
   rollout:{id}:seq        counter of calls made (budget and trajectory order)
   rollout:{id}:call:{cid} the reply of call ``cid``, stored once, returned to retries
   rollout:{id}:lock:call:{cid}  held while call ``cid`` runs (a racing retry waits)
+  rollout:{id}:run:{cid}  hash: the call's run ticket (tickets.py): who runs it, its result
   rollouts:live           sorted set: id -> last activity (the reaper walks it)
 """
 
@@ -18,9 +19,20 @@ from typing import Any, cast
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.models import RolloutState, TrajectoryStep
+from orchestrator.rollouts.tickets import (
+    CANCEL,
+    MARK_LOST,
+    TICKET_TTL_S,
+    Ticket,
+    ticket_key,
+)
 from orchestrator.sandbox.backend import SandboxHandle
 
 
@@ -71,10 +83,15 @@ def _decode(raw: dict[str, str]) -> Rollout:
     return Rollout.model_validate(data)
 
 
-# KEYS: record, live set. ARGV: id, last activity, field/value pairs.
+# KEYS: record, live set. ARGV: id, last activity, creation token, field/value pairs. A
+# record with our own token is ours already (the command was retried after a dropped
+# connection), not a rival's.
 _CREATE = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  if redis.call('HGET', KEYS[1], 'creation') == ARGV[3] then return 1 end
+  return 0
+end
+redis.call('HSET', KEYS[1], 'creation', ARGV[3], unpack(ARGV, 4))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 return 1
 """
@@ -103,56 +120,103 @@ return redis.call('HGETALL', KEYS[1])
 
 
 # One round trip to start a call. KEYS: stored reply, call lock, seq counter, record, live
-# set. ARGV: lock token, lock ttl (ms), now, rollout id.
+# set, run ticket (see tickets.py). ARGV: attempt (also the lock token), lock ttl (ms), now,
+# rollout id, ticket ttl (s), reply list of this attempt.
 _BEGIN_CALL = """
 local stored = redis.call('GET', KEYS[1])
 if stored then return {'stored', stored} end
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'busy', ''} end
-local seq = redis.call('INCR', KEYS[3])
-redis.call('HINCRBY', KEYS[4], 'calls_in_flight', 1)
+local st = redis.call('HGET', KEYS[6], 'state')
+if redis.call('GET', KEYS[2]) == ARGV[1] and redis.call('HGET', KEYS[6], 'attempt') == ARGV[1] then
+  return {'run', redis.call('HGET', KEYS[6], 'seq')}  -- this very attempt, retried
+end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'busy', st or ''} end
+if st == 'running' or st == 'lost' then
+  redis.call('DEL', KEYS[2])
+  return {st, ''}
+end
+local seq
+if st == 'done' then
+  seq = redis.call('HGET', KEYS[6], 'seq')
+  return {'done', seq}
+elseif st == 'queued' or st == 'cancelled' then
+  -- The same call, never run (a queued one is superseded: its message will be skipped).
+  seq = redis.call('HGET', KEYS[6], 'seq')
+else
+  seq = tostring(redis.call('INCR', KEYS[3]))
+end
+redis.call('HSET', KEYS[6], 'state', 'queued', 'seq', seq, 'attempt', ARGV[1],
+  'reply_to', ARGV[6], 'queued_at', ARGV[3])
+redis.call('HDEL', KEYS[6], 'worker', 'result')
+redis.call('EXPIRE', KEYS[6], ARGV[5])
+if redis.call('HGET', KEYS[6], 'open') ~= '1' then
+  redis.call('HSET', KEYS[6], 'open', '1')
+  redis.call('HINCRBY', KEYS[4], 'calls_in_flight', 1)
+end
 redis.call('HSET', KEYS[4], 'last_activity', ARGV[3])
 redis.call('ZADD', KEYS[5], 'XX', ARGV[3], ARGV[4])
-return {'run', tostring(seq)}
+return {'run', seq}
 """
 
-# One round trip to end it. KEYS: as above, plus the trajectory. ARGV: lock token, now,
-# rollout id, reply ttl (s), reply JSON ('' when none), step JSON ('' when none).
+# One round trip to end it; safe to run twice (a retry may finish a call whose first
+# waiter died). KEYS: as above, plus the trajectory. ARGV: lock token, now, rollout id,
+# reply ttl (s), reply JSON ('' when none), step JSON ('' when none). Returns the stored
+# reply (the first one stored wins).
 _END_CALL = """
-if ARGV[5] ~= '' then redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[4]) end
-if ARGV[6] ~= '' then redis.call('RPUSH', KEYS[6], ARGV[6]) end
-redis.call('HINCRBY', KEYS[4], 'calls_in_flight', -1)
+if ARGV[5] ~= '' then
+  if redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[4], 'NX') and ARGV[6] ~= '' then
+    redis.call('RPUSH', KEYS[7], ARGV[6])
+  end
+end
+if redis.call('HGET', KEYS[6], 'open') == '1' then
+  redis.call('HSET', KEYS[6], 'open', '0')
+  redis.call('HINCRBY', KEYS[4], 'calls_in_flight', -1)
+end
 redis.call('HSET', KEYS[4], 'last_activity', ARGV[2])
 redis.call('ZADD', KEYS[5], 'XX', ARGV[2], ARGV[3])
 if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
-return 1
+return redis.call('GET', KEYS[1]) or ''
 """
 
 REPLY_TTL_S = 7 * 86400
 
 
 class CallStart(BaseModel):
-    """What :meth:`RolloutStore.begin_call` found: a stored reply, a call with the same id
-    still running, or the go-ahead with the call's sequence number."""
+    """What :meth:`RolloutStore.begin_call` found.
+
+    ``stored``: the call's reply, stored already. ``run``: go ahead, as attempt ``token``
+    with sequence number ``seq``. ``done``: it ran, its result is on the ticket, finish it
+    (as ``token``). ``busy``/``running``: another attempt of it is under way; ``ticket``
+    says how far. ``lost``: its worker died while running it.
+    """
 
     status: str
     stored: dict[str, Any] | None = None
     seq: int = 0
     token: str = ""
+    ticket: str = ""
 
 
 class RolloutStore:
     """Async access to rollout state. One instance per process."""
 
     def __init__(self, redis_url: str, prefix: str) -> None:
-        # Strings in and out: every value we keep is text (JSON or a number).
+        # Strings in and out: every value we keep is text (JSON or a number). Commands
+        # are retried on a dropped connection (after a Redis restart every pooled
+        # connection is stale once); the scripts are safe to run twice (see each).
         self.redis: aioredis.Redis = aioredis.Redis.from_url(
-            redis_url, max_connections=512, decode_responses=True
+            redis_url,
+            max_connections=512,
+            decode_responses=True,
+            retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
         )
         self.prefix = prefix
         self._create_script = self.redis.register_script(_CREATE)
         self._update_script = self.redis.register_script(_UPDATE)
         self._begin_call_script = self.redis.register_script(_BEGIN_CALL)
         self._end_call_script = self.redis.register_script(_END_CALL)
+        self._cancel_script = self.redis.register_script(CANCEL)
+        self._mark_lost_script = self.redis.register_script(MARK_LOST)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -172,7 +236,7 @@ class RolloutStore:
         pairs = [x for kv in _encode(rollout).items() for x in kv]
         created = await self._create_script(
             keys=[self.key("rollout", rollout.rollout_id), self.key("rollouts", "live")],
-            args=[rollout.rollout_id, rollout.last_activity, *pairs],
+            args=[rollout.rollout_id, rollout.last_activity, uuid.uuid4().hex, *pairs],
         )
         return bool(created)
 
@@ -217,22 +281,26 @@ class RolloutStore:
             self.key("rollout", rollout_id, "seq"),
             self.key("rollout", rollout_id),
             self.key("rollouts", "live"),
+            ticket_key(self.prefix, rollout_id, call_id),
             self.key("rollout", rollout_id, "traj"),
         ]
 
-    async def begin_call(self, rollout_id: str, call_id: str, *, lock_ttl_s: float) -> CallStart:
-        """In one step: return the stored reply of ``call_id`` if there is one; else take
-        the call's lock, count the call, mark it in flight and the rollout active."""
+    async def begin_call(
+        self, rollout_id: str, call_id: str, *, lock_ttl_s: float, reply_to: str
+    ) -> CallStart:
+        """In one step: the stored reply of ``call_id`` if there is one; else the call's
+        lock, a queued ticket for this attempt (a new sequence number, or the old one for
+        a call that never ran), the call counted in flight and the rollout active."""
         token = uuid.uuid4().hex
         status, value = await self._begin_call_script(
-            keys=self._call_keys(rollout_id, call_id)[:5],
-            args=[token, int(lock_ttl_s * 1000), time.time(), rollout_id],
+            keys=self._call_keys(rollout_id, call_id)[:6],
+            args=[token, int(lock_ttl_s * 1000), time.time(), rollout_id, TICKET_TTL_S, reply_to],
         )
         if status == "stored":
             return CallStart(status="stored", stored=json.loads(value))
-        if status == "busy":
-            return CallStart(status="busy")
-        return CallStart(status="run", seq=int(value), token=token)
+        if status in ("run", "done"):
+            return CallStart(status=status, seq=int(value), token=token)
+        return CallStart(status=status, ticket=value)
 
     async def end_call(
         self,
@@ -242,10 +310,11 @@ class RolloutStore:
         *,
         reply: dict[str, Any] | None,
         step: TrajectoryStep | None,
-    ) -> None:
+    ) -> dict[str, Any] | None:
         """In one step: store the reply and the trajectory step (when the call produced
-        them), take the call out of flight, release its lock."""
-        await self._end_call_script(
+        them and no reply is stored yet), take the call out of flight, release its lock.
+        Returns the reply stored (the first one wins)."""
+        stored = await self._end_call_script(
             keys=self._call_keys(rollout_id, call_id),
             args=[
                 token,
@@ -256,6 +325,23 @@ class RolloutStore:
                 step.model_dump_json() if step is not None else "",
             ],
         )
+        return json.loads(stored) if stored else None
+
+    # -- run tickets (tickets.py) ------------------------------------------------------------
+
+    async def ticket(self, rollout_id: str, call_id: str) -> Ticket:
+        raw = await self.redis.hgetall(ticket_key(self.prefix, rollout_id, call_id))
+        return Ticket.from_hash(raw)
+
+    async def cancel_ticket(self, rollout_id: str, call_id: str, attempt: str) -> str:
+        """queued → cancelled, unless a worker claimed it first; the state after."""
+        key = ticket_key(self.prefix, rollout_id, call_id)
+        return str(await self._cancel_script(keys=[key], args=[attempt]))
+
+    async def mark_ticket_lost(self, rollout_id: str, call_id: str, worker: str) -> str:
+        """running (by ``worker``, now dead) → lost; the state after."""
+        key = ticket_key(self.prefix, rollout_id, call_id)
+        return str(await self._mark_lost_script(keys=[key], args=[worker]))
 
     async def stored_reply(self, rollout_id: str, call_id: str) -> dict[str, Any] | None:
         raw = await self.redis.get(self.key("rollout", rollout_id, "call", call_id))

@@ -145,7 +145,7 @@ def test_worker_killed_mid_call_is_infra_error(reaper_stack: Stack, item: dict[s
             view = client.get(f"/v1/rollouts/{trace}").json()
             assert view["state"] == "infra_failed"
             assert view["outcome"] == "infra_error"
-            assert view["infra_failure"]["cause"] == "tool_call_failed"
+            assert view["infra_failure"]["cause"] == "worker_lost"
             graded = client.post(
                 "/agent-rft/grade",
                 json={

@@ -1,14 +1,13 @@
 """Two worker hosts, each with its own dockerd: every call of a rollout reaches the daemon
 that holds its sandbox (DESIGN.md: per-host queues).
 
-A second dockerd runs beside the first with its own socket, data and exec roots and its
-own bridge, as DESIGN.md describes; its data root persists under the state directory of
-the machine so the base image is loaded into it only once.
+A second dockerd (tests/daemons.py) runs beside the first with its own socket, data and exec
+roots and its own bridge, as DESIGN.md describes; its data root persists under the state
+directory of the machine so the base image is loaded into it only once.
 """
 
 from __future__ import annotations
 
-import subprocess
 import tempfile
 import time
 import uuid
@@ -20,103 +19,19 @@ import pytest
 
 from orchestrator.config import Settings
 from orchestrator.local import free_port
+from tests.daemons import DockerDaemon, running
 from tests.e2e.conftest import TOKEN, Stack, stack_env
 
 pytestmark = [pytest.mark.xdist_group("two-hosts")]
 
-ROOT = Path("/var/lib/orchestrator-test/docker2")
-SOCKET = "unix:///run/orchestrator-test-docker2.sock"
-BRIDGE = "orchdocker1"
-
-
-def _sh(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, check=False)
+SECOND = DockerDaemon(name="docker2", bridge="orchdocker1", address="10.231.0.1/24")
+SOCKET = SECOND.socket
 
 
 @pytest.fixture(scope="module")
 def second_daemon(base_image: str) -> Iterator[docker.DockerClient]:
-    if _sh("ip", "link", "show", BRIDGE).returncode != 0:
-        _sh("ip", "link", "add", BRIDGE, "type", "bridge")
-        _sh("ip", "addr", "add", "10.231.0.1/24", "dev", BRIDGE)
-    _sh("ip", "link", "set", BRIDGE, "up")
-    ROOT.mkdir(parents=True, exist_ok=True)
-    log = (ROOT / "dockerd.log").open("ab")
-    proc = subprocess.Popen(
-        [
-            "dockerd",
-            "-H",
-            SOCKET,
-            "--data-root",
-            str(ROOT / "data"),
-            "--exec-root",
-            "/run/orchestrator-test-docker2",
-            "--pidfile",
-            "/run/orchestrator-test-docker2.pid",
-            "--iptables=false",
-            "--ip-masq=false",
-            "--bridge",
-            BRIDGE,
-            "--config-file",
-            str(_empty_config()),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    client: docker.DockerClient | None = None
-    try:
-        client = _wait_for_daemon(proc)
-        _copy_image(base_image, client)
+    with running(SECOND, base_image) as client:
         yield client
-    finally:
-        if client is not None:
-            client.close()
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        _sh("ip", "link", "del", BRIDGE)
-
-
-def _wait_for_daemon(proc: subprocess.Popen[bytes]) -> docker.DockerClient:
-    # The client asks the daemon for its API version when it is built, so building it
-    # is itself the readiness probe.
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            client = docker.DockerClient(base_url=SOCKET, timeout=120)
-            client.ping()
-            return client
-        except docker.errors.DockerException:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                log = ROOT / "dockerd.log"
-                raise RuntimeError(f"second dockerd did not start: see {log}") from None
-            time.sleep(0.3)
-
-
-def _empty_config() -> Path:
-    path = ROOT / "daemon.json"
-    path.write_text("{}\n")
-    return path
-
-
-def _copy_image(ref: str, target: docker.DockerClient) -> None:
-    source = docker.from_env()
-    try:
-        wanted = source.images.get(ref).id
-        try:
-            if target.images.get(ref).id == wanted:
-                return
-        except docker.errors.ImageNotFound:
-            pass
-        with tempfile.TemporaryFile() as archive:
-            for chunk in source.images.get(ref).save(named=True):
-                archive.write(chunk)
-            archive.seek(0)
-            target.images.load(archive)
-    finally:
-        source.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,124 @@
+"""Sending one counted tool call to the worker host that holds the rollout's sandbox and
+waiting for its result: never run twice, never lost (the run ticket, tickets.py).
+
+While it waits, the dispatcher watches the call's ticket and the host's heartbeat, so a
+call's fate is known within about a second whatever happens to the worker:
+
+- the worker claimed it and then died, or was replaced by a new instance: the call is
+  ``lost`` (:class:`CallLost`; it may have run in part);
+- nobody claimed it and the host has no live worker, or is draining, or the wait ran out:
+  it is cancelled, atomically against a late claim, and reported as never run
+  (:class:`CallNotRun`; a retry may run it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from orchestrator.config import Settings
+from orchestrator.queue.client import QueueClient
+from orchestrator.queue.payloads import ToolCall, ToolCallDone
+from orchestrator.rollouts.errors import CallLost, CallNotRun
+from orchestrator.rollouts.store import RolloutStore
+from orchestrator.rollouts.tickets import Ticket, TicketState
+from orchestrator.sandbox.agent.client import REPLY_SLACK_S
+
+CHECK_S = 1.0
+# A failed call is probed before it is answered (queue/tasks.py); a probe of a sandbox whose
+# agent went silent takes up to this long.
+PROBE_ALLOWANCE_S = 30.0
+
+
+class CallDispatcher:
+    def __init__(self, settings: Settings, store: RolloutStore, queue: QueueClient) -> None:
+        self.settings = settings
+        self.store = store
+        self.queue = queue
+
+    def timeout_s(self) -> float:
+        """The longest a call may take from sending to its result: the longest command,
+        the wait for a worker, the exec agent's reply allowance and a probe after it."""
+        return (
+            self.settings.command_timeout_max_s
+            + self.settings.queue_wait_s
+            + REPLY_SLACK_S
+            + PROBE_ALLOWANCE_S
+        )
+
+    async def run(self, call: ToolCall, *, reply_key: str) -> ToolCallDone:
+        """Send ``call`` (whose ticket is queued for ``call.attempt``) and await its result."""
+        host = call.handle.host
+        beat = await self.queue.heartbeat(host)
+        if beat is None or beat.get("draining"):
+            await self._cancel(call, f"host {host!r} has no live worker", beat)
+        self.queue.send(
+            "orchestrator.run_tool",
+            call.model_dump(mode="json"),
+            queue=self.settings.host_queue(host),
+            expires=self.timeout_s(),
+        )
+        deadline = time.monotonic() + self.timeout_s()
+        while True:
+            remaining = deadline - time.monotonic()
+            reply = await self.queue.wait_reply(reply_key, max(0.01, min(remaining, CHECK_S)))
+            if reply is not None:
+                return ToolCallDone.model_validate(reply)
+            ticket = await self.store.ticket(call.rollout_id, call.call_id)
+            if ticket.state == TicketState.DONE:
+                return ToolCallDone.model_validate_json(ticket.result)
+            if ticket.state == TicketState.QUEUED:
+                beat = await self.queue.heartbeat(host)
+                if beat is None or beat.get("draining"):
+                    await self._cancel(call, f"host {host!r} lost its worker", beat)
+                if time.monotonic() > deadline:
+                    await self._cancel(call, "no worker took it in time", beat)
+                    if ticket.attempt != call.attempt:
+                        raise CallNotRun(
+                            "superseded by a retry of the same call", rollout_id=call.rollout_id
+                        )
+            elif ticket.state == TicketState.RUNNING:
+                await self.check_running(call.rollout_id, call.call_id, host, ticket)
+                if time.monotonic() > deadline:
+                    raise CallLost(
+                        f"the call ran past its {self.timeout_s():.0f} s bound on {host!r}",
+                        rollout_id=call.rollout_id,
+                        evidence={"ticket": _evidence(ticket)},
+                        cause="call_overran",
+                    )
+            elif ticket.state == TicketState.CANCELLED:
+                raise CallNotRun("the call was cancelled", rollout_id=call.rollout_id)
+            else:  # lost, or gone (Redis lost it): whether it ran is unknown
+                raise CallLost(
+                    f"the call's run ticket is {ticket.state or 'missing'}",
+                    rollout_id=call.rollout_id,
+                    evidence={"ticket": _evidence(ticket)},
+                )
+
+    async def check_running(self, rollout_id: str, call_id: str, host: str, ticket: Ticket) -> None:
+        """Raise :class:`CallLost` if the worker instance running the call is gone."""
+        beat = await self.queue.heartbeat(host)
+        if beat is not None and beat.get("instance") == ticket.worker:
+            return
+        state = await self.store.mark_ticket_lost(rollout_id, call_id, ticket.worker)
+        if state == TicketState.LOST:
+            why = "stopped" if beat is None else "was replaced by a new worker instance"
+            raise CallLost(
+                f"the worker running this call on host {host!r} {why}",
+                rollout_id=rollout_id,
+                evidence={"ticket": _evidence(ticket), "heartbeat": beat},
+            )
+
+    async def _cancel(self, call: ToolCall, why: str, beat: dict[str, Any] | None) -> None:
+        """Cancel the queued call; if a worker claimed it meanwhile, keep waiting."""
+        state = await self.store.cancel_ticket(call.rollout_id, call.call_id, call.attempt)
+        if state == TicketState.CANCELLED:
+            raise CallNotRun(
+                f"the call was not run: {why}; it is safe to retry",
+                rollout_id=call.rollout_id,
+                evidence={"heartbeat": beat},
+            )
+
+
+def _evidence(ticket: Ticket) -> dict[str, Any]:
+    return ticket.model_dump(exclude={"result"})

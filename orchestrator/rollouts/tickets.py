@@ -1,0 +1,143 @@
+"""The run ticket of one tool call: the fence between the API and the workers that makes a
+call run at most once and keeps its result through a worker crash or a Redis restart.
+
+A ticket is a Redis hash, ``rollout:{id}:run:{call_id}``, that moves through::
+
+    queued ──claim (a worker)──▶ running ──finish──▶ done
+      │                            │
+      └─cancel (the API)─▶ cancelled      └─(its worker died)─▶ lost
+
+Every move is one Lua compare-and-set, so a worker's claim and the API's cancel cannot both
+win: a cancelled call never ran and may be sent again under the same sequence number; a
+lost call may have run in part, so its rollout is ``infra_failed``. The ticket also holds
+the finished call's result, so the result outlives the connection that waited for it.
+
+Each attempt to send the call has its own ``attempt`` id; a worker only claims the attempt
+the ticket names, so a stale message of an earlier attempt is skipped, never run.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+import redis
+from pydantic import BaseModel
+from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+TICKET_TTL_S = 86400
+
+
+class TicketState(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    CANCELLED = "cancelled"
+    LOST = "lost"
+
+
+class Ticket(BaseModel):
+    """A ticket as read back from Redis."""
+
+    state: TicketState | None = None
+    seq: int = 0
+    attempt: str = ""
+    worker: str = ""
+    reply_to: str = ""
+    result: str = ""
+
+    @classmethod
+    def from_hash(cls, raw: dict[Any, Any]) -> Ticket:
+        text = {_text(k): _text(v) for k, v in raw.items()}
+        return cls(
+            state=TicketState(text["state"]) if text.get("state") else None,
+            seq=int(text.get("seq") or 0),
+            attempt=text.get("attempt", ""),
+            worker=text.get("worker", ""),
+            reply_to=text.get("reply_to", ""),
+            result=text.get("result", ""),
+        )
+
+
+def ticket_key(prefix: str, rollout_id: str, call_id: str) -> str:
+    return f"{prefix}rollout:{rollout_id}:run:{call_id}"
+
+
+# KEYS: ticket. ARGV: attempt, worker instance, now. Returns the state after the call.
+CLAIM = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st then return 'missing' end
+if st ~= 'queued' then return st end
+if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 'superseded' end
+redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'claimed_at', ARGV[3])
+return 'running'
+"""
+
+# KEYS: ticket. ARGV: worker instance, result JSON, now. Returns {state, reply_to}. Only the
+# worker's own running claim becomes done; a result that comes later than that (the call
+# was declared lost, or aborted at shutdown) is kept apart as evidence, never as the result.
+FINISH = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st then return {'missing', ''} end
+if st == 'running' and redis.call('HGET', KEYS[1], 'worker') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'state', 'done', 'result', ARGV[2], 'finished_at', ARGV[3])
+  return {'done', redis.call('HGET', KEYS[1], 'reply_to') or ''}
+end
+redis.call('HSET', KEYS[1], 'late_result', ARGV[2])
+return {st, ''}
+"""
+
+# KEYS: ticket. ARGV: attempt. queued -> cancelled; returns the state after the call.
+CANCEL = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if not st then return 'missing' end
+if st == 'queued' and redis.call('HGET', KEYS[1], 'attempt') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'state', 'cancelled')
+  return 'cancelled'
+end
+return st
+"""
+
+# KEYS: ticket. ARGV: worker instance. running (by that worker) -> lost.
+MARK_LOST = """
+local st = redis.call('HGET', KEYS[1], 'state')
+if st == 'running' and redis.call('HGET', KEYS[1], 'worker') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'state', 'lost')
+  return 'lost'
+end
+return st or 'missing'
+"""
+
+# Redis may be restarting: the worker holds a result nobody else has, so it keeps trying
+# for a while before it gives up on it.
+_through_outage = retry(
+    retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
+    wait=wait_exponential(multiplier=0.1, max=2),
+    stop=stop_after_delay(120),
+    reraise=True,
+)
+
+
+class WorkerTickets:
+    """The worker's side: claim a ticket before running its call, finish it after."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._claim = client.register_script(CLAIM)
+        self._finish = client.register_script(FINISH)
+
+    @_through_outage
+    def claim(self, key: str, attempt: str, instance: str, now: float) -> str:
+        """``running`` when this worker may run the call; anything else: skip it."""
+        return _text(self._claim(keys=[key], args=[attempt, instance, now]))
+
+    @_through_outage
+    def finish(self, key: str, instance: str, result_json: str, now: float) -> tuple[str, str]:
+        """Store the result; returns the ticket's state and the reply list of its current
+        attempt (the caller waiting now, which may be a retry of the one that sent it),
+        or ``''`` when nobody should be told (the call was declared lost meanwhile)."""
+        state, reply_to = self._finish(keys=[key], args=[instance, result_json, now])
+        return _text(state), _text(reply_to)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,149 @@
+"""The run-ticket protocol (rollouts/tickets.py, rollouts/store.py) against a real Redis: a
+call runs at most once, its result outlives its waiter, a call that never ran may be sent
+again under the same sequence number."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis
+
+from orchestrator.config import Settings
+from orchestrator.rollouts.store import RolloutStore
+from orchestrator.rollouts.tickets import TicketState, WorkerTickets, ticket_key
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture()
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture()
+def prefix() -> Iterator[str]:
+    value = f"orch:test-tickets-{uuid.uuid4().hex[:8]}:"
+    yield value
+    client = redis.Redis.from_url(Settings().redis_url)
+    keys = list(client.scan_iter(match=value + "*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture()
+async def store(prefix: str) -> AsyncIterator[RolloutStore]:
+    store = RolloutStore(Settings().redis_url, prefix)
+    yield store
+    await store.close()
+
+
+@pytest.fixture()
+def workers() -> Iterator[WorkerTickets]:
+    client = redis.Redis.from_url(Settings().redis_url)
+    yield WorkerTickets(client)
+    client.close()
+
+
+async def _begin(store: RolloutStore, call_id: str = "c1") -> tuple[str, int, str]:
+    start = await store.begin_call("r1", call_id, lock_ttl_s=30, reply_to="reply-list")
+    return start.status, start.seq, start.token
+
+
+async def test_a_claimed_call_cannot_be_cancelled(
+    store: RolloutStore, workers: WorkerTickets, prefix: str
+) -> None:
+    status, seq, attempt = await _begin(store)
+    assert (status, seq) == ("run", 1)
+    key = ticket_key(prefix, "r1", "c1")
+    assert workers.claim(key, attempt, "w1", time.time()) == "running"
+    assert await store.cancel_ticket("r1", "c1", attempt) == TicketState.RUNNING
+    # A second delivery of the same message is skipped.
+    assert workers.claim(key, attempt, "w2", time.time()) == "running"
+    ticket = await store.ticket("r1", "c1")
+    assert ticket.worker == "w1"
+
+
+async def test_a_cancelled_call_is_never_claimed_and_keeps_its_seq(
+    store: RolloutStore, workers: WorkerTickets, prefix: str
+) -> None:
+    _, seq, attempt = await _begin(store)
+    key = ticket_key(prefix, "r1", "c1")
+    assert await store.cancel_ticket("r1", "c1", attempt) == TicketState.CANCELLED
+    assert workers.claim(key, attempt, "w1", time.time()) == "cancelled"
+    await store.end_call("r1", "c1", attempt, reply=None, step=None)
+    status, again, new_attempt = await _begin(store)
+    assert (status, again) == ("run", seq), "the retry takes the place of the call never run"
+    assert new_attempt != attempt
+    # The first attempt's message, if it is still queued, is skipped: superseded.
+    assert workers.claim(key, attempt, "w1", time.time()) == "superseded"
+    assert workers.claim(key, new_attempt, "w1", time.time()) == "running"
+
+
+async def test_claim_and_cancel_race_has_exactly_one_winner(
+    store: RolloutStore, workers: WorkerTickets, prefix: str
+) -> None:
+    for i in range(30):
+        call_id = f"race{i}"
+        _, _, attempt = await _begin(store, call_id)
+        key = ticket_key(prefix, "r1", call_id)
+        claims: list[str] = []
+        worker = threading.Thread(
+            target=lambda k=key, a=attempt, out=claims: out.append(
+                workers.claim(k, a, "w", time.time())
+            )
+        )
+        worker.start()
+        cancelled = await store.cancel_ticket("r1", call_id, attempt)
+        worker.join()
+        assert (claims[0] == "running") != (cancelled == TicketState.CANCELLED), (claims, cancelled)
+
+
+async def test_the_result_outlives_its_waiter_and_a_retry_settles_it_once(
+    store: RolloutStore, workers: WorkerTickets, prefix: str
+) -> None:
+    _, seq, attempt = await _begin(store)
+    key = ticket_key(prefix, "r1", "c1")
+    workers.claim(key, attempt, "w1", time.time())
+    state, reply_to = workers.finish(key, "w1", json.dumps({"result": None}), time.time())
+    assert (state, reply_to) == ("done", "reply-list")
+    # The waiter died holding the lock: a retry sees the call busy and its ticket done.
+    retry = await store.begin_call("r1", "c1", lock_ttl_s=30, reply_to="other")
+    assert (retry.status, retry.ticket) == ("busy", "done")
+    first = await store.end_call("r1", "c1", "", reply={"output": "a"}, step=None)
+    second = await store.end_call("r1", "c1", attempt, reply={"output": "b"}, step=None)
+    assert first == second == {"output": "a"}, "the first stored reply wins"
+    record = await store.redis.hget(store.key("rollout", "r1"), "calls_in_flight")
+    assert int(record or 0) == 0, "counted out of flight once"
+    assert (await _begin(store))[0] == "stored"
+    assert seq == 1
+
+
+async def test_a_result_after_the_call_was_declared_lost_is_evidence_only(
+    store: RolloutStore, workers: WorkerTickets, prefix: str
+) -> None:
+    _, _, attempt = await _begin(store)
+    key = ticket_key(prefix, "r1", "c1")
+    workers.claim(key, attempt, "w1", time.time())
+    assert await store.mark_ticket_lost("r1", "c1", "w1") == TicketState.LOST
+    state, reply_to = workers.finish(key, "w1", json.dumps({"late": True}), time.time())
+    assert (state, reply_to) == ("lost", "")
+    ticket = await store.ticket("r1", "c1")
+    assert ticket.result == ""
+    retry = await store.begin_call("r1", "c1", lock_ttl_s=30, reply_to="other")
+    assert (retry.status, retry.ticket) == ("busy", "lost")
+    await store.end_call("r1", "c1", attempt, reply=None, step=None)
+    assert (await _begin(store))[0] == "lost"
+
+
+async def test_concurrent_first_attempts_run_one(store: RolloutStore) -> None:
+    starts = await asyncio.gather(
+        *(store.begin_call("r1", "c1", lock_ttl_s=30, reply_to=f"l{i}") for i in range(10))
+    )
+    assert sorted(s.status for s in starts).count("run") == 1
