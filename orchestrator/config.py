@@ -57,6 +57,21 @@ class Settings(BaseSettings):
     host_unhealthy_after: int = Field(
         3, ge=1, description="Failed daemon probes in a row before a host's rollouts fail."
     )
+    host_min_free_memory_mb: int = Field(
+        1024, ge=0, description="A host with less available memory takes no new sandboxes."
+    )
+    admission_wait_s: float = Field(
+        180.0, ge=0, description="How long a new rollout waits for capacity before 503/429."
+    )
+    admission_queue_max: int = Field(
+        1024, ge=0, description="New rollouts that may wait for capacity at once."
+    )
+    admission_retry_after_s: float = Field(
+        5.0, gt=0, description="Retry-After of a rollout refused at capacity."
+    )
+    pool_fill_parallelism: int = Field(
+        8, ge=1, description="Pool sandboxes a worker creates at once."
+    )
     host_lost_after_s: float = Field(
         30.0, gt=0, description="A host silent this long has its rollouts marked infra_failed."
     )

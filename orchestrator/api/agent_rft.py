@@ -30,7 +30,10 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     409: {"model": ErrorResponse, "description": "The rollout has ended (graded or closed)."},
     413: {"model": ErrorResponse, "description": "Body over the size limit."},
     422: {"model": ErrorResponse, "description": "Invalid body, unknown environment or codebase."},
-    503: {"model": ErrorResponse, "description": "Infrastructure fault: retry, then discard."},
+    503: {
+        "model": ErrorResponse,
+        "description": "Infrastructure fault or every host at capacity: retry, then discard.",
+    },
 }
 
 

@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Outcome
+from orchestrator.rollouts.admission import AtCapacity
 from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected
 
 RETRY_AFTER_S = "1"
@@ -67,6 +68,17 @@ def install(app: FastAPI) -> None:
             rollout_id=exc.rollout_id,
             headers={"Retry-After": RETRY_AFTER_S},
         )
+
+    @app.exception_handler(AtCapacity)
+    async def _at_capacity(request: Request, exc: AtCapacity) -> JSONResponse:
+        # Agent RFT reads any 4xx as the agent's answer: capacity must be a 5xx there (it
+        # retries, then discards the rollout); the rollout API's clients get a 429.
+        headers = {"Retry-After": str(exc.retry_after_s)}
+        if request.url.path.startswith("/agent-rft"):
+            return error_response(
+                503, Outcome.INFRA_ERROR, "at_capacity", exc.message, headers=headers
+            )
+        return error_response(429, Outcome.REJECTED, "at_capacity", exc.message, headers=headers)
 
     @app.exception_handler(RedisError)
     async def _state_store(request: Request, exc: RedisError) -> JSONResponse:

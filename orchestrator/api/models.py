@@ -129,6 +129,7 @@ class RolloutView(BaseModel):
     outcome: Outcome | None
     score: float | None
     timings: dict[str, float | None]
+    pool_hit: bool | None = None
     infra_failure: dict[str, Any] | None
 
 

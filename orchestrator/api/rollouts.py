@@ -32,6 +32,7 @@ RESPONSES = {
     **ERRORS,
     404: {"model": ErrorResponse, "description": "Unknown rollout."},
     409: {"model": ErrorResponse, "description": "Exists or ended."},
+    429: {"model": ErrorResponse, "description": "Every host at capacity: retry after."},
 }
 Svc = Annotated[RolloutService, Depends(service)]
 RolloutId = Annotated[str, Path(pattern=ROLLOUT_ID, description="The rollout's id.")]
@@ -125,5 +126,6 @@ def view(rollout: Rollout, calls: int) -> RolloutView:
             "graded_at": rollout.graded_at,
             "closed_at": rollout.closed_at,
         },
+        pool_hit=rollout.pool_hit,
         infra_failure=rollout.infra_failure,
     )

@@ -305,7 +305,13 @@ class EnvironmentConfig(BaseModel):
     grace_after_grade_s: int = Field(
         120, ge=0, description="Keep the sandbox this long after grading (grade retries)."
     )
-    pool_size: int = Field(0, ge=0, description="Warm sandboxes to keep (reserved).")
+    pool_size: int = Field(
+        0, ge=0, description="Warm sandboxes to keep ready per codebase (rollouts/pools.py)."
+    )
+    pool_codebases: list[str] = Field(
+        default_factory=list,
+        description="With the codebase from the dataset row: the codebases to keep pools of.",
+    )
 
     @field_validator("codebase")
     @classmethod

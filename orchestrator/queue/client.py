@@ -10,7 +10,6 @@ worker is gone fails fast as an infrastructure error instead of hanging.
 from __future__ import annotations
 
 import json
-import random
 import time
 import uuid
 from typing import Any
@@ -53,34 +52,6 @@ class QueueClient:
             if raw:
                 statuses.append(json.loads(raw))
         return statuses
-
-    async def choose_host(self) -> str | None:
-        """The schedulable host (alive, daemon answering, not cordoned: see
-        queue/worker.py) holding the fewest of our rollouts; ties are broken at random so
-        a burst spreads out."""
-        candidates = [h["host"] for h in await self.live_hosts() if h.get("schedulable")]
-        if not candidates:
-            return None
-        loads = await self.redis.hmget(self._load_key(), candidates)
-        ranked = [
-            (int(load or 0), random.random(), str(host))  # noqa: S311 - tie-break, not crypto
-            for load, host in zip(loads, candidates, strict=True)
-        ]
-        return min(ranked)[2]
-
-    async def count_rollout(self, host_id: str, delta: int) -> None:
-        """Track live rollouts per host, for :meth:`choose_host`."""
-        await self.redis.hincrby(self._load_key(), host_id, delta)
-
-    async def set_loads(self, counts: dict[str, int]) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._load_key())
-            if counts:
-                pipe.hset(self._load_key(), mapping=counts)  # type: ignore[arg-type]
-            await pipe.execute()
-
-    def _load_key(self) -> str:
-        return f"{self.settings.key_prefix}host-rollouts"
 
     async def call(
         self,

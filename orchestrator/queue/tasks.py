@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from celery import shared_task as _shared_task
@@ -17,6 +18,7 @@ from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
 from orchestrator.config import get_settings
 from orchestrator.observability.logging import get_logger
 from orchestrator.queue import worker
+from orchestrator.queue.app import celery_app
 from orchestrator.queue.payloads import (
     CreateSandbox,
     DestroySandbox,
@@ -25,6 +27,7 @@ from orchestrator.queue.payloads import (
     ToolCall,
     ToolCallDone,
 )
+from orchestrator.rollouts.pools import PoolTarget, targets
 from orchestrator.sandbox.backend import ProbeResult, SandboxError
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.tools.base import ToolResult, agent_error
@@ -242,6 +245,52 @@ def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
     swept = collect_expired(worker.backend()).model_dump(mode="json")
     swept["orphans"] = sweep_orphans(worker.backend(), worker.redis_client(), get_settings())
     return swept
+
+
+@shared_task(name="orchestrator.refill_pools")
+def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
+    """Top every warm pool up to its size with sandboxes on this host, within this host's
+    capacity (rollouts/pools.py); drop pool sandboxes too close to their expiry."""
+    if not worker.host_schedulable():
+        return {"created": 0, "skipped": "host not schedulable"}
+    settings = get_settings()
+    filler = worker.pool_filler()
+    jobs: list[PoolTarget] = []
+    dropped = 0
+    for pool in targets(worker.environments(), settings):
+        for handle in filler.prune(pool, min_left_s=pool.spec.lifetime_s / 2):
+            dropped += 1
+            payload = DestroySandbox(handle=handle, reason="pool sandbox near its expiry")
+            celery_app().send_task(
+                "orchestrator.destroy_sandbox",
+                args=[payload.model_dump(mode="json")],
+                queue=settings.host_queue(handle.host),
+                ignore_result=True,
+            )
+            worker.release_slot(handle.host)
+        jobs += [pool] * filler.reserve(pool, pool.size)
+    if not jobs:
+        return {"created": 0, "dropped": dropped}
+    with ThreadPoolExecutor(settings.pool_fill_parallelism) as pool_threads:
+        created = sum(pool_threads.map(_fill_one, jobs))
+    log.info("pool.refilled", created=created, wanted=len(jobs), dropped=dropped)
+    return {"created": created, "wanted": len(jobs), "dropped": dropped}
+
+
+def _fill_one(pool: PoolTarget) -> bool:
+    filler = worker.pool_filler()
+    if not worker.take_own_slot():
+        filler.deliver(pool, None)
+        return False
+    try:
+        handle = worker.backend().create(pool.spec)
+    except SandboxError as exc:
+        log.warning("pool.create_failed", pool=pool.name, error=str(exc))
+        worker.release_slot(get_settings().host_id)
+        filler.deliver(pool, None)
+        return False
+    filler.deliver(pool, handle)
+    return True
 
 
 @shared_task(name="orchestrator.reap")

@@ -18,6 +18,8 @@ from orchestrator.config import get_settings
 from orchestrator.environments.loader import EnvironmentRegistry, load_environments
 from orchestrator.observability.logging import get_logger
 from orchestrator.queue.payloads import ToolCall, ToolCallDone
+from orchestrator.rollouts.admission import TAKE_SLOT
+from orchestrator.rollouts.pools import PoolFiller
 from orchestrator.rollouts.tickets import WorkerTickets
 from orchestrator.sandbox.docker import DockerBackend
 
@@ -69,6 +71,29 @@ def tickets() -> WorkerTickets:
     return WorkerTickets(redis_client())
 
 
+@lru_cache(maxsize=1)
+def pool_filler() -> PoolFiller:
+    return PoolFiller(get_settings(), redis_client())
+
+
+@lru_cache(maxsize=1)
+def _slot_script() -> Any:
+    return redis_client().register_script(TAKE_SLOT)
+
+
+def take_own_slot() -> bool:
+    """A slot of this host's capacity for a new sandbox (rollouts/admission.py)."""
+    settings = get_settings()
+    key = f"{settings.key_prefix}host-rollouts"
+    taken = _slot_script()(keys=[key], args=[settings.host_id, settings.host_max_sandboxes])
+    return bool(taken)
+
+
+def release_slot(host_id: str) -> None:
+    """Give back a slot of ``host_id`` (its sandbox is gone or was never made)."""
+    redis_client().hincrby(f"{get_settings().key_prefix}host-rollouts", host_id, -1)
+
+
 class _InFlight:
     """The calls this process is running, so a shutdown that cannot wait for them can
     still settle their tickets (as infrastructure errors) before it exits."""
@@ -114,14 +139,45 @@ def host_status(previous: dict[str, Any]) -> dict[str, Any]:
             f"disk: {health.disk_free_bytes // 2**20} MiB free, "
             f"below {settings.host_min_free_disk_mb} MiB"
         )
+    memory = available_memory_bytes()
+    min_memory = settings.host_min_free_memory_mb * 1024 * 1024
+    if memory is not None and memory < min_memory:
+        reasons.append(
+            f"memory: {memory // 2**20} MiB available, below {settings.host_min_free_memory_mb} MiB"
+        )
     if health.sandboxes >= settings.host_max_sandboxes:
         reasons.append(f"full: {health.sandboxes} of {settings.host_max_sandboxes} sandboxes")
     return {
         **health.model_dump(mode="json"),
+        "mem_available_bytes": memory,
         "docker_failures": failures,
         "capacity": settings.host_max_sandboxes,
         "cordon_reasons": reasons,
     }
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of this host (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:  # noqa: PTH123 - one small read
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+# The host probe's latest finding, replaced whole (never mutated), so every reader sees
+# one finding: the heartbeat publishes it, the pool filler checks it before creating.
+_latest: list[dict[str, Any]] = [
+    {"docker_ok": False, "error": "not probed yet", "cordon_reasons": ["starting"]}
+]
+
+
+def host_schedulable() -> bool:
+    """This host may take new sandboxes (its own finding; the API reads the heartbeat)."""
+    return not _latest[0].get("cordon_reasons") and not in_flight.draining
 
 
 def start_heartbeat() -> threading.Thread:
@@ -132,10 +188,7 @@ def start_heartbeat() -> threading.Thread:
     creations must not make a live worker look dead, so the beat never waits on Docker; a
     second thread probes the host and the beat publishes its latest finding."""
     settings = get_settings()
-    # Replaced whole by the probe (never mutated), so the beat always reads one finding.
-    latest: list[dict[str, Any]] = [
-        {"docker_ok": False, "error": "not probed yet", "cordon_reasons": ["starting"]}
-    ]
+    latest = _latest
 
     def probe() -> None:
         while True:

@@ -17,12 +17,15 @@ from orchestrator.queue.app import celery_app
 from orchestrator.queue.client import QueueClient
 from orchestrator.queue.worker import environments
 from orchestrator.rollouts.models import RolloutState
+from orchestrator.rollouts.pools import POOL_LABEL, pool_key, pool_owner, targets
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.rollouts.store import Rollout, RolloutStore
-from orchestrator.sandbox.backend import SandboxBackend, SandboxError
+from orchestrator.sandbox.backend import SandboxBackend, SandboxError, SandboxHandle
 
 log = get_logger(__name__)
 
+# How long a new pool sandbox may take from its creation to its pool's list.
+POOL_DELIVERY_S = 120
 _ENDED = {RolloutState.CLOSED.value, RolloutState.INFRA_FAILED.value}
 
 
@@ -75,10 +78,11 @@ async def reap_once(settings: Settings) -> dict[str, Any]:
                 )
             await service.close(rollout_id, reason, wait=False)
             ended[rollout_id] = reason
-        await _recount_host_loads(store, queue)
+        await _recount_host_loads(store, service)
         hosts = [h["host"] for h in await queue.live_hosts()]
         for host in hosts:
             queue.send("orchestrator.sweep_host", {}, queue=settings.host_queue(host))
+        queue.send("orchestrator.refill_pools", {}, queue=settings.shared_queue)
     finally:
         await store.close()
     return {"ended": ended, "hosts_swept": hosts, "hosts_failing": sorted(failing)}
@@ -95,8 +99,8 @@ async def _failing_hosts(
     for host in sorted(str(h) for h in await store.redis.smembers(store.key("hosts"))):
         beat = await queue.heartbeat(host)
         if beat is None:
-            since = float((await store.redis.hsetnx(silent_key, host, now) and now) or 0)
-            since = since or float(await store.redis.hget(silent_key, host) or now)
+            await store.redis.hsetnx(silent_key, host, now)
+            since = float(await store.redis.hget(silent_key, host) or now)
             if now - since > settings.host_lost_after_s:
                 message = f"host {host!r} sent no heartbeat for {now - since:.0f} s"
                 failing[host] = ("host_lost", message, {"silent_since": since})
@@ -117,10 +121,18 @@ def sweep_orphans(backend: SandboxBackend, client: redis.Redis, settings: Settin
     No age guard is needed: a rollout's record is written before its sandbox is created,
     and a record still creating names no sandbox, which spares it. Returns how many went."""
     destroyed = 0
+    now = time.time()
     for handle in backend.list_owned():
         if not handle.rollout_id:
             continue  # ad hoc sandboxes (`orchestrator sandbox run`) go at their expiry
-        key = f"{settings.key_prefix}rollout:{handle.rollout_id}"
+        rollout_id = handle.rollout_id
+        if rollout_id == POOL_LABEL:
+            pooled, owner = pool_owner(client, settings, handle.sandbox_id)
+            # A young one may be on its way into its pool.
+            if pooled or now - handle.created_at.timestamp() < POOL_DELIVERY_S:
+                continue
+            rollout_id = owner or f"{POOL_LABEL}-unclaimed"
+        key = f"{settings.key_prefix}rollout:{rollout_id}"
         state, sandbox, closed_at = client.hmget(key, ["state", "sandbox", "closed_at"])
         why = _orphaned(state, sandbox, closed_at, handle.sandbox_id)
         if why is None:
@@ -156,12 +168,18 @@ def _orphaned(state: Any, sandbox: Any, closed_at: Any, sandbox_id: str) -> str 
     return None
 
 
-async def _recount_host_loads(store: RolloutStore, queue: QueueClient) -> None:
-    """Rebuild the per-host rollout counts from the records, so a count that drifted (a
-    crash between creating a sandbox and counting it) heals within one reaper pass."""
+async def _recount_host_loads(store: RolloutStore, service: RolloutService) -> None:
+    """Rebuild the per-host slot counts (rollouts/admission.py) from what holds slots:
+    live rollouts with a host, and ready pool sandboxes; so a count that drifted (a crash
+    between taking a slot and using it) heals within one reaper pass. Pool sandboxes being
+    created right now are not counted: a host may briefly take that many more."""
     counts: dict[str, int] = {}
     for rollout_id in await store.live_ids():
         rollout = await store.get(rollout_id)
-        if rollout is not None and rollout.sandbox is not None and rollout.closed_at is None:
-            counts[rollout.sandbox.host] = counts.get(rollout.sandbox.host, 0) + 1
-    await queue.set_loads(counts)
+        if rollout is not None and rollout.host is not None and rollout.closed_at is None:
+            counts[rollout.host] = counts.get(rollout.host, 0) + 1
+    for pool in targets(service.environments, service.settings):
+        for raw in await store.redis.lrange(pool_key(service.settings, pool.name, "ready"), 0, -1):
+            host = SandboxHandle.model_validate_json(raw).host
+            counts[host] = counts.get(host, 0) + 1
+    await service.admission.set_loads(counts)

@@ -30,12 +30,14 @@ from orchestrator.queue.payloads import (
     ToolCall,
     ToolCallDone,
 )
+from orchestrator.rollouts.admission import Admission
 from orchestrator.rollouts.dispatch import CallDispatcher
 from orchestrator.rollouts.errors import CallLost, GraderFailed, InfraError, Rejected
 from orchestrator.rollouts.models import RolloutState, TrajectoryStep
+from orchestrator.rollouts.pools import PoolClaims
 from orchestrator.rollouts.store import CallStart, Rollout, RolloutStore
 from orchestrator.rollouts.tickets import TicketState, ticket_key
-from orchestrator.sandbox.backend import ProbeResult
+from orchestrator.sandbox.backend import ProbeResult, SandboxHandle
 from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
 
 log = get_logger(__name__)
@@ -52,6 +54,16 @@ class CallReply(BaseModel):
     duration_ms: float
     truncated: bool = False
     error_kind: str | None = None
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """Where a new rollout's sandbox comes from: a warm one (``handle``), or a cold one
+    to create on ``host``, whose slot is taken."""
+
+    host: str
+    handle: SandboxHandle | None
+    started: float  # time.monotonic() when the acquisition began
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,8 @@ class RolloutService:
         self.environments = environments
         self.queue = queue
         self.dispatcher = CallDispatcher(settings, store, queue)
+        self.admission = Admission(settings, queue)
+        self.pools = PoolClaims(settings, store.redis)
 
     # -- resolving ---------------------------------------------------------------------------
 
@@ -143,26 +157,124 @@ class RolloutService:
             if exclusive:
                 raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
             return await self._wait_ready(existing)
-        record = _new_record(rollout_id, source, resolved, item, state=RolloutState.CREATING)
-        if not await self.store.create(record):
+        # The sandbox's place first (a warm sandbox, or a host's slot for a cold one), the
+        # record after: a rollout refused at capacity leaves nothing behind, and its retry
+        # starts afresh.
+        acquired = await self._acquire(rollout_id, resolved)
+        record = _new_record(
+            rollout_id,
+            source,
+            resolved,
+            item,
+            state=RolloutState.CREATING,
+            host=acquired.host if acquired else None,
+        )
+        if acquired is None or not await self.store.create(record):
+            if acquired is not None:
+                await self._give_back(acquired)
             if exclusive:
                 raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
             current = await self.store.get(rollout_id)
-            assert current is not None
+            if current is None:
+                raise InfraError("the rollout vanished while it started", rollout_id=rollout_id)
             return await self._wait_ready(current)
-        return await self._create_sandbox(record, resolved)
+        return await self._start_sandbox(record, resolved, acquired)
 
-    async def _create_sandbox(self, record: Rollout, resolved: ResolvedEnvironment) -> Rollout:
-        spec = resolved.sandbox_spec(self.settings, record.rollout_id)
+    async def _acquire(self, rollout_id: str, resolved: ResolvedEnvironment) -> Acquired | None:
+        """A warm sandbox from the rollout's pool (probed first), else a host slot for a
+        cold one, waiting within the admission bound. None: the rollout appeared meanwhile
+        (a concurrent first call made it)."""
         started = time.monotonic()
-        host = await self.queue.choose_host()
-        if host is None:
-            await self.mark_infra_failed(
-                record.rollout_id, "no_host", "no live worker host with a working daemon", {}
+        for _ in range(3):
+            handle = await self.pools.take(resolved)
+            if handle is None:
+                break
+            if await self._usable(handle, resolved):
+                return Acquired(host=handle.host, handle=handle, started=started)
+            await self._discard(handle, "unusable pool sandbox")
+        if not await self.queue.live_hosts():
+            raise InfraError("no live worker host to create the sandbox on", rollout_id=rollout_id)
+
+        async def rollout_exists() -> bool:
+            return await self.store.get(rollout_id) is not None
+
+        host = await self.admission.take(give_up=rollout_exists)
+        return Acquired(host=host, handle=None, started=started) if host else None
+
+    async def _usable(self, handle: SandboxHandle, resolved: ResolvedEnvironment) -> bool:
+        """A pool sandbox may be handed out: far from its expiry, and a probe passes."""
+        lifetime = resolved.environment.effective_lifetime_s(self.settings)
+        if handle.expires_at.timestamp() - time.time() < lifetime / 2:
+            return False
+        try:
+            raw = await self.queue.call(
+                "orchestrator.probe_sandbox",
+                ProbeSandbox(handle=handle).model_dump(mode="json"),
+                queue=self.settings.host_queue(handle.host),
+                timeout_s=10,
+                host_id=handle.host,
             )
+        except QueueTimeout:
+            return False
+        probe = ProbeResult.model_validate(raw)
+        return probe.alive and probe.agent_ok
+
+    async def _discard(self, handle: SandboxHandle, reason: str) -> None:
+        payload = DestroySandbox(handle=handle, reason=reason).model_dump(mode="json")
+        self.queue.send(
+            "orchestrator.destroy_sandbox", payload, queue=self.settings.host_queue(handle.host)
+        )
+        await self.admission.release(handle.host)
+
+    async def _give_back(self, acquired: Acquired) -> None:
+        """Undo :meth:`_acquire` (the rollout was created by someone else meanwhile)."""
+        if acquired.handle is not None:
+            await self._discard(acquired.handle, "claimed by a rollout that lost its race")
+        else:
+            await self.admission.release(acquired.host)
+
+    async def _start_sandbox(
+        self, record: Rollout, resolved: ResolvedEnvironment, acquired: Acquired
+    ) -> Rollout:
+        handle = acquired.handle
+        if handle is not None:
+            lifetime = resolved.environment.effective_lifetime_s(self.settings)
+            await self.pools.bind(handle, record.rollout_id, ttl_s=lifetime)
+            await self._request_refill()
+        else:
+            handle = await self._create_cold(record, resolved, acquired.host)
+        updated = await self.store.update(
+            record.rollout_id,
+            state=RolloutState.ACTIVE,
+            sandbox=handle,
+            host=handle.host,
+            pool_hit=acquired.handle is not None,
+            sandbox_ready_at=time.time(),
+            last_activity=time.time(),
+        )
+        assert updated is not None
+        waited = time.monotonic() - acquired.started
+        metrics.SANDBOX_CREATE_SECONDS.observe(waited)
+        metrics.ROLLOUTS_STARTED.labels(record.source).inc()
+        log.info(
+            "rollout.started",
+            rollout_id=record.rollout_id,
+            sandbox_id=handle.sandbox_id,
+            host=handle.host,
+            environment=record.environment,
+            pool_hit=acquired.handle is not None,
+            ms=round(waited * 1000, 1),
+        )
+        if updated.state == RolloutState.INFRA_FAILED:
             raise InfraError(
-                "no live worker host to create the sandbox on", rollout_id=record.rollout_id
+                "rollout failed while its sandbox started", rollout_id=record.rollout_id
             )
+        return updated
+
+    async def _create_cold(
+        self, record: Rollout, resolved: ResolvedEnvironment, host: str
+    ) -> SandboxHandle:
+        spec = resolved.sandbox_spec(self.settings, record.rollout_id)
         try:
             raw = await self.queue.call(
                 "orchestrator.create_sandbox",
@@ -174,39 +286,23 @@ class RolloutService:
             created = SandboxCreated.model_validate(raw)
         except QueueTimeout as exc:
             created = SandboxCreated(error=f"no worker created the sandbox: {exc}")
-        if created.handle is not None:
-            await self.queue.count_rollout(created.handle.host, +1)
         if created.handle is None:
+            # A creation that timed out may still finish: the orphan sweep takes it then.
+            await self.admission.release(host)
             await self.mark_infra_failed(
                 record.rollout_id, "sandbox_create_failed", created.error or "unknown", {}
             )
             raise InfraError(
                 f"could not create the sandbox: {created.error}", rollout_id=record.rollout_id
             )
-        updated = await self.store.update(
-            record.rollout_id,
-            state=RolloutState.ACTIVE,
-            sandbox=created.handle,
-            host=created.handle.host,
-            sandbox_ready_at=time.time(),
-            last_activity=time.time(),
-        )
-        assert updated is not None
-        metrics.SANDBOX_CREATE_SECONDS.observe(time.monotonic() - started)
-        metrics.ROLLOUTS_STARTED.labels(record.source).inc()
-        log.info(
-            "rollout.started",
-            rollout_id=record.rollout_id,
-            sandbox_id=created.handle.sandbox_id,
-            host=created.handle.host,
-            environment=record.environment,
-            ms=round((time.monotonic() - started) * 1000, 1),
-        )
-        if updated.state == RolloutState.INFRA_FAILED:
-            raise InfraError(
-                "rollout failed while its sandbox started", rollout_id=record.rollout_id
-            )
-        return updated
+        return created.handle
+
+    async def _request_refill(self) -> None:
+        """Top the pools up after a claim (queue/tasks.refill_pools). One request a second
+        at most: the task tops up every pool, a burst of claims needs one of it."""
+        key = f"{self.settings.key_prefix}pool-refill-requested"
+        if await self.store.redis.set(key, "1", nx=True, px=1000):
+            self.queue.send("orchestrator.refill_pools", {}, queue=self.settings.shared_queue)
 
     async def _wait_ready(self, rollout: Rollout) -> Rollout:
         deadline = time.monotonic() + self.settings.sandbox_create_timeout_s + 5
@@ -598,7 +694,7 @@ class RolloutService:
             else:
                 self.queue.send("orchestrator.destroy_sandbox", payload, queue=queue)
         if rollout.sandbox is not None and rollout.closed_at is None:
-            await self.queue.count_rollout(rollout.sandbox.host, -1)
+            await self.admission.release(rollout.sandbox.host)
         state = rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED
         fields: dict[str, Any] = {"state": state, "closed_at": time.time()}
         if rollout.outcome is None:

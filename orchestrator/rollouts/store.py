@@ -60,6 +60,7 @@ class Rollout(BaseModel):
         None, description="Why the rollout was marked infra_failed, with the evidence."
     )
     calls_in_flight: int = Field(0, description="Running calls: a busy rollout is not idle.")
+    pool_hit: bool | None = Field(None, description="Its sandbox came warm from a pool.")
 
 
 _JSON_FIELDS = {"sandbox", "item", "grade_details", "infra_failure"}

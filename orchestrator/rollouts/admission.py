@@ -1,0 +1,134 @@
+"""Admission control: a new sandbox goes to a host only within that host's capacity.
+
+Every sandbox holds a slot of its host (``host-rollouts``: sandboxes per host, pool
+sandboxes included) from before it is created until it is destroyed. A slot is taken by
+one Lua step that picks the least loaded schedulable host still under its capacity, so a
+burst of hundreds of rollouts in one second cannot overcommit a host between two
+heartbeats. Past capacity, a new rollout waits in a bounded queue (at most
+``admission_queue_max`` waiting, each at most ``admission_wait_s``), then is refused with
+:class:`AtCapacity`: 503 + Retry-After for Agent RFT (the trainer retries, then
+discards), 429 + Retry-After for the rollout API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from orchestrator.config import Settings
+from orchestrator.queue.client import QueueClient
+
+# KEYS: load hash. ARGV: host, capacity, host, capacity, ... (in the order to prefer on a
+# tie). Returns the host whose slot was taken, or false when all are full.
+TAKE_SLOT = """
+local best, best_load = nil, nil
+for i = 1, #ARGV, 2 do
+  local load = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  if load < tonumber(ARGV[i + 1]) and (best_load == nil or load < best_load) then
+    best, best_load = ARGV[i], load
+  end
+end
+if best == nil then return false end
+redis.call('HINCRBY', KEYS[1], best, 1)
+return best
+"""
+
+# KEYS: waiting set. ARGV: now, deadline, waiter id, queue bound. Returns 1 when the waiter
+# is in the queue; the set's scores are deadlines, so a crashed waiter ages out.
+_ENTER = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+return 1
+"""
+
+
+class AtCapacity(Exception):
+    """No host could take a new sandbox within the bound: try again later."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class Admission:
+    def __init__(self, settings: Settings, queue: QueueClient) -> None:
+        self.settings = settings
+        self.queue = queue
+        self.redis = queue.redis
+        self._take = self.redis.register_script(TAKE_SLOT)
+        self._enter = self.redis.register_script(_ENTER)
+
+    def _load_key(self) -> str:
+        return f"{self.settings.key_prefix}host-rollouts"
+
+    async def try_take(self) -> str | None:
+        """A slot on a schedulable host now, or None."""
+        pairs: list[Any] = []
+        hosts = [h for h in await self.queue.live_hosts() if h.get("schedulable")]
+        random.shuffle(hosts)  # a tie goes to any of them: a burst spreads out
+        for beat in hosts:
+            capacity = int(beat.get("capacity") or self.settings.host_max_sandboxes)
+            pairs += [beat["host"], capacity]
+        if not pairs:
+            return None
+        host = await self._take(keys=[self._load_key()], args=pairs)
+        return str(host) if host else None
+
+    async def take(self, *, give_up: Callable[[], Awaitable[bool]] | None = None) -> str:
+        """A slot, waiting in the bounded queue if every host is full. ``give_up`` is
+        asked while waiting (another request created the rollout meanwhile): then
+        :class:`AtCapacity` is not raised, ``""`` is returned."""
+        host = await self.try_take()
+        if host is not None:
+            return host
+        wait_s = self.settings.admission_wait_s
+        waiting_key = f"{self.settings.key_prefix}admission-waiting"
+        waiter = uuid.uuid4().hex
+        now = time.time()
+        entered = await self._enter(
+            keys=[waiting_key],
+            args=[now, now + wait_s + 5, waiter, self.settings.admission_queue_max],
+        )
+        if not entered:
+            raise AtCapacity(
+                "every host is at capacity and the admission queue is full",
+                retry_after_s=self._retry_after(),
+            )
+        try:
+            deadline = time.monotonic() + wait_s
+            delay = 0.05
+            while time.monotonic() < deadline:
+                await asyncio.sleep(delay * random.uniform(0.5, 1.5))  # noqa: S311 - jitter
+                delay = min(delay * 1.5, 0.5)
+                host = await self.try_take()
+                if host is not None:
+                    return host
+                if give_up is not None and await give_up():
+                    return ""
+        finally:
+            await self.redis.zrem(waiting_key, waiter)
+        raise AtCapacity(
+            f"every host stayed at capacity for {wait_s:.0f} s", retry_after_s=self._retry_after()
+        )
+
+    async def release(self, host: str) -> None:
+        """Give a slot back (the sandbox was destroyed, or never made)."""
+        await self.redis.hincrby(self._load_key(), host, -1)
+
+    async def set_loads(self, counts: dict[str, int]) -> None:
+        """Replace the slot counts with ones counted from the records (the reaper), so a
+        count that drifted (a crash between taking a slot and using it) heals."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._load_key())
+            if counts:
+                pipe.hset(self._load_key(), mapping=counts)  # type: ignore[arg-type]
+            await pipe.execute()
+
+    def _retry_after(self) -> int:
+        return max(1, int(self.settings.admission_retry_after_s))

@@ -1,0 +1,182 @@
+"""Warm pools: ready sandboxes per (environment, codebase), so a new rollout at a training
+step's boundary takes one in a single Redis operation instead of waiting for a cold start.
+
+Keys (under the deployment's prefix), per pool ``<environment>:<codebase or ->``:
+  pool:{pool}:ready     list: SandboxHandle JSON of ready, unused sandboxes
+  pool:{pool}:pending   counter: sandboxes a worker is creating for it right now
+  pool-members          set: sandbox ids lying in some pool (the orphan sweep spares them)
+  pool-claim:{sbx}      the rollout that took pool sandbox ``sbx`` (the sweep checks it)
+
+A pool sandbox is used by one rollout only and destroyed with it. It holds its host's
+admission slot (rollouts/admission.py) from creation, and hands it to its rollout. Workers
+fill pools (queue/tasks.refill_pools: on every reaper pass, and after every claim); the
+API claims with LPOP and probes the sandbox before handing it out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from orchestrator.config import Settings
+from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
+from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
+
+POOL_LABEL = "pool"
+"""The rollout label of a pool sandbox until a rollout takes it."""
+
+# KEYS: ready list, pending counter. ARGV: pool size, wanted. Reserves up to ``wanted``
+# creations so that ready + pending never exceeds the size, however many fillers run.
+_RESERVE = """
+local have = redis.call('LLEN', KEYS[1]) + tonumber(redis.call('GET', KEYS[2]) or '0')
+local n = math.min(tonumber(ARGV[2]), tonumber(ARGV[1]) - have)
+if n <= 0 then return 0 end
+redis.call('INCRBY', KEYS[2], n)
+redis.call('EXPIRE', KEYS[2], 600)
+return n
+"""
+
+# KEYS: ready list, pending counter, members set. ARGV: handle JSON ('' when the creation
+# failed), sandbox id.
+_DELIVER = """
+if ARGV[1] ~= '' then
+  redis.call('RPUSH', KEYS[1], ARGV[1])
+  redis.call('SADD', KEYS[3], ARGV[2])
+end
+if tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
+return 1
+"""
+
+
+@dataclass(frozen=True)
+class PoolTarget:
+    """One pool: what its sandboxes are made from and how many to keep."""
+
+    name: str
+    size: int
+    spec: SandboxSpec
+
+
+def pool_name(environment: str, codebase: str | None) -> str:
+    return f"{environment}:{codebase or '-'}"
+
+
+def pool_key(settings: Settings, pool: str, part: str) -> str:
+    return f"{settings.key_prefix}pool:{pool}:{part}"
+
+
+def members_key(settings: Settings) -> str:
+    return f"{settings.key_prefix}pool-members"
+
+
+def claim_key(settings: Settings, sandbox_id: str) -> str:
+    return f"{settings.key_prefix}pool-claim:{sandbox_id}"
+
+
+def targets(registry: EnvironmentRegistry, settings: Settings) -> Iterator[PoolTarget]:
+    """Every configured pool, with the spec of its sandboxes. An environment whose
+    codebase comes from the dataset row pools the codebases it lists in ``pool_codebases``."""
+    for name in registry.names():
+        env = registry.get(name)
+        if env.pool_size <= 0:
+            continue
+        codebases: list[str | None] = (
+            [env.codebase] if env.codebase or env.image else list(env.pool_codebases)
+        )
+        for codebase in codebases:
+            row = {"environment": name} | ({"codebase": codebase} if codebase else {})
+            try:
+                resolved = registry.resolve(row)
+            except (LookupError, ValueError):
+                continue  # a codebase not built (yet): nothing to pool
+            yield PoolTarget(
+                name=pool_name(name, resolved.codebase),
+                size=env.pool_size,
+                spec=resolved.sandbox_spec(settings, POOL_LABEL),
+            )
+
+
+class PoolFiller:
+    """The worker's side: top pools up to their size (see queue/tasks.refill_pools)."""
+
+    def __init__(self, settings: Settings, client: redis.Redis) -> None:
+        self.settings = settings
+        self.client = client
+        self._reserve = client.register_script(_RESERVE)
+        self._deliver = client.register_script(_DELIVER)
+
+    def reserve(self, pool: PoolTarget, wanted: int) -> int:
+        """How many sandboxes this filler may create for ``pool`` now."""
+        keys = [pool_key(self.settings, pool.name, "ready"), self._pending(pool)]
+        return int(self._reserve(keys=keys, args=[pool.size, wanted]))
+
+    def deliver(self, pool: PoolTarget, handle: SandboxHandle | None) -> None:
+        """Put a new sandbox in the pool (None: its creation failed, free the reservation)."""
+        self._deliver(
+            keys=[
+                pool_key(self.settings, pool.name, "ready"),
+                self._pending(pool),
+                members_key(self.settings),
+            ],
+            args=[
+                handle.model_dump_json() if handle else "",
+                handle.sandbox_id if handle else "",
+            ],
+        )
+
+    def prune(self, pool: PoolTarget, *, min_left_s: float) -> list[SandboxHandle]:
+        """Take out of the pool the sandboxes with less than ``min_left_s`` before their
+        expiry (a rollout could outlive them); the caller destroys them."""
+        key = pool_key(self.settings, pool.name, "ready")
+        stale = []
+        now = time.time()
+        for raw in self.client.lrange(key, 0, -1):
+            handle = SandboxHandle.model_validate_json(raw)
+            if handle.expires_at.timestamp() - now >= min_left_s:
+                continue
+            if self.client.lrem(key, 1, str(raw, "utf-8") if isinstance(raw, bytes) else raw):
+                # (else a rollout took it just now)
+                self.client.srem(members_key(self.settings), handle.sandbox_id)
+                stale.append(handle)
+        return stale
+
+    def _pending(self, pool: PoolTarget) -> str:
+        return pool_key(self.settings, pool.name, "pending")
+
+
+def pool_owner(client: redis.Redis, settings: Settings, sandbox_id: str) -> tuple[bool, str]:
+    """(lies in a pool, the rollout that took it or '') for the orphan sweep."""
+    pipe = client.pipeline(transaction=False)
+    pipe.sismember(members_key(settings), sandbox_id)
+    pipe.get(claim_key(settings, sandbox_id))
+    pooled, owner = pipe.execute()
+    text = owner.decode() if isinstance(owner, bytes) else (owner or "")
+    return bool(pooled), str(text)
+
+
+class PoolClaims:
+    """The API's side: take a ready sandbox from a pool in one Redis operation."""
+
+    def __init__(self, settings: Settings, client: Any) -> None:
+        self.settings = settings
+        self.client = client  # redis.asyncio.Redis with decoded responses
+
+    async def take(self, resolved: ResolvedEnvironment) -> SandboxHandle | None:
+        """A ready sandbox of this rollout's pool, or None (no pool, or empty). The caller
+        checks it (expiry, a probe) and binds it to the rollout or destroys it."""
+        if resolved.environment.pool_size <= 0:
+            return None
+        name = pool_name(resolved.environment.name, resolved.codebase)
+        raw = await self.client.lpop(pool_key(self.settings, name, "ready"))
+        if raw is None:
+            return None
+        handle = SandboxHandle.model_validate_json(raw)
+        await self.client.srem(members_key(self.settings), handle.sandbox_id)
+        return handle
+
+    async def bind(self, handle: SandboxHandle, rollout_id: str, ttl_s: int) -> None:
+        await self.client.set(claim_key(self.settings, handle.sandbox_id), rollout_id, ex=ttl_s)
