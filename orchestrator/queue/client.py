@@ -9,6 +9,7 @@ worker is gone fails fast as an infrastructure error instead of hanging.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -70,7 +71,7 @@ class QueueClient:
         payload = {**payload, "reply_to": reply_key}
         # Expiry makes a late worker drop the task instead of running a call whose caller
         # has already been told it failed.
-        self.app.send_task(task, args=[payload], queue=queue, expires=timeout_s, ignore_result=True)
+        await self.send(task, payload, queue=queue, expires=timeout_s)
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
@@ -83,12 +84,20 @@ class QueueClient:
             if host_id is not None and not await self.worker_alive(host_id):
                 raise QueueTimeout(f"the worker on host {host_id!r} stopped while running {task}")
 
-    def send(
+    async def send(
         self, task: str, payload: dict[str, Any], *, queue: str, expires: float | None = None
     ) -> None:
-        """Publish without waiting here (teardown, or a call whose reply is awaited by
-        :meth:`wait_reply`)."""
-        self.app.send_task(task, args=[payload], queue=queue, expires=expires, ignore_result=True)
+        """Publish without waiting for the task (teardown, or a call whose reply is awaited
+        by :meth:`wait_reply`). Celery's publish is a blocking Redis write: it runs in a
+        thread, so a burst of publishes never stalls the event loop."""
+        await asyncio.to_thread(
+            self.app.send_task,
+            task,
+            args=[payload],
+            queue=queue,
+            expires=expires,
+            ignore_result=True,
+        )
 
     async def wait_reply(self, reply_key: str, timeout_s: float) -> dict[str, Any] | None:
         """One bounded wait on a reply list; None when nothing came."""

@@ -242,8 +242,14 @@ def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
     whose rollout is over or unknown to Redis (orphans)."""
     from orchestrator.rollouts.reaper import sweep_orphans
 
+    settings = get_settings()
     swept = collect_expired(worker.backend()).model_dump(mode="json")
-    swept["orphans"] = sweep_orphans(worker.backend(), worker.redis_client(), get_settings())
+    swept["orphans"] = sweep_orphans(worker.backend(), worker.redis_client(), settings)
+    live = {h.sandbox_id for h in worker.backend().list_owned()}
+    swept["pool_entries_dropped"] = sum(
+        worker.pool_filler().forget_missing(pool, settings.host_id, live)
+        for pool in targets(worker.environments(), settings)
+    )
     return swept
 
 

@@ -52,7 +52,7 @@ class CallDispatcher:
         beat = await self.queue.heartbeat(host)
         if beat is None or beat.get("draining"):
             await self._cancel(call, f"host {host!r} has no live worker", beat)
-        self.queue.send(
+        await self.queue.send(
             "orchestrator.run_tool",
             call.model_dump(mode="json"),
             queue=self.settings.host_queue(host),

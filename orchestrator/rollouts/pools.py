@@ -144,6 +144,22 @@ class PoolFiller:
                 stale.append(handle)
         return stale
 
+    def forget_missing(self, pool: PoolTarget, host: str, live: set[str]) -> int:
+        """Drop entries naming sandboxes of ``host`` that no longer exist (the host
+        restarted, or Redis outlived a wipe of the daemon): a pool full of dead entries
+        would never refill."""
+        key = pool_key(self.settings, pool.name, "ready")
+        dropped = 0
+        for raw in self.client.lrange(key, 0, -1):
+            handle = SandboxHandle.model_validate_json(raw)
+            if handle.host != host or handle.sandbox_id in live:
+                continue
+            text = str(raw, "utf-8") if isinstance(raw, bytes) else raw
+            if self.client.lrem(key, 1, text):
+                self.client.srem(members_key(self.settings), handle.sandbox_id)
+                dropped += 1
+        return dropped
+
     def _pending(self, pool: PoolTarget) -> str:
         return pool_key(self.settings, pool.name, "pending")
 

@@ -24,6 +24,8 @@ from orchestrator.sandbox.backend import SandboxBackend, SandboxError, SandboxHa
 
 log = get_logger(__name__)
 
+# A rollout closed this recently has its sandbox's destroy in flight already.
+RECENTLY_CLOSED_S = 5
 # How long a new pool sandbox may take from its creation to its pool's list.
 POOL_DELIVERY_S = 120
 _ENDED = {RolloutState.CLOSED.value, RolloutState.INFRA_FAILED.value}
@@ -81,8 +83,8 @@ async def reap_once(settings: Settings) -> dict[str, Any]:
         await _recount_host_loads(store, service)
         hosts = [h["host"] for h in await queue.live_hosts()]
         for host in hosts:
-            queue.send("orchestrator.sweep_host", {}, queue=settings.host_queue(host))
-        queue.send("orchestrator.refill_pools", {}, queue=settings.shared_queue)
+            await queue.send("orchestrator.sweep_host", {}, queue=settings.host_queue(host))
+        await queue.send("orchestrator.refill_pools", {}, queue=settings.shared_queue)
     finally:
         await store.close()
     return {"ended": ended, "hosts_swept": hosts, "hosts_failing": sorted(failing)}
@@ -160,6 +162,9 @@ def _orphaned(state: Any, sandbox: Any, closed_at: Any, sandbox_id: str) -> str 
     if state_s is None:
         return "no rollout record"
     if state_s in _ENDED or closed_s:
+        # Just closed: the close's own destroy is on its way; racing it gains nothing.
+        if closed_s and time.time() - float(closed_s) < RECENTLY_CLOSED_S:
+            return None
         return f"rollout {state_s}"
     if sandbox_s and sandbox_s != "null":
         owner = json.loads(sandbox_s)

@@ -221,7 +221,7 @@ class RolloutService:
 
     async def _discard(self, handle: SandboxHandle, reason: str) -> None:
         payload = DestroySandbox(handle=handle, reason=reason).model_dump(mode="json")
-        self.queue.send(
+        await self.queue.send(
             "orchestrator.destroy_sandbox", payload, queue=self.settings.host_queue(handle.host)
         )
         await self.admission.release(handle.host)
@@ -302,7 +302,7 @@ class RolloutService:
         at most: the task tops up every pool, a burst of claims needs one of it."""
         key = f"{self.settings.key_prefix}pool-refill-requested"
         if await self.store.redis.set(key, "1", nx=True, px=1000):
-            self.queue.send("orchestrator.refill_pools", {}, queue=self.settings.shared_queue)
+            await self.queue.send("orchestrator.refill_pools", {}, queue=self.settings.shared_queue)
 
     async def _wait_ready(self, rollout: Rollout) -> Rollout:
         deadline = time.monotonic() + self.settings.sandbox_create_timeout_s + 5
@@ -692,7 +692,7 @@ class RolloutService:
                     # The host's label sweep destroys it when the worker is back.
                     log.warning("rollout.destroy_deferred", rollout_id=rollout_id, error=str(exc))
             else:
-                self.queue.send("orchestrator.destroy_sandbox", payload, queue=queue)
+                await self.queue.send("orchestrator.destroy_sandbox", payload, queue=queue)
         if rollout.sandbox is not None and rollout.closed_at is None:
             await self.admission.release(rollout.sandbox.host)
         state = rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED
