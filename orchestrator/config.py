@@ -69,8 +69,8 @@ class Settings(BaseSettings):
     admission_retry_after_s: float = Field(
         5.0, gt=0, description="Retry-After of a rollout refused at capacity."
     )
-    pool_fill_parallelism: int = Field(
-        8, ge=1, description="Pool sandboxes a worker creates at once."
+    create_concurrency: int = Field(
+        4, ge=1, description="Sandboxes a worker creates at once (rollouts' and pools')."
     )
     host_lost_after_s: float = Field(
         30.0, gt=0, description="A host silent this long has its rollouts marked infra_failed."

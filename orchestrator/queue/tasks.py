@@ -9,7 +9,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from celery import shared_task as _shared_task
@@ -103,15 +102,26 @@ def replies(
 
 
 @shared_task(name="orchestrator.create_sandbox")
-@replies
 def create_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
+    """Hand the creation to the host's creation lane and return at once: the reply goes
+    to the caller's list when the sandbox is ready. Tool calls queued behind a burst of
+    creations so wait for a Celery thread for microseconds, not for the creations."""
     request = CreateSandbox.model_validate(payload)
+    worker.creations().submit(_create_and_reply, payload, request)
+    return {"accepted": True}
+
+
+def _create_and_reply(payload: dict[str, Any], request: CreateSandbox) -> None:
     try:
         handle = worker.backend().create(request.spec)
+        created = SandboxCreated(handle=handle)
     except SandboxError as exc:
         log.error("sandbox.create_failed", rollout_id=request.rollout_id, error=str(exc))
-        return SandboxCreated(error=str(exc)).model_dump(mode="json")
-    return SandboxCreated(handle=handle).model_dump(mode="json")
+        created = SandboxCreated(error=str(exc))
+    except Exception as exc:
+        log.exception("sandbox.create_crashed", rollout_id=request.rollout_id)
+        created = SandboxCreated(error=f"{type(exc).__name__}: {exc}")
+    worker.reply(payload, created.model_dump(mode="json"))
 
 
 @shared_task(name="orchestrator.run_tool")
@@ -277,8 +287,10 @@ def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
         jobs += [pool] * filler.reserve(pool, pool.size)
     if not jobs:
         return {"created": 0, "dropped": dropped}
-    with ThreadPoolExecutor(settings.pool_fill_parallelism) as pool_threads:
-        created = sum(pool_threads.map(_fill_one, jobs))
+    # Through the same creation lane as rollouts' own sandboxes, which it queues behind.
+    created = sum(
+        future.result() for future in [worker.creations().submit(_fill_one, p) for p in jobs]
+    )
     log.info("pool.refilled", created=created, wanted=len(jobs), dropped=dropped)
     return {"created": created, "wanted": len(jobs), "dropped": dropped}
 

@@ -8,6 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
@@ -69,6 +70,16 @@ INSTANCE = uuid.uuid4().hex
 @lru_cache(maxsize=1)
 def tickets() -> WorkerTickets:
     return WorkerTickets(redis_client())
+
+
+@lru_cache(maxsize=1)
+def creations() -> ThreadPoolExecutor:
+    """The host's creation lane: at most ``create_concurrency`` sandboxes made at once,
+    apart from the Celery threads that run tool calls. On two cores, 64 creations at once
+    made no more sandboxes per second than a few, and starved every tool call."""
+    return ThreadPoolExecutor(
+        max_workers=get_settings().create_concurrency, thread_name_prefix="create"
+    )
 
 
 @lru_cache(maxsize=1)
