@@ -43,8 +43,10 @@ demo: setup
 	$(BIN)/python -m examples.demo
 
 bench: setup
+	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m bench.exec_latency
 	$(BIN)/python -m bench.tool_call
+	$(BIN)/python -m bench.burst
 
 clean-sandboxes: venv
 	$(BIN)/orchestrator sandbox gc --all
