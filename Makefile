@@ -47,6 +47,7 @@ bench: setup
 	$(BIN)/python -m bench.exec_latency
 	$(BIN)/python -m bench.tool_call
 	$(BIN)/python -m bench.burst
+	$(BIN)/python -m bench.peer
 
 clean-sandboxes: venv
 	$(BIN)/orchestrator sandbox gc --all

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import platform
+import secrets
 import shutil
 import statistics
 import sys
 import sysconfig
 import tempfile
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from orchestrator.config import Settings
 from orchestrator.images.codebases import UnknownCodebase, add_codebase, get_codebase
+from orchestrator.local import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BENCH_CODEBASE = "bench-cpython-stdlib"
@@ -99,3 +102,22 @@ def _cpus() -> int:
     import os
 
     return len(os.sched_getaffinity(0))
+
+
+def throwaway_stack_settings(deployment: str, environments_yaml: str) -> Settings:
+    """Settings of a deployment that lives for one benchmark run: its own state directory
+    (``settings.state_dir``; the stack's log goes there too), token, port and host id, the
+    given environments YAML, and ``bench`` as the default environment."""
+    state = Path(tempfile.mkdtemp(prefix=f"orch-{deployment}-"))
+    environments = state / "environments.yaml"
+    environments.write_text(environments_yaml)
+    return Settings(
+        deployment=deployment,
+        api_port=free_port(),
+        api_tokens=secrets.token_urlsafe(16),
+        state_dir=state,
+        host_id=f"bench-{uuid.uuid4().hex[:8]}",
+        log_level="WARNING",
+        environments_file=environments,
+        default_environment="bench",
+    )

@@ -14,18 +14,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import secrets
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.common import BENCH_CODEBASE, ensure_bench_codebase, summary, write_report
-from orchestrator.config import Settings
-from orchestrator.local import free_port, local_stack
+from bench.common import (
+    BENCH_CODEBASE,
+    ensure_bench_codebase,
+    summary,
+    throwaway_stack_settings,
+    write_report,
+)
+from orchestrator.local import local_stack
 
 COMMANDS = {"true": "true", "grep": "grep -rn 'def __init__' --include=*.py json email | wc -l"}
 EXPECTED = {
@@ -108,20 +110,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     args = parser.parse_args()
 
-    token = secrets.token_urlsafe(16)
-    state = Path(tempfile.mkdtemp(prefix="orch-bench-"))
-    environments = state / "environments.yaml"
-    environments.write_text(ENVIRONMENTS)
-    settings = Settings(
-        deployment="bench-tc",
-        api_port=free_port(),
-        api_tokens=token,
-        state_dir=state,
-        host_id=f"bench-{uuid.uuid4().hex[:6]}",
-        log_level="WARNING",
-        environments_file=environments,
-        default_environment="bench",
-    )
+    settings = throwaway_stack_settings("bench-tc", ENVIRONMENTS)
+    state = settings.state_dir
+    token = settings.api_tokens
     ensure_bench_codebase(settings)
     results: dict[str, dict[str, Any]] = {}
     with local_stack(settings, log=state / "stack.log") as base:
