@@ -4,7 +4,7 @@ step's boundary takes one in a single Redis operation instead of waiting for a c
 Keys (under the deployment's prefix), per pool ``<environment>:<codebase or ->``:
   pool:{pool}:ready     list: SandboxHandle JSON of ready, unused sandboxes
   pool:{pool}:pending   counter: sandboxes a worker is creating for it right now
-  pool-members          set: sandbox ids lying in some pool (the orphan sweep spares them)
+  pool-members          set: pool sandboxes not yet bound to a rollout (the sweep spares them)
   pool-claim:{sbx}      the rollout that took pool sandbox ``sbx`` (the sweep checks it)
 
 A pool sandbox is used by one rollout only and destroyed with it. It holds its host's
@@ -190,9 +190,16 @@ class PoolClaims:
         raw = await self.client.lpop(pool_key(self.settings, name, "ready"))
         if raw is None:
             return None
-        handle = SandboxHandle.model_validate_json(raw)
-        await self.client.srem(members_key(self.settings), handle.sandbox_id)
-        return handle
+        # Still a pool member (the orphan sweep spares it) until bound to its rollout.
+        return SandboxHandle.model_validate_json(raw)
 
     async def bind(self, handle: SandboxHandle, rollout_id: str, ttl_s: int) -> None:
-        await self.client.set(claim_key(self.settings, handle.sandbox_id), rollout_id, ex=ttl_s)
+        """From now on the sandbox is ``rollout_id``'s (and the sweep judges it by it)."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(claim_key(self.settings, handle.sandbox_id), rollout_id, ex=ttl_s)
+            pipe.srem(members_key(self.settings), handle.sandbox_id)
+            await pipe.execute()
+
+    async def forget(self, handle: SandboxHandle) -> None:
+        """The sandbox taken is being destroyed instead of bound."""
+        await self.client.srem(members_key(self.settings), handle.sandbox_id)

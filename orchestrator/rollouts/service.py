@@ -220,6 +220,7 @@ class RolloutService:
         return probe.alive and probe.agent_ok
 
     async def _discard(self, handle: SandboxHandle, reason: str) -> None:
+        await self.pools.forget(handle)
         payload = DestroySandbox(handle=handle, reason=reason).model_dump(mode="json")
         await self.queue.send(
             "orchestrator.destroy_sandbox", payload, queue=self.settings.host_queue(handle.host)
