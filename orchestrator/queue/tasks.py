@@ -63,6 +63,9 @@ def _on_shutting_down(**_: Any) -> None:
     worker.in_flight.draining = True
     settings = get_settings()
     log.info("worker.draining", running=len(worker.in_flight.snapshot()))
+    # Creations not started yet are dropped: their callers hear of it through the retired
+    # heartbeat instead of waiting for a burst's worth of sandboxes to be made first.
+    worker.creations().shutdown(wait=False, cancel_futures=True)
 
     def give_up() -> None:
         deadline = time.monotonic() + settings.worker_shutdown_grace_s
