@@ -157,27 +157,44 @@ class RolloutService:
             if exclusive:
                 raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
             return await self._wait_ready(existing)
-        # The sandbox's place first (a warm sandbox, or a host's slot for a cold one), the
-        # record after: a rollout refused at capacity leaves nothing behind, and its retry
-        # starts afresh.
-        acquired = await self._acquire(rollout_id, resolved)
-        record = _new_record(
-            rollout_id,
-            source,
-            resolved,
-            item,
-            state=RolloutState.CREATING,
-            host=acquired.host if acquired else None,
-        )
-        if acquired is None or not await self.store.create(record):
-            if acquired is not None:
-                await self._give_back(acquired)
-            if exclusive:
-                raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
+        # One first call of a rollout acquires its sandbox; its parallel first calls wait
+        # for the record instead of each taking a warm sandbox or a slot to give back.
+        starting = self.store.key("rollout", rollout_id, "starting")
+        bound = self.settings.admission_wait_s + self.settings.sandbox_create_timeout_s + 30
+        while not await self.store.redis.set(starting, "1", nx=True, ex=int(bound)):
             current = await self.store.get(rollout_id)
-            if current is None:
-                raise InfraError("the rollout vanished while it started", rollout_id=rollout_id)
-            return await self._wait_ready(current)
+            if current is not None:
+                if exclusive:
+                    raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
+                return await self._wait_ready(current)
+            await asyncio.sleep(0.02)  # (its starter failed: the lock is gone, we start it)
+        try:
+            # The starter before us may have finished: its record is there, the lock gone.
+            acquired = None
+            if await self.store.get(rollout_id) is None:
+                # The sandbox's place first (a warm sandbox, or a host's slot for a cold
+                # one), the record after: a rollout refused at capacity leaves nothing
+                # behind, and its retry starts afresh.
+                acquired = await self._acquire(rollout_id, resolved)
+            record = _new_record(
+                rollout_id,
+                source,
+                resolved,
+                item,
+                state=RolloutState.CREATING,
+                host=acquired.host if acquired else None,
+            )
+            if acquired is None or not await self.store.create(record):
+                if acquired is not None:
+                    await self._give_back(acquired)
+                if exclusive:
+                    raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
+                current = await self.store.get(rollout_id)
+                if current is None:
+                    raise InfraError("the rollout vanished while it started", rollout_id=rollout_id)
+                return await self._wait_ready(current)
+        finally:
+            await self.store.redis.delete(starting)
         return await self._start_sandbox(record, resolved, acquired)
 
     async def _acquire(self, rollout_id: str, resolved: ResolvedEnvironment) -> Acquired | None:

@@ -7,6 +7,7 @@ Keys (all under the deployment's prefix):
   rollout:{id}:call:{cid} the reply of call ``cid``, stored once, returned to retries
   rollout:{id}:lock:call:{cid}  held while call ``cid`` runs (a racing retry waits)
   rollout:{id}:run:{cid}  hash: the call's run ticket (tickets.py): who runs it, its result
+  rollout:{id}:starting   held by the one first call that acquires its sandbox
   rollouts:live           sorted set: id -> last activity (the reaper walks it)
 """
 

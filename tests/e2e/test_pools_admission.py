@@ -5,6 +5,7 @@ for Agent RFT, 429 for the rollout API); nothing is ever overcommitted or left b
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -214,3 +215,36 @@ def test_past_capacity_new_rollouts_wait_then_are_refused_with_retry_after(
             assert len(_containers(pool_stack)) <= CAPACITY
         finally:
             _delete_all(client, created)
+
+
+def _ready_ids(stack: Stack) -> set[str]:
+    client = redis.Redis.from_url(stack.settings.redis_url)
+    try:
+        key = f"{stack.settings.key_prefix}pool:pooled:{stack.codebase}:ready"
+        return {json.loads(raw)["sandbox_id"] for raw in client.lrange(key, 0, -1)}
+    finally:
+        client.close()
+
+
+def test_parallel_first_calls_take_one_warm_sandbox(pool_stack: Stack) -> None:
+    wait_for(lambda: _ready(pool_stack) == POOL, timeout_s=60, what="the pool to fill")
+    before = _ready_ids(pool_stack)
+    trace = new_trace()
+    item = _item(pool_stack, "pooled")
+
+    async def first_calls() -> list[httpx.Response]:
+        async with pool_stack.async_client() as client:
+            bodies = [
+                function_call(trace, item, "shell", {"command": f"echo {i}"}) for i in range(4)
+            ]
+            return list(
+                await asyncio.gather(*(client.post("/agent-rft/tools", json=b) for b in bodies))
+            )
+
+    responses = asyncio.run(first_calls())
+    assert [r.status_code for r in responses] == [200] * 4, [r.text for r in responses]
+    with pool_stack.client() as client:
+        mine = client.get(f"/v1/rollouts/{trace}").json()["sandbox_id"]
+        # Every warm sandbox but the one this rollout took is still in the pool.
+        assert before - _ready_ids(pool_stack) == {mine}
+        _delete_all(client, [trace])
