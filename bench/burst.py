@@ -126,7 +126,7 @@ OK = "200 ok"
 AGENT_ERROR = "200 agent_error"
 UNRECORDED = "200 not in trajectory"
 INFRA = "503 infra_error"
-ADMISSION = "429/503 Retry-After (admission)"
+ADMISSION = "429/503 at_capacity (admission)"
 OTHER = "other"
 OUTCOMES = [OK, AGENT_ERROR, UNRECORDED, INFRA, ADMISSION, OTHER]
 GRADE_OK = "200 scored"
@@ -279,7 +279,7 @@ class Burst:
             latency = (self.now() - sent) * 1000
             if status == 200:
                 outcome = GRADE_OK if kind == "grade" else OK  # refined from the trajectory
-            elif status in (429, 503) and retry_after is not None:
+            elif status in (429, 503) and _error_code(response) == "at_capacity":
                 outcome = ADMISSION
             elif status == 503:
                 outcome = INFRA
@@ -1471,3 +1471,15 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _error_code(response: httpx.Response | None) -> str | None:
+    """The error body's code (``at_capacity``, ``infra_error``, ...): every 503 carries
+    Retry-After, so the header alone does not tell capacity from a fault."""
+    try:
+        body = response.json() if response is not None else None
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None

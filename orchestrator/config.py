@@ -44,7 +44,12 @@ class Settings(BaseSettings):
     )
     heartbeat_interval_s: float = Field(5.0, gt=0)
     reaper_interval_s: float = Field(10.0, gt=0)
-    sandbox_create_timeout_s: float = Field(60.0, gt=0)
+    sandbox_create_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A new rollout's wait for its sandbox, the creation lane's queue included"
+        " (a burst of cold starts queues there for tens of seconds).",
+    )
     worker_shutdown_grace_s: float = Field(
         30.0, ge=0, description="On SIGTERM, how long running calls may take to finish."
     )
