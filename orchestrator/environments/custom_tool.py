@@ -36,6 +36,7 @@ from orchestrator.environments.models import (
 )
 from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle
 from orchestrator.tools.base import (
+    JSON_TYPE_NAMES,
     MAX_LISTED_ERRORS,
     InvalidArguments,
     Tool,
@@ -51,16 +52,6 @@ MAX_ARGV_BYTES = 512 * 1024
 """Longest argv in total, well under the kernel's limit with the environment."""
 MAX_SHOWN_VALUE = 60
 MAX_ERROR_CHARS = 200
-
-_JSON_TYPE = {
-    bool: "boolean",
-    int: "integer",
-    float: "number",
-    str: "string",
-    list: "array",
-    dict: "object",
-    type(None): "null",
-}
 
 
 class CommandArgs(BaseModel):
@@ -89,7 +80,7 @@ def render_value(value: Any) -> str:
 
 
 def _json_type(value: Any) -> str:
-    return _JSON_TYPE.get(type(value), type(value).__name__)
+    return JSON_TYPE_NAMES.get(type(value), type(value).__name__)
 
 
 def _short(value: Any) -> str:

@@ -224,17 +224,21 @@ class RolloutService:
         if handle.expires_at.timestamp() - time.time() < lifetime / 2:
             return False
         try:
-            raw = await self.queue.call(
-                "orchestrator.probe_sandbox",
-                ProbeSandbox(handle=handle).model_dump(mode="json"),
-                queue=self.settings.host_queue(handle.host),
-                timeout_s=10,
-                host_id=handle.host,
-            )
+            probe = await self._probe(handle, timeout_s=10)
         except QueueTimeout:
             return False
-        probe = ProbeResult.model_validate(raw)
         return probe.alive and probe.agent_ok
+
+    async def _probe(self, handle: SandboxHandle, *, timeout_s: float) -> ProbeResult:
+        """Probe a sandbox through its host's worker; QueueTimeout when none answers."""
+        raw = await self.queue.call(
+            "orchestrator.probe_sandbox",
+            ProbeSandbox(handle=handle).model_dump(mode="json"),
+            queue=self.settings.host_queue(handle.host),
+            timeout_s=timeout_s,
+            host_id=handle.host,
+        )
+        return ProbeResult.model_validate(raw)
 
     async def _discard(self, handle: SandboxHandle, reason: str) -> None:
         await self.pools.forget(handle)
@@ -635,13 +639,7 @@ class RolloutService:
         if handle is None or rollout.closed_at is not None:
             return
         try:
-            raw = await self.queue.call(
-                "orchestrator.probe_sandbox",
-                ProbeSandbox(handle=handle).model_dump(mode="json"),
-                queue=self.settings.host_queue(handle.host),
-                timeout_s=15,
-                host_id=handle.host,
-            )
+            probe = await self._probe(handle, timeout_s=15)
         except QueueTimeout as exc:
             await self.mark_infra_failed(
                 rollout.rollout_id, "probe_failed", f"the sandbox could not be probed: {exc}", {}
@@ -650,7 +648,6 @@ class RolloutService:
                 f"the sandbox could not be checked before grading: {exc}",
                 rollout_id=rollout.rollout_id,
             ) from exc
-        probe = ProbeResult.model_validate(raw)
         if (probe.alive and probe.agent_ok) or probe.agent_caused:
             return
         evidence = {"probe": probe.model_dump(mode="json")}

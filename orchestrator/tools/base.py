@@ -89,7 +89,8 @@ def _short_repr(value: object) -> str:
     return text
 
 
-_JSON_TYPE = {
+JSON_TYPE_NAMES = {
+    # Python type of a parsed JSON value -> its JSON Schema name, for error messages.
     bool: "boolean",
     int: "integer",
     float: "number",
@@ -114,7 +115,7 @@ def _describe_error(error: ErrorDetails, allowed: list[str]) -> str:
     msg = msg.removeprefix("Value error, ")
     value = error.get("input")
     if kind.endswith("_type"):
-        got = _JSON_TYPE.get(type(value), type(value).__name__)
+        got = JSON_TYPE_NAMES.get(type(value), type(value).__name__)
         return f"{loc}: {msg[:1].lower()}{msg[1:]}, got {got} {_short_repr(value)}"
     return f"{loc}: {msg[:1].lower()}{msg[1:]}"
 
@@ -151,7 +152,7 @@ def decode_arguments(arguments: dict[str, Any] | str | None) -> dict[str, Any]:
         except RecursionError:
             raise InvalidArguments("arguments are not valid JSON (nested too deeply)") from None
     if not isinstance(arguments, dict):
-        got = _JSON_TYPE.get(type(arguments), type(arguments).__name__)
+        got = JSON_TYPE_NAMES.get(type(arguments), type(arguments).__name__)
         raise InvalidArguments(f"arguments must be a JSON object, got {got}")
     return arguments
 
