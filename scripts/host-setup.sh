@@ -58,6 +58,38 @@ JSON
   fi
 }
 
+install_tool_packages() {
+  # Packages wanted for one binary each, whose postinst would also start a server nobody
+  # here needs: promtool (prometheus; the chart tests check the alert rules with it) and
+  # docker-registry (a real registry for `orchestrator codebase publish`'s test). A
+  # policy-rc.d (ours only if none exists) refuses service starts during the install, and
+  # on systemd hosts the units are disabled.
+  local missing=()
+  command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+  command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry)
+  [ "${#missing[@]}" -eq 0 ] && return
+  need_root
+  local policy=/usr/sbin/policy-rc.d ours=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy"
+    chmod 755 "$policy"
+    ours=1
+  fi
+  log "installing: ${missing[*]} (for their tools; no server is started)"
+  export DEBIAN_FRONTEND=noninteractive
+  local rc=0
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || rc=$?
+  if [ "$rc" -ne 0 ]; then  # a fresh host's package lists may not name them yet
+    rc=0
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || rc=$?
+  fi
+  [ "$ours" = 1 ] && rm -f "$policy"
+  [ "$rc" -eq 0 ] || { log "could not install ${missing[*]}"; exit "$rc"; }
+  if [ -d /run/systemd/system ]; then
+    systemctl disable --now prometheus docker-registry >/dev/null 2>&1 || true
+  fi
+}
+
 docker_up() { docker version --format '{{.Server.Version}}' >/dev/null 2>&1; }
 
 start_dockerd() {
@@ -116,6 +148,7 @@ loop_devices() {
 }
 
 install_packages
+install_tool_packages
 loop_devices
 start_dockerd
 start_redis

@@ -370,7 +370,16 @@ BAD_CONFIGS: list[tuple[str, str, str]] = [
     ("YAML syntax", "environments: [\n  {name: e", "invalid YAML at line"),
     ("not a mapping", "- just\n- a list\n", "must be a mapping with an 'environments' list"),
     ("bad codebase name", MINIMAL.replace("tools:", "codebase: Bad/Name\n    tools:"), "codebase"),
-    ("bad runtime", MINIMAL.replace("tools:", "runtime: kata\n    tools:"), "runtime: Input"),
+    (
+        "bad runtime",
+        MINIMAL.replace("tools:", "runtime: firecracker\n    tools:"),
+        "runtime: Input",
+    ),
+    (
+        "kata on docker",
+        MINIMAL.replace("tools:", "runtime: kata\n    tools:"),
+        "kata (a VM per sandbox) needs ORCH_SANDBOX_BACKEND=kubernetes",
+    ),
     (
         "limit below minimum",
         MINIMAL.replace("tools:", "limits: {memory_mb: 8}\n    tools:"),
@@ -386,6 +395,12 @@ def test_bad_config_is_reported(text: str, expected: str) -> None:
     message = config_error(text)
     assert message.startswith("invalid environments file t.yaml:")
     assert expected in message
+
+
+def test_kata_is_accepted_on_kubernetes() -> None:
+    text = MINIMAL.replace("tools:", "runtime: kata\n    tools:")
+    registry = parse(text, unit_settings(sandbox_backend="kubernetes"))
+    assert registry.get("env-a").runtime == "kata"
 
 
 def test_every_problem_is_reported_at_once() -> None:

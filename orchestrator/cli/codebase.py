@@ -9,11 +9,13 @@ import typer
 
 from orchestrator.config import get_settings
 from orchestrator.images.base import ImageBuildError
+from orchestrator.images.catalog import catalog_line
 from orchestrator.images.codebases import (
     CodebaseError,
     CodebaseInfo,
     add_codebase,
     list_codebases,
+    publish_codebase,
     remove_codebase,
 )
 from orchestrator.sandbox.backend import BackendUnavailable
@@ -93,3 +95,27 @@ def rm(name: Annotated[str, typer.Argument(help="Codebase name.")]) -> None:
     except _ERRORS as exc:
         raise _fail(exc) from exc
     typer.echo(f"removed codebase {name}")
+
+
+@app.command("publish")
+def publish(
+    name: Annotated[str, typer.Argument(help="Codebase name.")],
+    registry: Annotated[
+        str | None,
+        typer.Option(
+            help="Registry prefix, e.g. registry.example.com/team/ (default: "
+            "ORCH_K8S_IMAGE_REGISTRY)."
+        ),
+    ] = None,
+) -> None:
+    """Push a codebase's image to the registry a cluster pulls from, and print its
+    catalogue entry (for ORCH_CODEBASES_FILE, or the Helm chart's `codebases` value)."""
+    settings = get_settings()
+    target = settings.k8s_image_registry if registry is None else registry
+    if not target:
+        raise _fail(ValueError("no registry: pass --registry or set ORCH_K8S_IMAGE_REGISTRY"))
+    try:
+        ref = publish_codebase(settings, name, target)
+    except _ERRORS as exc:
+        raise _fail(exc) from exc
+    typer.echo(catalog_line(name, ref))

@@ -13,16 +13,16 @@ from rich.table import Column, Table
 from orchestrator.config import Runtime, get_settings
 from orchestrator.images.codebases import CodebaseError, codebase_image
 from orchestrator.sandbox.backend import SandboxError, SandboxSpec
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.factory import HostBackend, make_backend
 from orchestrator.sandbox.gc import collect_expired
 
 app = typer.Typer(help="Sandboxes: run, list, garbage-collect.", no_args_is_help=True)
 console = Console()
 
 
-def _backend() -> DockerBackend:
+def _backend() -> HostBackend:
     try:
-        return DockerBackend(get_settings())
+        return make_backend(get_settings())
     except SandboxError as exc:
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc

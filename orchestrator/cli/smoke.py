@@ -10,6 +10,7 @@ from rich.console import Console
 from orchestrator.config import Runtime, get_settings
 from orchestrator.sandbox.backend import SandboxError, SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.factory import make_backend
 from orchestrator.tools.registry import run_tool
 
 console = Console()
@@ -18,9 +19,9 @@ console = Console()
 def smoke() -> None:
     """Create a sandbox per available runtime, run shell and read_file in it, destroy it."""
     settings = get_settings()
-    backend = DockerBackend(settings)
+    backend = make_backend(settings)
     runtimes: list[Runtime] = ["runc"]
-    if "runsc" in backend.client.info().get("Runtimes", {}):
+    if isinstance(backend, DockerBackend) and "runsc" in backend.client.info().get("Runtimes", {}):
         runtimes.append("runsc")
     failed = False
     for runtime in runtimes:

@@ -359,9 +359,15 @@ class EnvironmentRegistry:
         try:
             image = self._codebase_image(codebase)
         except UnknownCodebase as exc:
+            catalogue = self.settings.codebases_file
+            fix = (
+                f"publish it with `orchestrator codebase publish {codebase}` and add the "
+                f"printed entry to {catalogue}"
+                if catalogue is not None
+                else f"add it with `orchestrator codebase add {codebase} <source>`"
+            )
             raise UnknownCodebase(
-                f"unknown codebase {codebase!r}: {how}, but no such codebase is registered "
-                f"(add it with `orchestrator codebase add {codebase} <source>`)"
+                f"unknown codebase {codebase!r}: {how}, but no such codebase is registered ({fix})"
             ) from exc
         return ResolvedEnvironment(env, image, codebase, self._tools[name], self.settings)
 
@@ -441,6 +447,12 @@ def parse_environments(
     problems = []
     # Limits that belong to the deployment, not to the file's schema.
     for env in parsed.environments:
+        runtime = env.runtime or settings.sandbox_runtime
+        if runtime == "kata" and settings.sandbox_backend != "kubernetes":
+            problems.append(
+                f"environment {env.name!r}.runtime: kata (a VM per sandbox) needs "
+                f"ORCH_SANDBOX_BACKEND=kubernetes; this deployment runs {settings.sandbox_backend}"
+            )
         for index, entry in enumerate(env.tools):
             if isinstance(entry, str) or entry.timeout_s is None:
                 continue

@@ -120,13 +120,19 @@ class CustomToolConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(pattern=TOOL_NAME_PATTERN)
-    description: str = Field(min_length=1, max_length=4096)
+    name: str = Field(pattern=TOOL_NAME_PATTERN, description="Tool name the model calls.")
+    description: str = Field(
+        min_length=1, max_length=4096, description="What the tool does, shown to the model."
+    )
     parameters: dict[str, Any] = Field(
         description="JSON Schema of the arguments: an object schema. Properties without "
         "additionalProperties set refuse unknown arguments."
     )
-    argv: list[str] = Field(min_length=1, max_length=MAX_ARGV_ELEMENTS)
+    argv: list[str] = Field(
+        min_length=1,
+        max_length=MAX_ARGV_ELEMENTS,
+        description="Command to run; each {placeholder} becomes one whole argument.",
+    )
     timeout_s: float | None = Field(
         None, gt=0, allow_inf_nan=False, description="None: the deployment's default."
     )
@@ -250,10 +256,10 @@ class EnvironmentLimits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    memory_mb: int | None = Field(None, ge=64)
-    cpus: float | None = Field(None, gt=0, allow_inf_nan=False)
-    pids: int | None = Field(None, ge=16)
-    tmp_mb: int | None = Field(None, ge=1)
+    memory_mb: int | None = Field(None, ge=64, description="Memory limit, in MB.")
+    cpus: float | None = Field(None, gt=0, allow_inf_nan=False, description="CPU limit.")
+    pids: int | None = Field(None, ge=16, description="Process limit.")
+    tmp_mb: int | None = Field(None, ge=1, description="Size of /tmp, in MB.")
     disk_mb: int | None = Field(None, ge=0, description="/workspace writes; 0 = uncapped.")
     output_mb: int | None = Field(None, ge=1, description="A command printing more is killed.")
 
@@ -275,8 +281,12 @@ class GraderConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(min_length=1)
-    options: dict[str, Any] = Field(default_factory=dict)
+    name: str = Field(
+        min_length=1, description="A built-in grader's name, or module:attribute of your own."
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Passed to the grader; each grader checks its own."
+    )
 
 
 class EnvironmentConfig(BaseModel):
@@ -284,20 +294,26 @@ class EnvironmentConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(pattern=ENVIRONMENT_NAME_PATTERN)
-    description: str = ""
+    name: str = Field(
+        pattern=ENVIRONMENT_NAME_PATTERN, description="What dataset rows and requests name."
+    )
+    description: str = Field("", description="Free text for people.")
     image: str | None = Field(None, min_length=1, description="A fixed image reference.")
     codebase: str | None = Field(None, min_length=1, description="A fixed codebase name.")
     runtime: Runtime | None = Field(None, description="None: settings.sandbox_runtime.")
-    limits: EnvironmentLimits = Field(default_factory=EnvironmentLimits)
-    tools: list[ToolEntry] = Field(min_length=1)
+    limits: EnvironmentLimits = Field(
+        default_factory=EnvironmentLimits, description="Sandbox limits; see below."
+    )
+    tools: list[ToolEntry] = Field(
+        min_length=1, description="Built-in tool names, or tool definitions (see below)."
+    )
     tool_call_budget: int | None = Field(
         None, ge=1, description="Tool calls allowed per rollout; None: unlimited."
     )
     output_budget_bytes: int | None = Field(
         None, ge=256, description="Bytes of one tool output; None: the deployment's."
     )
-    grader: GraderConfig
+    grader: GraderConfig = Field(description="Which grader scores a rollout; see below.")
     idle_timeout_s: int = Field(600, ge=1, description="Tear down after this long unused.")
     max_lifetime_s: int | None = Field(
         None, ge=10, description="Hard expiry of the sandbox; None: settings.sandbox_lifetime_s."

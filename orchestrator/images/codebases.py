@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import shutil
 import subprocess
 import tarfile
@@ -32,11 +31,10 @@ from orchestrator.images.base import (
     run_build,
     scratch_dir,
 )
+from orchestrator.images.catalog import NAME_RE, CatalogError, read_catalog
 from orchestrator.observability.logging import get_logger
 
 log = get_logger(__name__)
-
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 
 LABEL_NAME = "orchestrator.codebase"
 LABEL_SOURCE = "orchestrator.codebase.source"
@@ -144,8 +142,38 @@ def _info(
     )
 
 
+def _catalogued(path: Path) -> dict[str, CodebaseInfo]:
+    try:
+        catalog = read_catalog(path)
+    except CatalogError as exc:
+        raise CodebaseError(str(exc)) from exc
+    return {
+        name: CodebaseInfo(
+            name=name,
+            image=ref,
+            image_id=ref.partition("@")[2],
+            source=f"catalogue {path}",
+            rev="",
+            commit="",
+            created=None,
+            size_bytes=0,
+        )
+        for name, ref in catalog.root.items()
+    }
+
+
 def get_codebase(settings: Settings, name: str) -> CodebaseInfo:
-    """The codebase called ``name``; :class:`UnknownCodebase` if there is none."""
+    """The codebase called ``name``; :class:`UnknownCodebase` if there is none.
+
+    From the catalogue file when ``codebases_file`` is set (images/catalog.py), else from
+    the Docker daemon's images."""
+    if settings.codebases_file is not None:
+        found = _catalogued(settings.codebases_file).get(validate_name(name))
+        if found is None:
+            raise UnknownCodebase(
+                f"unknown codebase {name!r} (not in the catalogue {settings.codebases_file})"
+            )
+        return found
     ref = image_ref(settings, name)
     client = connect(settings)
     try:
@@ -166,6 +194,9 @@ def codebase_image(settings: Settings, name: str) -> str:
 
 def list_codebases(settings: Settings) -> list[CodebaseInfo]:
     """All codebases, sorted by name."""
+    if settings.codebases_file is not None:
+        listed = _catalogued(settings.codebases_file)
+        return [listed[n] for n in sorted(listed)]
     client = connect(settings)
     prefix = f"{settings.codebase_image_repo}:"
     found: dict[str, CodebaseInfo] = {}
@@ -181,6 +212,32 @@ def list_codebases(settings: Settings) -> list[CodebaseInfo]:
                 settings, name, str(image["Id"]), labels, int(image.get("Size") or 0)
             )
     return [found[n] for n in sorted(found)]
+
+
+def publish_codebase(settings: Settings, name: str, registry: str) -> str:
+    """Push codebase ``name``'s image to ``registry`` (a prefix such as
+    ``registry.example.com/team/``, as ``k8s_image_registry`` takes it); return the
+    reference to put in the catalogue: relative to the registry and pinned by digest, so a
+    later push under the same tag cannot change what a running deployment starts."""
+    if registry and not registry.endswith("/"):
+        raise CodebaseError(f"registry {registry!r} must end with '/' (it is a prefix)")
+    info = get_codebase(settings, name)
+    repository = f"{registry}{settings.codebase_image_repo}"
+    client = connect(settings)
+    try:
+        client.images.get(info.image).tag(repository, tag=name)
+        for line in client.images.push(repository, tag=name, stream=True, decode=True):
+            if "error" in line:
+                raise CodebaseError(f"could not push {repository}:{name}: {line['error']}")
+        digests: list[str] = client.images.get(f"{repository}:{name}").attrs["RepoDigests"]
+    except APIError as exc:
+        raise CodebaseError(f"could not push {repository}:{name}: {exc.explanation}") from exc
+    pushed = next((d for d in digests if d.startswith(f"{repository}@")), None)
+    if pushed is None:
+        raise CodebaseError(f"the registry reported no digest for {repository}:{name}")
+    ref = f"{settings.codebase_image_repo}@{pushed.partition('@')[2]}"
+    log.info("codebase published", codebase=name, repository=repository, ref=ref)
+    return ref
 
 
 def remove_codebase(settings: Settings, name: str) -> None:

@@ -22,14 +22,14 @@ from orchestrator.queue.payloads import ToolCall, ToolCallDone
 from orchestrator.rollouts.admission import TAKE_SLOT
 from orchestrator.rollouts.pools import PoolFiller
 from orchestrator.rollouts.tickets import WorkerTickets
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.factory import HostBackend, make_backend
 
 log = get_logger(__name__)
 
 
 @lru_cache(maxsize=1)
-def backend() -> DockerBackend:
-    return DockerBackend(get_settings())
+def backend() -> HostBackend:
+    return make_backend(get_settings())
 
 
 @lru_cache(maxsize=1)

@@ -32,11 +32,8 @@ from orchestrator.sandbox.agent import EXEC_AGENT_PATH
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
-    ExecResult,
     HostHealth,
     ProbeResult,
-    ReadFileResult,
-    SandboxBackend,
     SandboxError,
     SandboxHandle,
     SandboxSpec,
@@ -70,7 +67,7 @@ HOME_MB = 16
 MAX_UNIX_SOCKET_PATH = 107
 
 
-class DockerBackend(SandboxBackend):
+class DockerBackend(agent.AgentBackend):
     """Sandboxes as containers on one Docker daemon (this host)."""
 
     name = "docker"
@@ -93,6 +90,11 @@ class DockerBackend(SandboxBackend):
     # -- lifecycle -------------------------------------------------------------------------
 
     def create(self, spec: SandboxSpec) -> SandboxHandle:
+        if spec.runtime == "kata":
+            raise SandboxError(
+                "runtime 'kata' (a VM per sandbox) needs the Kubernetes backend "
+                "(ORCH_SANDBOX_BACKEND=kubernetes); the Docker backend runs runc and runsc"
+            )
         sandbox_id = "sbx-" + uuid.uuid4().hex[:SANDBOX_ID_HEX]
         created_at = datetime.now(UTC)
         expires_at = created_at + timedelta(seconds=spec.lifetime_s)
@@ -299,32 +301,6 @@ class DockerBackend(SandboxBackend):
 
     # -- commands --------------------------------------------------------------------------
 
-    def exec(
-        self,
-        handle: SandboxHandle,
-        command: str | list[str],
-        *,
-        timeout_s: float,
-        output_budget_bytes: int,
-        cwd: str = "/workspace",
-    ) -> ExecResult:
-        request = agent.exec_request(command, timeout_s, output_budget_bytes, cwd)
-        reply = self._call(handle, request, timeout_s + agent.REPLY_SLACK_S)
-        return agent.exec_result(reply)
-
-    def read_file(
-        self,
-        handle: SandboxHandle,
-        path: str,
-        *,
-        start_line: int = 1,
-        end_line: int | None = None,
-        max_bytes: int,
-    ) -> ReadFileResult:
-        request = agent.read_file_request(path, start_line, end_line, max_bytes)
-        reply = self._call(handle, request, agent.REPLY_SLACK_S + 20)
-        return agent.read_file_result(reply)
-
     def _call(
         self, handle: SandboxHandle, request: dict[str, Any], timeout_s: float
     ) -> dict[str, Any]:
@@ -371,19 +347,7 @@ class DockerBackend(SandboxBackend):
                 return self._stopped_probe(handle, info, _state_name(info))
             return ProbeResult(alive=True, state=state, agent_ok=False, detail=str(exc))
         latency = round((time.monotonic() - started) * 1000, 2)
-        if "pids" in result.limits_hit:
-            hit = result.limit("pids")
-            return ProbeResult(
-                alive=True,
-                state=state,
-                agent_ok=False,
-                latency_ms=latency,
-                agent_caused="pids_limit",
-                detail=f"`true` could not start: {hit.evidence if hit else 'pids limit'}",
-            )
-        ok = result.exit_code == 0
-        detail = "" if ok else f"`true` gave exit {result.exit_code}, timed_out={result.timed_out}"
-        return ProbeResult(alive=True, state=state, agent_ok=ok, latency_ms=latency, detail=detail)
+        return agent.probe_from_exec(result, state, latency)
 
     def _stopped_probe(
         self, handle: SandboxHandle, info: dict[str, Any] | None, state: str

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel
 
+from orchestrator.observability import metrics
 from orchestrator.observability.logging import get_logger
 from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle
 
@@ -36,6 +37,7 @@ def collect_expired(
             reason="all" if everything else "expired",
         )
         backend.destroy(handle)
+        metrics.SANDBOXES_REAPED.labels("all" if everything else "expired").inc()
     leftovers = 0
     sweep = getattr(backend, "sweep_leftovers", None)
     if callable(sweep):

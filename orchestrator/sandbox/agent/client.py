@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import socket
+from abc import abstractmethod
 from typing import Any
 
 from orchestrator.sandbox.backend import (
     ExecResult,
     FileReadError,
+    ProbeResult,
     ReadFileResult,
+    SandboxBackend,
     SandboxError,
+    SandboxHandle,
     SandboxUnavailable,
     StreamCapture,
 )
@@ -18,6 +22,9 @@ from orchestrator.sandbox.backend import (
 # Slack on top of a command's own timeout: the agent enforces the timeout itself, then
 # kills the process group and replies; waiting longer than this means the agent is stuck.
 REPLY_SLACK_S = 10.0
+# A pod's agent that does not accept a connection within this is not there (over TCP a
+# vanished pod IP may drop packets instead of refusing).
+CONNECT_TIMEOUT_S = 5.0
 
 
 class AgentProtocolError(SandboxError):
@@ -37,6 +44,39 @@ def call_unix(socket_path: str, request: dict[str, Any], timeout_s: float) -> di
             sock.connect(socket_path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             raise SandboxUnavailable(f"exec agent not listening ({exc.strerror})") from exc
+        except TimeoutError as exc:
+            raise SandboxUnavailable(f"exec agent did not answer within {timeout_s:.1f} s") from exc
+        except OSError as exc:
+            raise SandboxUnavailable(f"exec agent connection failed: {exc}") from exc
+        raw = _exchange(sock, request, timeout_s)
+    finally:
+        sock.close()
+    return parse_reply(raw)
+
+
+def call_tcp(
+    host: str, port: int, token: str, request: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """Send one request, carrying the sandbox's ``token``, to the agent listening on TCP
+    (a Kubernetes pod's IP); return its result. A refused token is an
+    :class:`AgentProtocolError`, as is any other reply that is not a result."""
+    try:
+        sock = socket.create_connection((host, port), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
+    except TimeoutError as exc:
+        raise SandboxUnavailable(f"exec agent at {host}:{port} did not accept in time") from exc
+    except OSError as exc:
+        raise SandboxUnavailable(f"exec agent at {host}:{port} not listening ({exc})") from exc
+    sock.settimeout(timeout_s)
+    try:
+        raw = _exchange(sock, {**request, "token": token}, timeout_s)
+    finally:
+        sock.close()
+    return parse_reply(raw)
+
+
+def _exchange(sock: socket.socket, request: dict[str, Any], timeout_s: float) -> bytes:
+    """Write one JSON request line on a connected socket and read the reply line."""
+    try:
         sock.sendall(json.dumps(request).encode() + b"\n")
         chunks: list[bytes] = []
         while True:
@@ -50,9 +90,7 @@ def call_unix(socket_path: str, request: dict[str, Any], timeout_s: float) -> di
         raise SandboxUnavailable(f"exec agent did not answer within {timeout_s:.1f} s") from exc
     except OSError as exc:
         raise SandboxUnavailable(f"exec agent connection failed: {exc}") from exc
-    finally:
-        sock.close()
-    return parse_reply(b"".join(chunks))
+    return b"".join(chunks)
 
 
 def parse_reply(raw: bytes) -> dict[str, Any]:
@@ -128,3 +166,58 @@ def read_file_result(result: dict[str, Any]) -> ReadFileResult:
 
 
 PING_REQUEST: dict[str, Any] = {"op": "ping"}
+
+
+def probe_from_exec(result: ExecResult, state: str, latency_ms: float) -> ProbeResult:
+    """A running sandbox's probe from the trivial command it ran: healthy; or unusable by
+    the agent's own doing when ``true`` could not start for the agent's processes filling
+    the pids limit; or unhealthy (ours) for any other failure."""
+    if "pids" in result.limits_hit:
+        hit = result.limit("pids")
+        return ProbeResult(
+            alive=True,
+            state=state,
+            agent_ok=False,
+            latency_ms=latency_ms,
+            agent_caused="pids_limit",
+            detail=f"`true` could not start: {hit.evidence if hit else 'pids limit'}",
+        )
+    ok = result.exit_code == 0
+    detail = "" if ok else f"`true` gave exit {result.exit_code}, timed_out={result.timed_out}"
+    return ProbeResult(alive=True, state=state, agent_ok=ok, latency_ms=latency_ms, detail=detail)
+
+
+class AgentBackend(SandboxBackend):
+    """A backend whose sandboxes run the exec agent: ``exec`` and ``read_file`` are one
+    request each, and a backend says only how a request reaches its sandbox's agent."""
+
+    @abstractmethod
+    def _call(
+        self, handle: SandboxHandle, request: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        """Send ``request`` to the agent of ``handle``; return its result."""
+
+    def exec(
+        self,
+        handle: SandboxHandle,
+        command: str | list[str],
+        *,
+        timeout_s: float,
+        output_budget_bytes: int,
+        cwd: str = "/workspace",
+    ) -> ExecResult:
+        request = exec_request(command, timeout_s, output_budget_bytes, cwd)
+        return exec_result(self._call(handle, request, timeout_s + REPLY_SLACK_S))
+
+    def read_file(
+        self,
+        handle: SandboxHandle,
+        path: str,
+        *,
+        start_line: int = 1,
+        end_line: int | None = None,
+        max_bytes: int,
+    ) -> ReadFileResult:
+        request = read_file_request(path, start_line, end_line, max_bytes)
+        # Reading is bounded by max_bytes, not by a command: a fixed allowance.
+        return read_file_result(self._call(handle, request, REPLY_SLACK_S + 20))

@@ -1,4 +1,5 @@
-"""Exec agent: the first process of every sandbox, answering over a Unix socket.
+"""Exec agent: the first process of every sandbox, answering over a Unix socket (Docker)
+or over TCP with a per-sandbox token (Kubernetes pods, see docs/kubernetes-backend.md).
 
 Runs *inside* the sandbox with the image's own python3, so it uses the standard library only
 and must stay compatible with Python 3.9+. One JSON request per connection, one JSON reply.
@@ -11,6 +12,12 @@ drops its whole capability bounding set at start, and runs every command as the
 unprivileged user in a new session. A process of that user can neither signal a root
 process (no CAP_KILL), nor ptrace it, nor reach the socket directory (root-owned, 0700), nor
 write this file (read-only bind mount on a read-only root filesystem).
+
+Same-user mode (``--same-user``, Kubernetes): a pod under ``runAsNonRoot`` starts the agent
+as uid 1000 with no capabilities at all, so it cannot become anyone else; commands then run
+as the agent's own user. Other pods cannot call it without the sandbox's token (read from a
+file, compared in constant time), the sandbox's NetworkPolicy keeps every other network
+peer out, and whatever a command can do to the agent it could do by running a command.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import collections
 import ctypes
 import errno
+import hmac
 import json
 import os
 import selectors
@@ -454,11 +462,22 @@ class Limits:
 
 
 class Agent:
+    """Runs commands and reads files as ``uid``/``gid``; ``switch_user`` False (same-user
+    mode) runs them as the agent's own user, which must then be that user already."""
+
     def __init__(
-        self, uid: int, gid: int, home: str, preload: str | None, wrapper: str, limits: Limits
+        self,
+        uid: int,
+        gid: int,
+        home: str,
+        preload: str | None,
+        wrapper: str,
+        limits: Limits,
+        switch_user: bool = True,
     ) -> None:
         self.uid = uid
         self.gid = gid
+        self.switch_user = switch_user
         self.wrapper = wrapper
         self.limits = limits
         self.env = {
@@ -492,6 +511,9 @@ class Agent:
         budget = int(req["budget"])  # type: ignore[call-overload]
         started = time.monotonic()
         before = self.limits.snapshot()
+        identity: dict[str, Any] = {}
+        if self.switch_user:
+            identity = {"user": self.uid, "group": self.gid, "extra_groups": []}
         try:
             proc = subprocess.Popen(
                 ["/bin/bash", "-c", *args],
@@ -500,11 +522,9 @@ class Agent:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                user=self.uid,
-                group=self.gid,
-                extra_groups=[],
                 start_new_session=True,
                 close_fds=True,
+                **identity,
             )
         except OSError as exc:
             # EAGAIN here is usually the sandbox's pids limit, hit by the agent's own
@@ -647,9 +667,10 @@ class Agent:
             code = 0
             try:
                 os.close(rfd)
-                os.setgroups([])
-                os.setgid(self.gid)
-                os.setuid(self.uid)
+                if self.switch_user:
+                    os.setgroups([])
+                    os.setgid(self.gid)
+                    os.setuid(self.uid)
                 reply = read_lines(req)
             except BaseException as exc:  # noqa: BLE001 - the child must always answer
                 reply = {"error": {"kind": "internal", "message": repr(exc)}}
@@ -751,17 +772,39 @@ class Handler(socketserver.StreamRequestHandler):
 
     def handle(self) -> None:
         line = self.rfile.readline(MAX_REQUEST_BYTES)
+        if not line.strip():
+            return  # a port check (the kubelet's readiness probe), not a request
         try:
             req = json.loads(line)
+            if not authorized(req, self.client_address):
+                reply: dict[str, object] = {"ok": False, "error": "Unauthorized: bad token"}
+                self.wfile.write(json.dumps(reply).encode() + b"\n")
+                return
             op = req["op"]
             method = {"ping": agent.ping, "exec": agent.exec, "read_file": agent.read_file}[op]
-            reply: dict[str, object] = {"ok": True, "result": method(req)}
+            reply = {"ok": True, "result": method(req)}
         except Exception as exc:  # noqa: BLE001 - every failure must reach the caller
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         self.wfile.write(json.dumps(reply).encode() + b"\n")
 
 
-class Server(socketserver.ThreadingUnixStreamServer):
+TOKEN: bytes | None = None
+"""The sandbox's token, when requests must carry it (TCP mode); None over a Unix socket,
+whose directory only the host can reach."""
+
+
+def authorized(req: object, client_address: object) -> bool:
+    """Whether a request carries the sandbox's token (always, when none is required)."""
+    if TOKEN is None:
+        return True
+    given = req.get("token") if isinstance(req, dict) else None
+    if isinstance(given, str) and hmac.compare_digest(given.encode(), TOKEN):
+        return True
+    log(f"refused a request from {client_address}: {'wrong' if given else 'missing'} token")
+    return False
+
+
+class ServerMixin:
     daemon_threads = True
     # Threads are not tracked for a join at close (the agent exits with its sandbox), so
     # a thread that failed to start leaves nothing behind.
@@ -770,12 +813,39 @@ class Server(socketserver.ThreadingUnixStreamServer):
 
     def process_request(self, request: Any, client_address: Any) -> None:
         try:
-            super().process_request(request, client_address)
+            super().process_request(request, client_address)  # type: ignore[misc]
         except RuntimeError:
             # No thread to be had: the pids limit counts threads, and the agent's user
             # may fill it. Answer in the serving thread, so the host hears why (a reply
             # that says pids_limit) instead of seeing its connection closed.
-            self.process_request_thread(request, client_address)
+            self.process_request_thread(request, client_address)  # type: ignore[attr-defined]
+
+
+class Server(ServerMixin, socketserver.ThreadingUnixStreamServer):
+    """The agent over a Unix socket (Docker: a host directory mounted into one sandbox)."""
+
+
+class TcpServer(ServerMixin, socketserver.ThreadingTCPServer):
+    """The agent over TCP (Kubernetes: the pod network, every request carrying the token)."""
+
+    allow_reuse_address = True
+
+
+def listen(address: str) -> socketserver.BaseServer:
+    """A server on ``unix:PATH`` or ``tcp:HOST:PORT``."""
+    kind, _, where = address.partition(":")
+    if kind == "unix" and where:
+        try:
+            os.unlink(where)
+        except FileNotFoundError:
+            pass
+        os.umask(0o077)
+        return Server(where, Handler)
+    if kind == "tcp":
+        host, _, port = where.rpartition(":")
+        if host and port.isdigit():
+            return TcpServer((host.strip("[]"), int(port)), Handler)
+    raise SystemExit(f"exec-agent: --listen wants unix:PATH or tcp:HOST:PORT, not {address!r}")
 
 
 def log(message: str) -> None:
@@ -787,9 +857,19 @@ agent: Agent
 
 
 def main() -> None:
-    global agent
+    global agent, TOKEN
     parser = argparse.ArgumentParser()
-    parser.add_argument("--socket", required=True)
+    parser.add_argument("--socket", default=None, help="Unix socket (same as --listen unix:)")
+    parser.add_argument("--listen", default=None, help="unix:PATH or tcp:HOST:PORT")
+    parser.add_argument(
+        "--token-file", default=None, help="Requests must carry this file's token (TCP: required)"
+    )
+    parser.add_argument(
+        "--same-user",
+        action="store_true",
+        help="Run commands as the agent's own (unprivileged) user instead of switching to "
+        "--uid/--gid: for sandboxes that start the agent unprivileged (Kubernetes pods)",
+    )
     parser.add_argument("--uid", type=int, default=1000)
     parser.add_argument("--gid", type=int, default=1000)
     parser.add_argument("--home", default="/home/agent")
@@ -804,18 +884,31 @@ def main() -> None:
         "to tell when a command hits one",
     )
     args = parser.parse_args()
-    drop_bounding_set()
+    address = args.listen or (f"unix:{args.socket}" if args.socket else None)
+    if address is None:
+        parser.error("one of --socket or --listen is required")
+    if args.token_file:
+        with open(args.token_file, "rb") as f:
+            TOKEN = f.read().strip()
+        if not TOKEN:
+            parser.error(f"{args.token_file} holds no token")
+    elif address.startswith("tcp:"):
+        parser.error("--listen tcp: requires --token-file")
+    uid, gid = args.uid, args.gid
+    if args.same_user:
+        # Nothing to drop: the agent holds no capability and cannot switch users.
+        uid, gid = os.getuid(), os.getgid()
+    else:
+        drop_bounding_set()
     wrapper = shell_wrapper(args.limit_as_mb, args.limit_nproc)
-    limits = Limits(args.limits, args.uid, args.limit_as_mb, args.limit_nproc)
-    agent = Agent(args.uid, args.gid, args.home, args.preload, wrapper, limits)
-    try:
-        os.unlink(args.socket)
-    except FileNotFoundError:
-        pass
-    os.umask(0o077)
-    server = Server(args.socket, Handler)
+    limits = Limits(args.limits, uid, args.limit_as_mb, args.limit_nproc)
+    agent = Agent(
+        uid, gid, args.home, args.preload, wrapper, limits, switch_user=not args.same_user
+    )
+    server = listen(address)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    log(f"listening on {args.socket} (pid {os.getpid()})")
+    mode = "as its own user" if args.same_user else f"as uid {uid}"
+    log(f"listening on {address} (pid {os.getpid()}), running commands {mode}")
     server.serve_forever(poll_interval=0.5)
 
 

@@ -1,0 +1,474 @@
+"""Kubernetes sandbox backend: one pod per sandbox in ``k8s_namespace``, driven through its
+exec agent over the pod network (docs/kubernetes-backend.md).
+
+The API server is on the lifecycle path only (create, watch until Ready, delete, list,
+probe's status read); tool calls go straight to the agent at the pod's IP with the
+sandbox's token, so they neither load the API server nor ride exec streams pinned to one
+API server replica.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+import threading
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, NamedTuple, TypeVar
+
+import httpx2
+from lightkube import ApiError, Client, ConfigError
+from lightkube.resources.core_v1 import Event, Pod, Secret
+
+from orchestrator.config import Runtime, Settings
+from orchestrator.observability.logging import get_logger
+from orchestrator.sandbox import labels
+from orchestrator.sandbox.agent import EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import client as agent
+from orchestrator.sandbox.backend import (
+    BackendUnavailable,
+    HostHealth,
+    ProbeResult,
+    SandboxError,
+    SandboxHandle,
+    SandboxSpec,
+    SandboxUnavailable,
+)
+from orchestrator.sandbox.k8s import pods
+from orchestrator.sandbox.k8s.states import PodVerdict, assess
+from orchestrator.sandbox.k8s.watch import watch_pod
+
+log = get_logger(__name__)
+
+T = TypeVar("T")
+
+SANDBOX_ID_HEX = 12
+PING_TIMEOUT_S = 5.0
+# How long a probe whose agent did not answer watches a dying pod for its end.
+PROBE_SETTLE_S = 3.0
+EVIDENCE_EVENTS = 5
+RUNTIMES: tuple[Runtime, ...] = ("runc", "runsc", "kata")
+# What a call to the API server raises when it fails: refusals (ApiError is an
+# HTTPStatusError), transport failures, and a missing or broken kubeconfig.
+KUBE_FAILURES = (httpx2.HTTPError, ConfigError, OSError)
+
+
+class Endpoint(NamedTuple):
+    """Where a sandbox's agent listens, and the token it wants."""
+
+    ip: str
+    token: str
+
+
+class KubernetesBackend(agent.AgentBackend):
+    """Sandboxes as pods on a Kubernetes cluster. Any worker can reach any sandbox of its
+    deployment (the pod IP and the token come from the API), so ``list_owned`` spans the
+    whole namespace while ``host_health`` counts this worker's own."""
+
+    name = "kubernetes"
+
+    def __init__(self, settings: Settings, client: Client | None = None) -> None:
+        self.settings = settings
+        self.host = settings.host_id
+        self.namespace = settings.k8s_namespace
+        if client is None:
+            try:
+                client = Client(namespace=self.namespace, field_manager="orchestrator")
+            except KUBE_FAILURES as exc:
+                raise BackendUnavailable(
+                    f"no Kubernetes configuration (in-cluster or KUBECONFIG): {exc}"
+                ) from exc
+        self.client = client
+        self.agent_source = EXEC_AGENT_PATH.read_bytes()
+        self._endpoints: dict[str, Endpoint] = {}
+        self._lock = threading.Lock()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def create(self, spec: SandboxSpec) -> SandboxHandle:
+        sandbox_id = "sbx-" + uuid.uuid4().hex[:SANDBOX_ID_HEX]
+        created_at = datetime.now(UTC)
+        identity = pods.SandboxIdentity(
+            sandbox_id=sandbox_id,
+            host=self.host,
+            created_at=created_at,
+            expires_at=created_at + timedelta(seconds=spec.lifetime_s),
+        )
+        pod = pods.render_pod(
+            self.settings,
+            spec,
+            identity,
+            disk_mb=self._disk_mb(spec),
+            output_mb=self._output_mb(spec),
+        )
+        name = pods.pod_name(self.settings, sandbox_id)
+        handle = SandboxHandle(
+            sandbox_id=sandbox_id,
+            backend=self.name,
+            host=self.host,
+            runtime=spec.runtime,
+            rollout_id=spec.rollout_id,
+            image=spec.image,
+            native_id=name,
+            created_at=created_at,
+            expires_at=identity.expires_at,
+        )
+        token = secrets.token_urlsafe(32)
+        try:
+            made = self._api("create sandbox pod", lambda: self.client.create(pod))
+            # After the pod, so the Secret can name it as its owner (Kubernetes deletes it
+            # with the pod); the kubelet waits for the Secret before starting containers.
+            uid = made.metadata.uid if made.metadata else None
+            secret = pods.render_secret(
+                pod, token=token, agent_source=self.agent_source, owner_uid=uid
+            )
+            self._api("create sandbox secret", lambda: self.client.create(secret))
+            ip = self._wait_ready(name, made)
+            self._remember(sandbox_id, Endpoint(ip, token))
+            self._wait_for_agent(handle)
+        except BaseException:
+            try:
+                self.destroy(handle)
+            except SandboxError as exc:
+                log.warning("sandbox.cleanup_failed", sandbox_id=sandbox_id, error=str(exc))
+            raise
+        log.info(
+            "sandbox.created",
+            sandbox_id=sandbox_id,
+            rollout_id=spec.rollout_id,
+            host=self.host,
+            image=spec.image,
+            runtime=spec.runtime,
+            ms=round((datetime.now(UTC) - created_at).total_seconds() * 1000, 1),
+        )
+        return handle
+
+    def _wait_ready(self, name: str, pod: Pod) -> str:
+        """Watch the pod until it is Ready (returns its IP), fails, or stays unready past
+        ``k8s_pending_timeout_s`` (raises SandboxError with the pod's evidence)."""
+        timeout = self.settings.k8s_pending_timeout_s
+        started = time.monotonic()
+        current: Pod | None = pod
+        version = pod.metadata.resourceVersion if pod.metadata else None
+        while True:
+            elapsed = time.monotonic() - started
+            verdict = assess(current, pending_for_s=elapsed, pending_timeout_s=timeout)
+            ip = current.status.podIP if current and current.status else None
+            if verdict.ready and ip:
+                return ip
+            if verdict.fatal or elapsed >= timeout:
+                raise SandboxError(
+                    f"sandbox pod {name} did not start ({verdict.state}): {verdict.detail}"
+                    f"{self._events(name)}"
+                )
+            try:
+                for kind, obj in watch_pod(
+                    self.client,
+                    namespace=self.namespace,
+                    name=name,
+                    resource_version=version,
+                    timeout_s=timeout - elapsed,
+                ):
+                    version = obj.metadata.resourceVersion if obj.metadata else version
+                    current = None if kind == "DELETED" else obj
+                    seen = assess(current)
+                    if seen.ready or seen.fatal:
+                        break
+            except httpx2.HTTPStatusError as exc:
+                if exc.response.status_code != 410:
+                    raise _fault("watch sandbox pod", exc) from exc
+                # Our version is too old for the watch cache: start again from a read.
+                current = self._get_pod(name)
+                version = current.metadata.resourceVersion if current and current.metadata else None
+            except KUBE_FAILURES as exc:
+                raise _fault("watch sandbox pod", exc) from exc
+
+    def _wait_for_agent(self, handle: SandboxHandle) -> None:
+        deadline = time.monotonic() + self.settings.sandbox_start_timeout_s
+        while True:
+            try:
+                self._call(handle, agent.PING_REQUEST, PING_TIMEOUT_S)
+                return
+            except SandboxUnavailable as exc:
+                if time.monotonic() > deadline:
+                    raise SandboxError(
+                        f"exec agent did not answer within "
+                        f"{self.settings.sandbox_start_timeout_s} s: {exc}"
+                    ) from exc
+            time.sleep(0.1)
+
+    def destroy(self, handle: SandboxHandle) -> None:
+        self._forget(handle.sandbox_id)
+        for kind, action in ((Pod, "delete sandbox pod"), (Secret, "delete sandbox secret")):
+            try:
+                self.client.delete(kind, handle.native_id, namespace=self.namespace, grace_period=0)
+            except ApiError as exc:
+                if exc.status.code != 404:
+                    raise _fault(action, exc) from exc
+            except KUBE_FAILURES as exc:
+                raise _fault(action, exc) from exc
+        log.info("sandbox.destroyed", sandbox_id=handle.sandbox_id, rollout_id=handle.rollout_id)
+
+    def _disk_mb(self, spec: SandboxSpec) -> int:
+        disk_mb = spec.limits.disk_mb
+        return self.settings.sandbox_disk_mb if disk_mb is None else disk_mb
+
+    def _output_mb(self, spec: SandboxSpec) -> int:
+        output_mb = spec.limits.output_mb
+        return self.settings.sandbox_output_mb if output_mb is None else output_mb
+
+    # -- commands --------------------------------------------------------------------------
+
+    def _call(
+        self, handle: SandboxHandle, request: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
+        endpoint = self._endpoint(handle)
+        try:
+            return agent.call_tcp(
+                endpoint.ip, self.settings.k8s_agent_port, endpoint.token, request, timeout_s
+            )
+        except SandboxUnavailable as exc:
+            self._forget(handle.sandbox_id)
+            # Only on failure, so calls never pay for it: what the pod's status says.
+            raise SandboxUnavailable(f"{exc}; {self._state_evidence(handle)}") from exc
+
+    def _endpoint(self, handle: SandboxHandle) -> Endpoint:
+        """The agent's address and token: remembered from create, else (another worker's
+        sandbox, or after a restart) read from the pod and its Secret."""
+        with self._lock:
+            known = self._endpoints.get(handle.sandbox_id)
+        if known is not None:
+            return known
+        pod = self._get_pod(handle.native_id)
+        ip = pod.status.podIP if pod and pod.status else None
+        if pod is None or not ip:
+            verdict = assess(pod)
+            raise SandboxUnavailable(
+                f"sandbox {handle.sandbox_id} has no agent to reach: {verdict.state}: "
+                f"{verdict.detail}"
+            )
+        try:
+            secret = self.client.get(Secret, handle.native_id, namespace=self.namespace)
+        except ApiError as exc:
+            if exc.status.code == 404:
+                raise SandboxUnavailable(f"sandbox {handle.sandbox_id} has no Secret") from exc
+            raise _fault("read sandbox secret", exc) from exc
+        except KUBE_FAILURES as exc:
+            raise _fault("read sandbox secret", exc) from exc
+        encoded = (secret.data or {}).get(pods.TOKEN_KEY, "")
+        endpoint = Endpoint(ip, base64.b64decode(encoded).decode())
+        self._remember(handle.sandbox_id, endpoint)
+        return endpoint
+
+    def _remember(self, sandbox_id: str, endpoint: Endpoint) -> None:
+        with self._lock:
+            self._endpoints[sandbox_id] = endpoint
+
+    def _forget(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._endpoints.pop(sandbox_id, None)
+
+    def _state_evidence(self, handle: SandboxHandle) -> str:
+        try:
+            verdict = assess(self._get_pod(handle.native_id))
+        except SandboxError as exc:
+            return f"sandbox state unknown: {exc}"
+        return f"sandbox state: {verdict.state} {verdict.detail}".rstrip()
+
+    # -- health ----------------------------------------------------------------------------
+
+    def probe(self, handle: SandboxHandle) -> ProbeResult:
+        """The pod's status from the API server, then a trivial command through the agent.
+
+        Says ``agent_caused`` when the agent broke the sandbox itself: OOM-killed at its
+        memory limit, evicted past its own disk limit, or no command can start because its
+        processes fill the pids limit. Every other fault (evicted for the node's sake, node
+        lost, pod gone, past its lifetime, agent not answering) is ours."""
+        verdict = assess(self._get_pod(handle.native_id))
+        if not verdict.alive:
+            return _stopped_probe(verdict)
+        started = time.monotonic()
+        try:
+            # cwd "/": the agent may have made /workspace unusable; that is not ill health.
+            result = self.exec(handle, "true", timeout_s=5, output_budget_bytes=256, cwd="/")
+        except SandboxError as exc:
+            # A pod being killed drops the agent's connection before its status says so:
+            # watch it for a moment, so the evidence is its end and the end's cause.
+            settled = self._settled(handle.native_id)
+            if not settled.alive:
+                return _stopped_probe(settled)
+            return ProbeResult(alive=True, state=settled.state, agent_ok=False, detail=str(exc))
+        latency = round((time.monotonic() - started) * 1000, 2)
+        return agent.probe_from_exec(result, verdict.state, latency)
+
+    def _settled(self, name: str) -> PodVerdict:
+        pod = self._get_pod(name)
+        verdict = assess(pod)
+        if not verdict.alive or pod is None or pod.metadata is None:
+            return verdict
+        try:
+            for kind, obj in watch_pod(
+                self.client,
+                namespace=self.namespace,
+                name=name,
+                resource_version=pod.metadata.resourceVersion,
+                timeout_s=PROBE_SETTLE_S,
+            ):
+                verdict = assess(None if kind == "DELETED" else obj)
+                if not verdict.alive:
+                    break
+        except KUBE_FAILURES:
+            pass  # the verdict so far is the evidence there is
+        return verdict
+
+    def host_health(self) -> HostHealth:
+        """This worker's health for its heartbeat. ``docker_ok`` means "the backend is
+        reachable" (here: the API server answered a list of this worker's sandboxes, timed
+        as ``docker_ping_ms``); ``disk_free_bytes`` is the worker's own ``state_dir`` (the
+        sandboxes' disks are the nodes', watched by the kubelet). Never raises."""
+        disk_free = _free_bytes(self.settings.state_dir)
+        started = time.monotonic()
+        try:
+            mine = [h for h in self.list_owned() if h.host == self.host]
+        except SandboxError as exc:
+            return HostHealth(
+                docker_ok=False, disk_free_bytes=disk_free, sandboxes=0, error=str(exc)[:500]
+            )
+        ping_ms = round((time.monotonic() - started) * 1000, 2)
+        return HostHealth(
+            docker_ok=True, docker_ping_ms=ping_ms, disk_free_bytes=disk_free, sandboxes=len(mine)
+        )
+
+    def _get_pod(self, name: str) -> Pod | None:
+        try:
+            return self.client.get(Pod, name, namespace=self.namespace)
+        except ApiError as exc:
+            if exc.status.code == 404:
+                return None
+            raise _fault("read sandbox pod", exc) from exc
+        except KUBE_FAILURES as exc:
+            raise _fault("read sandbox pod", exc) from exc
+
+    def _events(self, name: str) -> str:
+        """The pod's latest events, as evidence of a failed start ('' when unreadable)."""
+        try:
+            events = list(
+                self.client.list(
+                    Event, namespace=self.namespace, fields={"involvedObject.name": name}
+                )
+            )
+        except KUBE_FAILURES:
+            return ""
+        lines = [
+            f"{e.reason}: {(e.message or '').strip()}"
+            for e in events[-EVIDENCE_EVENTS:]
+            if e.reason or e.message
+        ]
+        return f"; events: {' | '.join(lines)}" if lines else ""
+
+    # -- ownership -------------------------------------------------------------------------
+
+    def list_owned(self) -> list[SandboxHandle]:
+        try:
+            found = list(self.client.list(Pod, namespace=self.namespace, labels=self._selector()))
+        except KUBE_FAILURES as exc:
+            raise _fault("list sandbox pods", exc) from exc
+        return [self._handle_of(pod) for pod in found]
+
+    def _handle_of(self, pod: Pod) -> SandboxHandle:
+        stamp = pods.stamp_of(pod.metadata)
+        image = pod.spec.containers[0].image if pod.spec and pod.spec.containers else None
+        runtime = stamp.get(labels.RUNTIME, "runc")
+        return SandboxHandle(
+            sandbox_id=stamp.get(labels.SANDBOX, ""),
+            backend=self.name,
+            host=stamp.get(labels.HOST, self.host),
+            runtime=runtime if runtime in RUNTIMES else "runc",
+            rollout_id=stamp.get(labels.ROLLOUT, ""),
+            image=(image or "").removeprefix(self.settings.k8s_image_registry),
+            native_id=(pod.metadata.name if pod.metadata else None) or "",
+            created_at=labels.parse_time(stamp.get(labels.CREATED)),
+            expires_at=labels.parse_time(stamp.get(labels.EXPIRES)),
+        )
+
+    def sweep_leftovers(self) -> int:
+        """Delete Secrets whose pod is gone (Kubernetes' garbage collector deletes them with
+        their pod; this catches any it has not, e.g. one made without its owner). Returns
+        how many were removed."""
+        live = {h.native_id for h in self.list_owned()}
+        # The Secret is made just after its pod: a young one may belong to a pod being
+        # created right now, listed after the pods were.
+        settled = datetime.now(UTC) - timedelta(seconds=self.settings.sandbox_start_timeout_s * 2)
+        try:
+            found = list(
+                self.client.list(Secret, namespace=self.namespace, labels=self._selector())
+            )
+        except KUBE_FAILURES as exc:
+            raise _fault("list sandbox secrets", exc) from exc
+        removed = 0
+        for secret in found:
+            meta = secret.metadata
+            if meta is None or not meta.name or meta.name in live:
+                continue
+            born = meta.creationTimestamp
+            if born is not None and born > settled:
+                continue
+            try:
+                self.client.delete(Secret, meta.name, namespace=self.namespace)
+                removed += 1
+            except ApiError as exc:
+                if exc.status.code != 404:
+                    log.warning("sandbox.sweep_secret_failed", secret=meta.name, error=str(exc))
+            except KUBE_FAILURES as exc:
+                raise _fault("delete sandbox secret", exc) from exc
+        return removed
+
+    def _selector(self) -> dict[str, Any]:
+        return dict(pods.selector(self.settings))
+
+    def _api(self, action: str, call: Any) -> Any:
+        try:
+            return call()
+        except KUBE_FAILURES as exc:
+            raise _fault(action, exc) from exc
+
+
+def _stopped_probe(verdict: PodVerdict) -> ProbeResult:
+    return ProbeResult(
+        alive=False,
+        state=verdict.state,
+        agent_ok=False,
+        detail=verdict.detail,
+        exit_code=verdict.exit_code,
+        oom_killed=verdict.oom_killed,
+        agent_caused=verdict.agent_caused,
+    )
+
+
+def _free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem of ``path`` or of its nearest existing parent."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _fault(action: str, exc: BaseException) -> SandboxError:
+    """The API server refusing vs. not answering: both infrastructure, told apart for the
+    evidence."""
+    if isinstance(exc, ApiError):
+        status = exc.status
+        return SandboxError(
+            f"kubernetes refused to {action}: {status.code} {status.reason}: {status.message}"
+        )
+    if isinstance(exc, httpx2.HTTPStatusError):
+        return SandboxError(
+            f"kubernetes refused to {action}: {exc.response.status_code} {exc.response.text[:300]}"
+        )
+    return BackendUnavailable(f"kubernetes API unreachable while trying to {action}: {exc}")

@@ -1,0 +1,101 @@
+"""The worker's and beat's exec probes (helm/orchestrator/files/probes/), run as the
+kubelet runs them, against the real Redis and a real heartbeat."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from orchestrator.config import Settings
+from tests.chart.conftest import CHART
+
+PROBES = CHART / "files" / "probes"
+HOST = "worker-probe-0"
+
+
+def probe_env(settings: Settings, **overrides: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
+    env.update(
+        ORCH_DEPLOYMENT=settings.deployment,
+        ORCH_STATE_DIR=str(settings.state_dir),
+        ORCH_REDIS_URL=settings.redis_url,
+        ORCH_HOST_ID=HOST,
+    )
+    env.update(overrides)
+    return env
+
+
+def run_probe(script: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(PROBES / script), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def redis_keys(settings: Settings) -> Iterator[redis.Redis]:
+    """The test's Redis, emptied of this deployment's keys afterwards."""
+    client = redis.Redis.from_url(settings.redis_url)
+    try:
+        yield client
+    finally:
+        for key in client.scan_iter(f"{settings.key_prefix}*"):
+            client.delete(key)
+        client.close()
+
+
+def test_worker_probe_follows_the_real_heartbeat(
+    settings: Settings, redis_keys: redis.Redis
+) -> None:
+    env = probe_env(settings)
+    assert run_probe("worker_probe.py", env, "ready").returncode == 1
+    assert run_probe("worker_probe.py", env, "alive").returncode == 1
+    # What a worker publishes, written by the worker's own code in a process of its own.
+    beat = "from orchestrator.queue.worker import publish_heartbeat; publish_heartbeat({})"
+    subprocess.run([sys.executable, "-c", beat], env=env, check=True, timeout=60)
+    ready = run_probe("worker_probe.py", env, "ready")
+    assert ready.returncode == 0, ready.stdout + ready.stderr
+    assert run_probe("worker_probe.py", env, "alive").returncode == 0
+    # Another pod's heartbeat is not this pod's.
+    other = probe_env(settings, ORCH_HOST_ID="worker-probe-1")
+    assert run_probe("worker_probe.py", other, "ready").returncode == 1
+
+
+def test_worker_probe_does_not_restart_workers_for_a_redis_outage(settings: Settings) -> None:
+    # A port nothing listens on: Redis is down for this probe.
+    env = probe_env(settings, ORCH_REDIS_URL="redis://127.0.0.1:1/0")
+    alive = run_probe("worker_probe.py", env, "alive")
+    assert alive.returncode == 0, alive.stdout + alive.stderr
+    assert "redis unreachable" in alive.stdout
+    assert run_probe("worker_probe.py", env, "ready").returncode == 1
+
+
+def test_beat_probe_reads_the_schedule_file_age(settings: Settings) -> None:
+    env = probe_env(settings)
+    schedule = Path(settings.state_dir) / f"beat-{settings.deployment}.schedule.dat"
+    try:
+        missing = run_probe("beat_probe.py", env)
+        assert missing.returncode == 1
+        assert "no schedule file" in missing.stdout
+        schedule.write_bytes(b"")
+        fresh = run_probe("beat_probe.py", env)
+        assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+        # Older than beat's 180 s sync plus three reaper intervals and a minute of slack.
+        stale = time.time() - (180 + 3 * settings.reaper_interval_s + 61)
+        os.utime(schedule, (stale, stale))
+        old = run_probe("beat_probe.py", env)
+        assert old.returncode == 1
+        assert "schedule written" in old.stdout
+    finally:
+        schedule.unlink(missing_ok=True)

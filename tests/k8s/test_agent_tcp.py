@@ -1,0 +1,166 @@
+"""The real exec agent in its Kubernetes mode (TCP, per-sandbox token, commands as its own
+user), in a real container of the sandbox base image run as a pod would run it: uid 1000,
+read-only root, no capabilities, no new privileges. Reached over the bridge network by the
+TCP client, as a worker reaches a pod's IP."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker
+import pytest
+from docker.models.containers import Container
+from docker.types import Mount
+
+from orchestrator.config import Settings
+from orchestrator.sandbox import labels
+from orchestrator.sandbox.agent import EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import client as agent
+from orchestrator.sandbox.agent.client import AgentProtocolError
+from orchestrator.sandbox.backend import FileReadError, SandboxUnavailable
+from orchestrator.sandbox.k8s import pods
+
+PORT = 7070
+AGENT_DIR = "/opt/orchestrator/agent"
+
+
+class Agent:
+    """Where the agent in the container listens, and its token."""
+
+    def __init__(self, container: Container, ip: str, token: str) -> None:
+        self.container = container
+        self.ip = ip
+        self.token = token
+
+    def call(self, request: dict[str, object], token: str | None = None) -> dict[str, object]:
+        return agent.call_tcp(self.ip, PORT, self.token if token is None else token, request, 30)
+
+
+@pytest.fixture(scope="module")
+def tcp_agent(settings: Settings, base_image: str, client: docker.DockerClient) -> Iterator[Agent]:
+    token = secrets.token_urlsafe(32)
+    with tempfile.TemporaryDirectory(prefix="orch-k8s-agent-") as scratch:
+        # As the pod's Secret volume: the agent's code and its token, read-only, readable
+        # by the sandbox's group (fsGroup 1000 on Kubernetes).
+        secret_dir = Path(scratch)
+        (secret_dir / pods.AGENT_KEY).write_bytes(EXEC_AGENT_PATH.read_bytes())
+        (secret_dir / pods.TOKEN_KEY).write_text(token)
+        for entry in (secret_dir, *secret_dir.iterdir()):
+            os.chown(entry, 0, pods.SANDBOX_UID)
+            entry.chmod(0o750 if entry.is_dir() else 0o440)
+        container = client.containers.run(
+            base_image,
+            command=[
+                "python3",
+                "-I",
+                "-S",
+                f"{AGENT_DIR}/{pods.AGENT_KEY}",
+                "--listen",
+                f"tcp:0.0.0.0:{PORT}",
+                "--token-file",
+                f"{AGENT_DIR}/{pods.TOKEN_KEY}",
+                "--same-user",
+            ],
+            detach=True,
+            name=f"orch-{settings.deployment}-k8s-agent-{secrets.token_hex(3)}",
+            labels={labels.MANAGED: "true", labels.DEPLOYMENT: settings.deployment},
+            user=f"{pods.SANDBOX_UID}:{pods.SANDBOX_UID}",
+            read_only=True,
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            init=True,  # the pod's shared process namespace: its pause process reaps
+            mem_limit="512m",
+            pids_limit=256,
+            tmpfs={
+                "/tmp": "rw,nosuid,nodev,size=64m,mode=1777",
+                "/home/agent": "rw,nosuid,nodev,size=16m,uid=1000,gid=1000",
+                "/workspace": "rw,nosuid,nodev,size=64m,uid=1000,gid=1000",
+            },
+            mounts=[Mount(AGENT_DIR, str(secret_dir), type="bind", read_only=True)],
+        )
+        try:
+            container.reload()
+            ip = container.attrs["NetworkSettings"]["IPAddress"]
+            assert ip, "the container has no bridge address"
+            ready = Agent(container, ip, token)
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    ready.call(agent.PING_REQUEST)
+                    break
+                except SandboxUnavailable:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            yield ready
+        finally:
+            container.remove(force=True, v=True)
+
+
+def test_right_token_runs_a_command_as_the_agents_own_user(tcp_agent: Agent) -> None:
+    request = agent.exec_request("id -u; id -G; touch /etc/x 2>&1; echo done", 10, 4096, "/")
+    result = agent.exec_result(tcp_agent.call(request))
+    assert result.exit_code == 0
+    lines = result.stdout.head.splitlines()
+    assert lines[0] == "1000"
+    assert "Read-only file system" in lines[2]
+    assert lines[-1] == "done"
+
+
+def test_argv_and_timeout_work_over_tcp(tcp_agent: Agent) -> None:
+    argv = agent.exec_result(
+        tcp_agent.call(agent.exec_request(["printf", "%s|", "a b", "$HOME"], 10, 4096, "/"))
+    )
+    assert argv.stdout.head == "a b|$HOME|"
+    slow = agent.exec_result(tcp_agent.call(agent.exec_request("sleep 30", 0.5, 4096, "/")))
+    assert slow.timed_out and slow.exit_code is None and "timeout" in slow.limits_hit
+
+
+def test_read_file_works(tcp_agent: Agent) -> None:
+    write = agent.exec_request("printf 'one\\ntwo\\nthree\\n' > notes.txt", 10, 4096, "/workspace")
+    assert agent.exec_result(tcp_agent.call(write)).exit_code == 0
+    found = agent.read_file_result(
+        tcp_agent.call(agent.read_file_request("/workspace/notes.txt", 2, 3, 4096))
+    )
+    assert (found.text, found.start_line, found.end_line, found.total_lines) == (
+        "two\nthree\n",
+        2,
+        3,
+        3,
+    )
+    with pytest.raises(FileReadError) as missing:
+        agent.read_file_result(tcp_agent.call(agent.read_file_request("nope.txt", 1, None, 64)))
+    assert missing.value.kind == "not_found"
+
+
+def test_wrong_token_is_refused_and_logged(tcp_agent: Agent) -> None:
+    with pytest.raises(AgentProtocolError, match="Unauthorized"):
+        tcp_agent.call(agent.exec_request("touch /workspace/pwned", 10, 4096, "/"), token="guess")
+    logs = tcp_agent.container.logs().decode()
+    assert "refused a request" in logs and "wrong token" in logs
+    check = agent.exec_request("test -e /workspace/pwned && echo yes || echo no", 10, 64, "/")
+    assert agent.exec_result(tcp_agent.call(check)).stdout.head == "no\n"
+
+
+def test_missing_token_is_refused_and_logged(tcp_agent: Agent) -> None:
+    request = agent.exec_request("echo ran", 10, 4096, "/")
+    with socket.create_connection((tcp_agent.ip, PORT), timeout=10) as sock:
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        reply = json.loads(sock.makefile("rb").readline())
+    assert reply == {"ok": False, "error": "Unauthorized: bad token"}
+    assert "missing token" in tcp_agent.container.logs().decode()
+
+
+def test_port_checks_do_not_disturb_the_agent(tcp_agent: Agent) -> None:
+    """The kubelet's readiness probe opens and closes a connection with no request."""
+    for _ in range(3):
+        with socket.create_connection((tcp_agent.ip, PORT), timeout=10):
+            pass
+    assert "version" in tcp_agent.call(agent.PING_REQUEST)
