@@ -12,10 +12,12 @@ from orchestrator import __version__
 from orchestrator.api import agent_rft, errors, health, rollouts
 from orchestrator.api.auth import OPEN_PATHS, token_ok
 from orchestrator.api.deps import AppState
+from orchestrator.api.middleware import HttpMetrics
 from orchestrator.config import Settings, get_settings
 from orchestrator.environments.loader import load_environments
 from orchestrator.grading import get_grader
 from orchestrator.observability.logging import configure_logging, get_logger
+from orchestrator.observability.state import StateCollector
 from orchestrator.outcomes import Outcome
 from orchestrator.queue.app import make_celery
 from orchestrator.queue.client import QueueClient
@@ -59,7 +61,8 @@ class RequestGuard:
             b"content-type", b""
         ):
             kept = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            scope = {**scope, "headers": [*kept, (b"content-type", b"application/json")]}
+            # In place: the HTTP metrics around this read the matched route from the scope.
+            scope["headers"] = [*kept, (b"content-type", b"application/json")]
         seen = 0
         started = False
 
@@ -132,9 +135,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             queue=queue,
             service=RolloutService(settings, store, environments, queue),
         )
+        # The deployment's state gauges, read from Redis at each scrape of /metrics.
+        app.state.metrics_state = StateCollector(settings, environments)
         try:
             yield
         finally:
+            app.state.metrics_state.close()
             await store.close()
 
     app = FastAPI(
@@ -148,4 +154,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(agent_rft.router)
     app.include_router(rollouts.router)
     app.add_middleware(RequestGuard, settings=settings)
+    app.add_middleware(HttpMetrics)  # outermost: it counts the guard's refusals too
     return app

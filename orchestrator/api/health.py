@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from orchestrator.api.deps import state
+from orchestrator.observability.metrics import exposition
 
 router = APIRouter(tags=["health"])
 
@@ -51,5 +53,10 @@ async def readyz(request: Request) -> JSONResponse:
     response_class=Response,
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text."}},
 )
-async def metrics() -> Response:
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+async def metrics(request: Request) -> Response:
+    """Counters of every API process and the deployment's state gauges (docs/metrics.md)."""
+    collector = getattr(request.app.state, "metrics_state", None)
+    extra = [collector] if collector is not None else []
+    # Reading the other processes' files and Redis blocks: off the event loop.
+    body = await asyncio.to_thread(exposition, *extra)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)

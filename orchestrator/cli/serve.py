@@ -24,7 +24,9 @@ console = Console()
 
 
 def _celery(settings: Settings, *args: str) -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "orchestrator.queue.celery_main", *args]
+    # Celery's start-up banner is plain text: JSON logs must hold nothing but JSON lines.
+    quiet = ["--quiet"] if settings.log_format == "json" else []
+    return [sys.executable, "-m", "celery", "-A", "orchestrator.queue.celery_main", *quiet, *args]
 
 
 def worker_command(settings: Settings) -> list[str]:
@@ -53,19 +55,17 @@ def beat_command(settings: Settings) -> list[str]:
 
 
 def api_command(settings: Settings) -> list[str]:
+    # uvicorn, with logging and multiprocess metrics set up in its parent process.
     return [
         sys.executable,
         "-m",
-        "uvicorn",
-        "--factory",
-        "orchestrator.api.app:create_app",
+        "orchestrator.observability.api_process",
         "--host",
         settings.api_host,
         "--port",
         str(settings.api_port),
         "--log-level",
         settings.log_level.lower(),
-        "--no-access-log",
         # Trainers keep connections open between a rollout's calls; a short keep-alive
         # makes the server close one just as the client reuses it.
         "--timeout-keep-alive",

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from orchestrator.config import get_settings
-from orchestrator.environments.loader import load_environments
+from orchestrator.config import Settings, get_settings
+from orchestrator.environments.loader import EnvironmentRegistry, load_environments
+
+
+def environment_tools(
+    settings: Settings, registry: EnvironmentRegistry, name: str, *, strict: bool = False
+) -> list[dict[str, Any]]:
+    """Environment ``name``'s tools as OpenAI function tools (no daemon asked); LookupError
+    naming the known environments when there is none of that name."""
+    config = registry.get(name)
+    resolved = registry.for_rollout(name, config.image or "", config.codebase)
+    return resolved.tool_schemas(settings, strict=strict)
 
 
 def tools(
@@ -25,9 +35,8 @@ def tools(
     registry = load_environments(settings)
     name = environment or settings.default_environment
     try:
-        config = registry.get(name)
+        schemas = environment_tools(settings, registry, name, strict=strict)
     except LookupError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
-    resolved = registry.for_rollout(name, config.image or "", config.codebase)
-    typer.echo(json.dumps(resolved.tool_schemas(settings, strict=strict), indent=2))
+    typer.echo(json.dumps(schemas, indent=2))

@@ -1,20 +1,42 @@
-"""The one logger setup: structlog, JSON in production, readable in a terminal.
+"""The one logger setup: structlog, JSON with ``ORCH_LOG_FORMAT=json``, readable in a
+terminal otherwise.
 
-Lines about a sandbox or rollout carry ``sandbox_id``/``rollout_id``/``trace_id`` bound with
-``log.bind(...)`` or :func:`structlog.contextvars.bind_contextvars`.
+Every line goes through one handler on the root logger whose formatter is structlog's
+``ProcessorFormatter``: structlog's own events and stdlib records (uvicorn, Celery, httpx)
+come out in the same format, so JSON mode yields only JSON lines. Every line carries
+``host`` (this process's ``settings.host_id``). Lines about a rollout also carry
+``trace_id``, ``rollout_id`` and ``sandbox_id``, bound at the boundaries with
+:func:`rollout_context` (a request in the API, a task in a worker, a rollout in the
+reaper) and :func:`bind_sandbox` once the sandbox is known.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
 
 from orchestrator.config import Settings, get_settings
 
 _configured = False
+
+P = ParamSpec("P")
+R = TypeVar("R")
+S = TypeVar("S")
+
+
+def _host_adder(host: str) -> Processor:
+    def add_host(_: WrappedLogger, __: str, event: EventDict) -> EventDict:
+        event.setdefault("host", host)
+        return event
+
+    return add_host
 
 
 def configure_logging(settings: Settings | None = None) -> None:
@@ -24,25 +46,51 @@ def configure_logging(settings: Settings | None = None) -> None:
         return
     settings = settings or get_settings()
     level = logging.getLevelName(settings.log_level.upper())
-    renderer: Any = (
+    renderer: Processor = (
         structlog.processors.JSONRenderer()
         if settings.log_format == "json"
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
+    # Run on every line, structlog's and stdlib's alike.
+    shared: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        _host_adder(settings.host_id),
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *shared,
             structlog.processors.StackInfoRenderer(),
             structlog.processors.format_exc_info,
-            renderer,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.stdlib.LoggerFactory(),
         cache_logger_on_first_use=True,
     )
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            # Not the records' extras: Celery's hold whole task payloads, uvicorn's colours.
+            foreign_pre_chain=shared,
+            processors=[
+                structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+                structlog.processors.format_exc_info,
+                renderer,
+            ],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level)
+    logging.captureWarnings(True)  # warnings.warn (Celery's, say) as log lines too
+    # Servers' own loggers reach the root handler (uvicorn's defaults give them handlers
+    # and formats of their own).
+    for name in ("uvicorn", "uvicorn.error", "celery"):
+        logging.getLogger(name).handlers = []
+        logging.getLogger(name).propagate = True
     # One line per HTTP request from a client library is noise, not a log.
     for chatty in ("httpx", "httpcore"):
         logging.getLogger(chatty).setLevel(max(level, logging.WARNING))
@@ -53,3 +101,41 @@ def get_logger(name: str) -> Any:
     """A structlog logger; configures logging on first use."""
     configure_logging()
     return structlog.get_logger(name)
+
+
+@contextmanager
+def rollout_context(
+    rollout_id: str, *, trace_id: str | None = None, sandbox_id: str | None = None
+) -> Iterator[None]:
+    """Every line logged inside carries the rollout's ids; they are unbound (restored) on
+    exit, which matters in worker threads that Celery reuses for other tasks.
+    ``trace_id``: Agent RFT's trace id, which is the rollout's id (the default). Inside the
+    same rollout's context already (the service's entry points call each other), the
+    ids bound so far stay, the sandbox's included."""
+    if structlog.contextvars.get_contextvars().get("rollout_id") == rollout_id:
+        yield
+        return
+    with structlog.contextvars.bound_contextvars(
+        trace_id=trace_id or rollout_id, rollout_id=rollout_id, sandbox_id=sandbox_id
+    ):
+        yield
+
+
+def bind_sandbox(sandbox_id: str | None) -> None:
+    """Within a :func:`rollout_context`: the rollout's sandbox is now known."""
+    if sandbox_id is not None:
+        structlog.contextvars.bind_contextvars(sandbox_id=sandbox_id)
+
+
+def in_rollout_context(
+    method: Callable[Concatenate[S, str, P], Awaitable[R]],
+) -> Callable[Concatenate[S, str, P], Awaitable[R]]:
+    """Run an async method whose first argument is a rollout id in that rollout's
+    :func:`rollout_context` (the service's entry points)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: S, rollout_id: str, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with rollout_context(rollout_id):
+            return await method(self, rollout_id, *args, **kwargs)
+
+    return wrapper

@@ -1,36 +1,163 @@
-"""The one metrics registry: Prometheus metrics the API exports at /metrics.
+"""The one metrics registry: the counters and histograms of every process (docs/metrics.md).
 
-Names start with ``orchestrator_``. Per-process for now (one API process by default);
-several API or worker processes need prometheus_client's multiprocess mode (issue 7).
+Names start with ``orchestrator_``. Each process updates its own; with
+``PROMETHEUS_MULTIPROC_DIR`` set (the API under ``api_workers > 1``: see
+:mod:`orchestrator.observability.multiproc`), prometheus_client writes them to per-process
+files there and :func:`exposition` merges every process's files. There are no gauges here:
+the state of the deployment (hosts, sandboxes, pools, queues) is read from Redis at scrape
+time by :mod:`orchestrator.observability.state`, one source of truth for any number of
+processes. Workers serve their own counters on ``worker_metrics_port``
+(:func:`serve_worker_metrics`).
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+import os
+from collections.abc import Iterable, Iterator
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from orchestrator.config import Settings
+from orchestrator.observability.logging import get_logger
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# Seconds, from a loopback tool call (a few ms) to a command at its 10-minute bound.
+_LATENCY_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 600)
 
 TOOL_CALLS = Counter(
     "orchestrator_tool_calls_total",
-    "Tool calls answered, by tool and outcome.",
+    "Tool calls answered, by tool and outcome (ok, agent_error, infra_error, rejected).",
     ["tool", "outcome"],
 )
 TOOL_CALL_SECONDS = Histogram(
     "orchestrator_tool_call_seconds",
-    "Tool call latency, from the API's receipt to its reply, by phase.",
+    "Tool call latency by phase: queue (enqueued to a worker's start), exec (the worker "
+    "running it), total (the API's receipt to its reply).",
     ["phase"],
-    buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 600),
+    buckets=_LATENCY_BUCKETS,
+)
+SANDBOX_CREATE_SECONDS = Histogram(
+    "orchestrator_sandbox_create_seconds",
+    "Time to a ready sandbox as the API sees it (admission and queue included), by source: "
+    "pool (a warm sandbox, probed) or cold (created for the rollout).",
+    ["source"],
+    buckets=(0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+ROLLOUTS_STARTED = Counter(
+    "orchestrator_rollouts_started_total",
+    "Rollouts whose sandbox became ready, by source (agent_rft or api).",
+    ["source"],
+)
+ROLLOUTS_FINISHED = Counter(
+    "orchestrator_rollouts_finished_total",
+    "Rollouts closed, by final outcome (ok, agent_error, infra_error).",
+    ["outcome"],
 )
 INFRA_ERRORS = Counter(
     "orchestrator_infra_errors_total", "Rollouts marked infra_failed, by cause.", ["cause"]
 )
-ROLLOUTS_STARTED = Counter("orchestrator_rollouts_started_total", "Rollouts started.", ["source"])
 ROLLOUTS_GRADED = Counter("orchestrator_rollouts_graded_total", "Rollouts graded.")
 GRADE_SCORE = Histogram(
     "orchestrator_grade_score",
     "Scores given.",
     buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
 )
-SANDBOX_CREATE_SECONDS = Histogram(
-    "orchestrator_sandbox_create_seconds",
-    "Time to a ready sandbox, as the API sees it (queue included).",
-    buckets=(0.1, 0.2, 0.3, 0.5, 1, 2, 5, 10, 30, 60),
+GRADER_ERRORS = Counter(
+    "orchestrator_grader_errors_total",
+    "Grades that failed because the grader raised or is misconfigured (503 grader_failed).",
 )
+TOOL_CALLS_PER_ROLLOUT = Histogram(
+    "orchestrator_tool_calls_per_rollout",
+    "Tool calls a rollout made (budget-counted calls), observed when it closes.",
+    buckets=(0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000),
+)
+SANDBOXES_REAPED = Counter(
+    "orchestrator_sandboxes_reaped_total",
+    "Sandboxes the reaper or the label sweep destroyed, by reason (idle, graded, "
+    "max_lifetime, infra_failed, stuck_creating, host_lost, host_unhealthy, expired, orphan).",
+    ["reason"],
+)
+ORPHANS_FOUND = Counter(
+    "orchestrator_orphans_found_total",
+    "Owned sandboxes found with no live rollout owning them (by the host sweep).",
+)
+HTTP_REQUESTS = Counter(
+    "orchestrator_http_requests_total",
+    "API requests answered, by route template, method and status.",
+    ["route", "method", "status"],
+)
+HTTP_REQUEST_SECONDS = Histogram(
+    "orchestrator_http_request_seconds",
+    "API request latency by route template.",
+    ["route"],
+    buckets=_LATENCY_BUCKETS,
+)
+ADMISSION_REJECTED = Counter(
+    "orchestrator_admission_rejected_total",
+    "New rollouts refused for capacity, by reason: at_capacity (waited admission_wait_s), "
+    "queue_full (the admission queue was full).",
+    ["reason"],
+)
+
+log = get_logger(__name__)
+
+
+def multiprocess_mode() -> bool:
+    """Counters are kept in per-process files (several API processes)."""
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
+class _Union(Collector):
+    """Several collectors' metrics as one, so a scrape renders them in one registry."""
+
+    def __init__(self, sources: Iterable[Collector | CollectorRegistry]) -> None:
+        self.sources = list(sources)
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self.sources:
+            yield from source.collect()
+
+
+def exposition(*extra: Collector) -> bytes:
+    """The Prometheus text of this process's metrics (every process's, merged from their
+    files, in multiprocess mode) followed by ``extra`` collectors' (the API's Redis state)."""
+    own: Collector
+    if multiprocess_mode():
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged)  # type: ignore[no-untyped-call]
+        own = _Union([merged])
+    else:
+        own = _Union([REGISTRY])
+    registry = CollectorRegistry()
+    registry.register(_Union([own, *extra]))
+    return generate_latest(registry)
+
+
+def serve_worker_metrics(settings: Settings) -> bool:
+    """Serve this worker process's metrics at ``/metrics`` on ``worker_metrics_port``
+    (0: not at all). A port taken (several workers on one machine) is a warning: the
+    worker carries on without its endpoint rather than failing to start."""
+    if settings.worker_metrics_port == 0:
+        return False
+    try:
+        start_http_server(settings.worker_metrics_port, addr=settings.worker_metrics_host)
+    except OSError as exc:
+        log.warning(
+            "worker.metrics_port_unavailable",
+            port=settings.worker_metrics_port,
+            error=str(exc),
+        )
+        return False
+    log.info("worker.metrics_serving", port=settings.worker_metrics_port)
+    return True

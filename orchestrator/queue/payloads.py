@@ -12,6 +12,9 @@ from orchestrator.tools.base import ToolResult
 
 class CreateSandbox(BaseModel):
     rollout_id: str
+    trace_id: str | None = Field(
+        None, description="The rollout's trace id for logs (Agent RFT's; None: the rollout id)."
+    )
     spec: SandboxSpec
 
 
@@ -22,6 +25,9 @@ class SandboxCreated(BaseModel):
 
 class ToolCall(BaseModel):
     rollout_id: str
+    trace_id: str | None = Field(
+        None, description="The rollout's trace id for logs (Agent RFT's; None: the rollout id)."
+    )
     call_id: str
     ticket: str = Field(description="The call's run ticket key (rollouts/tickets.py).")
     attempt: str = Field(description="The attempt the ticket must name for this to run.")

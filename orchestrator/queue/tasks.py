@@ -12,10 +12,16 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import shared_task as _shared_task
-from celery.signals import worker_ready, worker_shutdown, worker_shutting_down
+from celery.signals import setup_logging, worker_ready, worker_shutdown, worker_shutting_down
 
 from orchestrator.config import get_settings
-from orchestrator.observability.logging import get_logger
+from orchestrator.observability.logging import (
+    bind_sandbox,
+    configure_logging,
+    get_logger,
+    rollout_context,
+)
+from orchestrator.observability.metrics import serve_worker_metrics
 from orchestrator.queue import worker
 from orchestrator.queue.app import celery_app
 from orchestrator.queue.payloads import (
@@ -42,8 +48,15 @@ def shared_task(name: str) -> Callable[[Task], Task]:
     return decorator
 
 
+def _on_setup_logging(**_: Any) -> None:
+    """Celery's own logging set-up is skipped (a receiver exists): our one root handler
+    formats its lines too."""
+    configure_logging()
+
+
 def _on_worker_ready(**_: Any) -> None:
     worker.start_heartbeat()
+    serve_worker_metrics(get_settings())
     log.info("worker.ready", host=get_settings().host_id, instance=worker.INSTANCE)
     # What a crash or a lost Redis left behind goes now, not at the first reaper pass.
     threading.Thread(target=_sweep_at_start, name="start-sweep", daemon=True).start()
@@ -85,6 +98,7 @@ def _on_shutdown(**_: Any) -> None:
     log.info("worker.stopped", instance=worker.INSTANCE)
 
 
+setup_logging.connect(_on_setup_logging, weak=False)
 worker_ready.connect(_on_worker_ready, weak=False)
 worker_shutting_down.connect(_on_shutting_down, weak=False)
 worker_shutdown.connect(_on_shutdown, weak=False)
@@ -115,16 +129,18 @@ def create_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _create_and_reply(payload: dict[str, Any], request: CreateSandbox) -> None:
-    try:
-        handle = worker.backend().create(request.spec)
-        created = SandboxCreated(handle=handle)
-    except SandboxError as exc:
-        log.error("sandbox.create_failed", rollout_id=request.rollout_id, error=str(exc))
-        created = SandboxCreated(error=str(exc))
-    except Exception as exc:
-        log.exception("sandbox.create_crashed", rollout_id=request.rollout_id)
-        created = SandboxCreated(error=f"{type(exc).__name__}: {exc}")
-    worker.reply(payload, created.model_dump(mode="json"))
+    with rollout_context(request.rollout_id, trace_id=request.trace_id):
+        try:
+            handle = worker.backend().create(request.spec)
+            bind_sandbox(handle.sandbox_id)
+            created = SandboxCreated(handle=handle)
+        except SandboxError as exc:
+            log.error("sandbox.create_failed", rollout_id=request.rollout_id, error=str(exc))
+            created = SandboxCreated(error=str(exc))
+        except Exception as exc:
+            log.exception("sandbox.create_crashed", rollout_id=request.rollout_id)
+            created = SandboxCreated(error=f"{type(exc).__name__}: {exc}")
+        worker.reply(payload, created.model_dump(mode="json"))
 
 
 @shared_task(name="orchestrator.run_tool")
@@ -134,6 +150,13 @@ def run_tool(payload: dict[str, Any]) -> dict[str, Any]:
     names, which may be a retry of the one that sent this message."""
     started = time.time()
     call = ToolCall.model_validate(payload)
+    with rollout_context(
+        call.rollout_id, trace_id=call.trace_id, sandbox_id=call.handle.sandbox_id
+    ):
+        return _run_tool(call, started)
+
+
+def _run_tool(call: ToolCall, started: float) -> dict[str, Any]:
     claimed = worker.tickets().claim(call.ticket, call.attempt, worker.INSTANCE, started)
     if claimed != "running":
         log.info("tool.skipped", rollout_id=call.rollout_id, call_id=call.call_id, ticket=claimed)
@@ -225,28 +248,26 @@ def _probe(call: ToolCall) -> ProbeResult:
 def probe_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     """Is this sandbox alive and does a trivial command run (before grading)."""
     request = ProbeSandbox.model_validate(payload)
-    try:
-        return worker.backend().probe(request.handle).model_dump(mode="json")
-    except SandboxError as exc:
-        probe = ProbeResult(alive=False, state="unknown", agent_ok=False, detail=f"probe: {exc}")
-        return probe.model_dump(mode="json")
+    with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
+        try:
+            return worker.backend().probe(request.handle).model_dump(mode="json")
+        except SandboxError as exc:
+            detail = f"probe: {exc}"
+            probe = ProbeResult(alive=False, state="unknown", agent_ok=False, detail=detail)
+            return probe.model_dump(mode="json")
 
 
 @shared_task(name="orchestrator.destroy_sandbox")
 @replies
 def destroy_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     request = DestroySandbox.model_validate(payload)
-    try:
-        worker.backend().destroy(request.handle)
-    except SandboxError as exc:
-        return {"destroyed": False, "error": str(exc)}
-    log.info(
-        "sandbox.reaped",
-        sandbox_id=request.handle.sandbox_id,
-        rollout_id=request.handle.rollout_id,
-        reason=request.reason,
-    )
-    return {"destroyed": True}
+    with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
+        try:
+            worker.backend().destroy(request.handle)
+        except SandboxError as exc:
+            return {"destroyed": False, "error": str(exc)}
+        log.info("sandbox.reaped", reason=request.reason)
+        return {"destroyed": True}
 
 
 @shared_task(name="orchestrator.sweep_host")

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from orchestrator.config import Settings
+from orchestrator.observability import metrics
 from orchestrator.queue.client import QueueClient
 
 # KEYS: load hash. ARGV: host, capacity, host, capacity, ... (in the order to prefer on a
@@ -47,6 +48,16 @@ return 1
 """
 
 
+def load_key(settings: Settings) -> str:
+    """The hash of slots held per host (host -> sandboxes)."""
+    return f"{settings.key_prefix}host-rollouts"
+
+
+def waiting_key(settings: Settings) -> str:
+    """The sorted set of new rollouts waiting for a slot (scores: their deadlines)."""
+    return f"{settings.key_prefix}admission-waiting"
+
+
 class AtCapacity(Exception):
     """No host could take a new sandbox within the bound: try again later."""
 
@@ -65,7 +76,7 @@ class Admission:
         self._enter = self.redis.register_script(_ENTER)
 
     def _load_key(self) -> str:
-        return f"{self.settings.key_prefix}host-rollouts"
+        return load_key(self.settings)
 
     async def try_take(self) -> str | None:
         """A slot on a schedulable host now, or None."""
@@ -88,14 +99,15 @@ class Admission:
         if host is not None:
             return host
         wait_s = self.settings.admission_wait_s
-        waiting_key = f"{self.settings.key_prefix}admission-waiting"
+        waiting = waiting_key(self.settings)
         waiter = uuid.uuid4().hex
         now = time.time()
         entered = await self._enter(
-            keys=[waiting_key],
+            keys=[waiting],
             args=[now, now + wait_s + 5, waiter, self.settings.admission_queue_max],
         )
         if not entered:
+            metrics.ADMISSION_REJECTED.labels("queue_full").inc()
             raise AtCapacity(
                 "every host is at capacity and the admission queue is full",
                 retry_after_s=self._retry_after(),
@@ -112,7 +124,8 @@ class Admission:
                 if give_up is not None and await give_up():
                     return ""
         finally:
-            await self.redis.zrem(waiting_key, waiter)
+            await self.redis.zrem(waiting, waiter)
+        metrics.ADMISSION_REJECTED.labels("at_capacity").inc()
         raise AtCapacity(
             f"every host stayed at capacity for {wait_s:.0f} s", retry_after_s=self._retry_after()
         )

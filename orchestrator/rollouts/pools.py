@@ -24,6 +24,7 @@ import redis
 
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
+from orchestrator.environments.models import EnvironmentConfig
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 
 POOL_LABEL = "pool"
@@ -77,17 +78,19 @@ def claim_key(settings: Settings, sandbox_id: str) -> str:
     return f"{settings.key_prefix}pool-claim:{sandbox_id}"
 
 
+def pooled_codebases(env: EnvironmentConfig) -> list[str | None]:
+    """The codebases ``env`` keeps pools of (None: its fixed image); empty: no pool."""
+    if env.pool_size <= 0:
+        return []
+    return [env.codebase] if env.codebase or env.image else list(env.pool_codebases)
+
+
 def targets(registry: EnvironmentRegistry, settings: Settings) -> Iterator[PoolTarget]:
     """Every configured pool, with the spec of its sandboxes. An environment whose
     codebase comes from the dataset row pools the codebases it lists in ``pool_codebases``."""
     for name in registry.names():
         env = registry.get(name)
-        if env.pool_size <= 0:
-            continue
-        codebases: list[str | None] = (
-            [env.codebase] if env.codebase or env.image else list(env.pool_codebases)
-        )
-        for codebase in codebases:
+        for codebase in pooled_codebases(env):
             row = {"environment": name} | ({"codebase": codebase} if codebase else {})
             try:
                 resolved = registry.resolve(row)

@@ -12,7 +12,8 @@ from typing import Any
 import redis
 
 from orchestrator.config import Settings
-from orchestrator.observability.logging import get_logger
+from orchestrator.observability import metrics
+from orchestrator.observability.logging import bind_sandbox, get_logger, rollout_context
 from orchestrator.queue.app import celery_app
 from orchestrator.queue.client import QueueClient
 from orchestrator.queue.worker import environments
@@ -29,6 +30,15 @@ RECENTLY_CLOSED_S = 5
 # How long a new pool sandbox may take from its creation to its pool's list.
 POOL_DELIVERY_S = 120
 _ENDED = {RolloutState.CLOSED.value, RolloutState.INFRA_FAILED.value}
+# reason_to_end's reasons as metric labels (free text never becomes a label).
+_REAP_REASONS = {
+    "idle": "idle",
+    "graded": "graded",
+    "max_lifetime": "max_lifetime",
+    "infra_failed": "infra_failed",
+    "stuck_creating": "stuck_creating",
+    "environment no longer configured": "unconfigured",
+}
 
 
 def reason_to_end(rollout: Rollout, service: RolloutService, now: float) -> str | None:
@@ -62,24 +72,10 @@ async def reap_once(settings: Settings) -> dict[str, Any]:
         now = time.time()
         failing = await _failing_hosts(settings, store, queue, now)
         for rollout_id in await store.live_ids():
-            rollout = await store.get(rollout_id)
-            if rollout is None:
-                await store.redis.zrem(store.key("rollouts", "live"), rollout_id)
-                continue
-            host = rollout.sandbox.host if rollout.sandbox is not None else None
-            if host in failing and rollout.state != RolloutState.INFRA_FAILED:
-                cause, message, evidence = failing[host]
-                await service.mark_infra_failed(rollout_id, cause, message, evidence)
-                rollout = await store.get(rollout_id) or rollout
-            reason = reason_to_end(rollout, service, now)
-            if reason is None:
-                continue
-            if reason == "stuck_creating":
-                await service.mark_infra_failed(
-                    rollout_id, "stuck_creating", "sandbox never became ready", {}
-                )
-            await service.close(rollout_id, reason, wait=False)
-            ended[rollout_id] = reason
+            with rollout_context(rollout_id):
+                reason = await _reap_one(service, rollout_id, failing, now)
+            if reason is not None:
+                ended[rollout_id] = reason
         await _recount_host_loads(store, service)
         hosts = [h["host"] for h in await queue.live_hosts()]
         for host in hosts:
@@ -88,6 +84,40 @@ async def reap_once(settings: Settings) -> dict[str, Any]:
     finally:
         await store.close()
     return {"ended": ended, "hosts_swept": hosts, "hosts_failing": sorted(failing)}
+
+
+async def _reap_one(
+    service: RolloutService,
+    rollout_id: str,
+    failing: dict[str, tuple[str, str, dict[str, Any]]],
+    now: float,
+) -> str | None:
+    """Fail the rollout if its host is failing; end it if it should end. Why it ended."""
+    store = service.store
+    rollout = await store.get(rollout_id)
+    if rollout is None:
+        await store.redis.zrem(store.key("rollouts", "live"), rollout_id)
+        return None
+    bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
+    host = rollout.sandbox.host if rollout.sandbox is not None else None
+    host_cause = None
+    if host in failing and rollout.state != RolloutState.INFRA_FAILED:
+        host_cause, message, evidence = failing[host]
+        await service.mark_infra_failed(rollout_id, host_cause, message, evidence)
+        rollout = await store.get(rollout_id) or rollout
+    reason = reason_to_end(rollout, service, now)
+    if reason is None:
+        return None
+    if reason == "stuck_creating":
+        await service.mark_infra_failed(
+            rollout_id, "stuck_creating", "sandbox never became ready", {}
+        )
+    await service.close(rollout_id, reason, wait=False)
+    if rollout.sandbox is not None:
+        # A lost host's sandbox goes when the host's sweep runs again; it is reaped now.
+        label = host_cause or _REAP_REASONS.get(reason, "other")
+        metrics.SANDBOXES_REAPED.labels(label).inc()
+    return reason
 
 
 async def _failing_hosts(
@@ -139,6 +169,7 @@ def sweep_orphans(backend: SandboxBackend, client: redis.Redis, settings: Settin
         why = _orphaned(state, sandbox, closed_at, handle.sandbox_id)
         if why is None:
             continue
+        metrics.ORPHANS_FOUND.inc()
         try:
             backend.destroy(handle)
         except SandboxError as exc:
@@ -146,6 +177,7 @@ def sweep_orphans(backend: SandboxBackend, client: redis.Redis, settings: Settin
                 "sandbox.orphan_destroy_failed", sandbox_id=handle.sandbox_id, error=str(exc)
             )
             continue
+        metrics.SANDBOXES_REAPED.labels("orphan").inc()
         destroyed += 1
         log.info(
             "sandbox.orphan_destroyed",

@@ -19,7 +19,7 @@ from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
 from orchestrator.grading import GraderConfigError, ItemError, get_grader
 from orchestrator.observability import metrics
-from orchestrator.observability.logging import get_logger
+from orchestrator.observability.logging import bind_sandbox, get_logger, in_rollout_context
 from orchestrator.outcomes import Outcome
 from orchestrator.queue.client import QueueClient, QueueTimeout
 from orchestrator.queue.payloads import (
@@ -133,6 +133,7 @@ class RolloutService:
 
     # -- start -------------------------------------------------------------------------------
 
+    @in_rollout_context
     async def start(
         self,
         rollout_id: str,
@@ -265,6 +266,7 @@ class RolloutService:
             await self._request_refill()
         else:
             handle = await self._create_cold(record, resolved, acquired.host)
+        bind_sandbox(handle.sandbox_id)
         updated = await self.store.update(
             record.rollout_id,
             state=RolloutState.ACTIVE,
@@ -276,13 +278,14 @@ class RolloutService:
         )
         assert updated is not None
         waited = time.monotonic() - acquired.started
-        metrics.SANDBOX_CREATE_SECONDS.observe(waited)
+        source = "pool" if acquired.handle is not None else "cold"
+        metrics.SANDBOX_CREATE_SECONDS.labels(source).observe(waited)
         metrics.ROLLOUTS_STARTED.labels(record.source).inc()
         log.info(
             "rollout.started",
             rollout_id=record.rollout_id,
             sandbox_id=handle.sandbox_id,
-            host=handle.host,
+            sandbox_host=handle.host,
             environment=record.environment,
             pool_hit=acquired.handle is not None,
             ms=round(waited * 1000, 1),
@@ -300,7 +303,9 @@ class RolloutService:
         try:
             raw = await self.queue.call(
                 "orchestrator.create_sandbox",
-                CreateSandbox(rollout_id=record.rollout_id, spec=spec).model_dump(mode="json"),
+                CreateSandbox(
+                    rollout_id=record.rollout_id, trace_id=record.rollout_id, spec=spec
+                ).model_dump(mode="json"),
                 queue=self.settings.host_queue(host),
                 timeout_s=self.settings.sandbox_create_timeout_s,
                 host_id=host,
@@ -341,6 +346,7 @@ class RolloutService:
 
     # -- tool calls --------------------------------------------------------------------------
 
+    @in_rollout_context
     async def call_tool(
         self,
         rollout_id: str,
@@ -376,23 +382,27 @@ class RolloutService:
             early = self._check_call(resolved, tool_name, arguments, call_id, received)
             if early is not None:
                 return early
+        bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
         if rollout.state != RolloutState.ACTIVE or rollout.infra_failure:
             # A retry gets its stored reply even after the rollout ended or failed.
             stored = await self.store.stored_reply(rollout_id, call_id)
             if stored is not None:
                 return CallReply.model_validate(stored)
             self._check_state(rollout)
-        return await self._call_once(
-            PendingCall(
-                rollout=rollout,
-                resolved=resolved,
-                tool=tool_name,
-                arguments=arguments,
-                call_id=call_id,
-                received=received,
-                started_at=started_at,
-            )
+        pending = PendingCall(
+            rollout=rollout,
+            resolved=resolved,
+            tool=tool_name,
+            arguments=arguments,
+            call_id=call_id,
+            received=received,
+            started_at=started_at,
         )
+        try:
+            return await self._call_once(pending)
+        except InfraError:
+            metrics.TOOL_CALLS.labels(tool_name, Outcome.INFRA_ERROR).inc()
+            raise
 
     async def _call_once(self, call: PendingCall) -> CallReply:
         """Run the call once, or give back what its other attempt did (a retry racing
@@ -461,6 +471,7 @@ class RolloutService:
         assert rollout.sandbox is not None
         payload = ToolCall(
             rollout_id=rollout.rollout_id,
+            trace_id=rollout.rollout_id,
             call_id=call.call_id,
             ticket=ticket_key(self.settings.key_prefix, rollout.rollout_id, call.call_id),
             attempt=start.token,
@@ -561,16 +572,12 @@ class RolloutService:
         """Sticky: the rollout will never be graded, only 503s from now on."""
         failure = {"cause": cause, "message": message, "evidence": evidence, "at": time.time()}
         metrics.INFRA_ERRORS.labels(cause).inc()
-        await self.store.update(
-            rollout_id,
-            state=RolloutState.INFRA_FAILED,
-            infra_failure=failure,
-            outcome=Outcome.INFRA_ERROR,
-        )
+        await self.store.mark_infra_failed(rollout_id, failure, outcome=Outcome.INFRA_ERROR)
         log.error("rollout.infra_failed", rollout_id=rollout_id, cause=cause, error=message)
 
     # -- grading -----------------------------------------------------------------------------
 
+    @in_rollout_context
     async def grade(
         self, rollout_id: str, answer: str, item: dict[str, Any] | None, *, source: str
     ) -> GradeReply:
@@ -600,6 +607,7 @@ class RolloutService:
             rollout = await self.store.get(rollout_id)
             assert rollout is not None
         rollout = await self._wait_ready(rollout)
+        bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
         if rollout.state == RolloutState.INFRA_FAILED or rollout.infra_failure:
             reason = (rollout.infra_failure or {}).get("message", "infrastructure failure")
             raise InfraError(
@@ -676,8 +684,10 @@ class RolloutService:
                 422, f"the dataset row cannot be graded: {exc}", code="invalid_item"
             ) from exc
         except GraderConfigError as exc:
+            metrics.GRADER_ERRORS.inc()
             raise GraderFailed(f"grader misconfigured: {exc}") from exc
         except Exception as exc:  # any grader bug is a 503, never a 0
+            metrics.GRADER_ERRORS.inc()
             log.exception("grade.failed", rollout_id=rollout_id)
             raise GraderFailed(f"grader {config.name} failed: {exc!r}") from exc
         return GradeReply(
@@ -686,11 +696,13 @@ class RolloutService:
 
     # -- ending ------------------------------------------------------------------------------
 
+    @in_rollout_context
     async def close(self, rollout_id: str, reason: str, *, wait: bool = True) -> Rollout:
         """Destroy the sandbox and close the record (an infra-failed rollout stays so)."""
         rollout = await self.store.get(rollout_id)
         if rollout is None:
             raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
+        bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
         if rollout.sandbox is not None and rollout.closed_at is None:
             payload = DestroySandbox(handle=rollout.sandbox, reason=reason).model_dump(mode="json")
             queue = self.settings.host_queue(rollout.sandbox.host)
@@ -720,6 +732,9 @@ class RolloutService:
             )
         updated = await self.store.update(rollout_id, **fields)
         assert updated is not None
+        if rollout.closed_at is None:  # counted once, by the close that ended it
+            metrics.ROLLOUTS_FINISHED.labels(updated.outcome or Outcome.OK).inc()
+            metrics.TOOL_CALLS_PER_ROLLOUT.observe(await self.store.call_count(rollout_id))
         log.info("rollout.closed", rollout_id=rollout_id, reason=reason)
         return updated
 

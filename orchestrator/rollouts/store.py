@@ -9,6 +9,8 @@ Keys (all under the deployment's prefix):
   rollout:{id}:run:{cid}  hash: the call's run ticket (tickets.py): who runs it, its result
   rollout:{id}:starting   held by the one first call that acquires its sandbox
   rollouts:live           sorted set: id -> last activity (the reaper walks it)
+  rollouts:index          sorted set: id -> creation time, the newest INDEX_MAX (listings)
+  infra-failures          list: the newest RECENT_FAILURES_MAX InfraFailureEntry JSON
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ from orchestrator.rollouts.tickets import (
     ticket_key,
 )
 from orchestrator.sandbox.backend import SandboxHandle
+
+INDEX_MAX = 10_000
+"""Rollouts kept in the listing index (records themselves are never expired)."""
+RECENT_FAILURES_MAX = 100
+"""Entries kept in the list of recent infrastructure failures."""
 
 
 class Rollout(BaseModel):
@@ -64,6 +71,19 @@ class Rollout(BaseModel):
     pool_hit: bool | None = Field(None, description="Its sandbox came warm from a pool.")
 
 
+class InfraFailureEntry(BaseModel):
+    """One rollout marked infra_failed, as the operators' list of recent failures keeps it."""
+
+    rollout_id: str
+    trace_id: str | None = Field(None, description="Agent RFT's trace id (its rollout id).")
+    environment: str | None = None
+    host: str | None = None
+    cause: str
+    message: str
+    evidence: str = Field("", description="The evidence, as compact JSON cut to 300 chars.")
+    at: float
+
+
 _JSON_FIELDS = {"sandbox", "item", "grade_details", "infra_failure"}
 
 
@@ -85,20 +105,24 @@ def _decode(raw: dict[str, str]) -> Rollout:
     return Rollout.model_validate(data)
 
 
-# KEYS: record, live set. ARGV: id, last activity, creation token, field/value pairs. A
-# record with our own token is ours already (the command was retried after a dropped
-# connection), not a rival's.
+# KEYS: record, live set, index. ARGV: id, last activity, creation token, creation time,
+# index bound, field/value pairs. A record with our own token is ours already (the command
+# was retried after a dropped connection), not a rival's.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   if redis.call('HGET', KEYS[1], 'creation') == ARGV[3] then return 1 end
   return 0
 end
-redis.call('HSET', KEYS[1], 'creation', ARGV[3], unpack(ARGV, 4))
+redis.call('HSET', KEYS[1], 'creation', ARGV[3], unpack(ARGV, 6))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
+redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -tonumber(ARGV[5]) - 1)
 return 1
 """
 
-# KEYS: record, live set. ARGV: id, mode ('once' or ''), field/value pairs.
+# KEYS: record, live set, recent infra failures. ARGV: id, mode ('once' or ''), failure
+# entry ('' when none), failures bound, field/value pairs. The entry is logged only by the
+# update that moves the rollout to infra_failed: a failed rollout fails once.
 _UPDATE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 if ARGV[2] == 'once' then
@@ -106,10 +130,15 @@ if ARGV[2] == 'once' then
   if score and score ~= '' then return redis.call('HGETALL', KEYS[1]) end
 end
 local state = redis.call('HGET', KEYS[1], 'state')
-for i = 3, #ARGV, 2 do
+for i = 5, #ARGV, 2 do
   if not (ARGV[i] == 'state' and state == 'infra_failed' and ARGV[i + 1] ~= 'infra_failed') then
     redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
   end
+end
+if ARGV[3] ~= '' and state ~= 'infra_failed'
+    and redis.call('HGET', KEYS[1], 'state') == 'infra_failed' then
+  redis.call('LPUSH', KEYS[3], ARGV[3])
+  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1)
 end
 local closed = redis.call('HGET', KEYS[1], 'closed_at')
 if (closed and closed ~= '') or redis.call('HGET', KEYS[1], 'state') == 'closed' then
@@ -182,6 +211,20 @@ return redis.call('GET', KEYS[1]) or ''
 REPLY_TTL_S = 7 * 86400
 
 
+def _failure_entry(rollout: Rollout, failure: dict[str, Any]) -> InfraFailureEntry:
+    evidence = json.dumps(failure.get("evidence") or {}, separators=(",", ":"), default=str)
+    return InfraFailureEntry(
+        rollout_id=rollout.rollout_id,
+        trace_id=rollout.rollout_id if rollout.source == "agent_rft" else None,
+        environment=rollout.environment,
+        host=rollout.sandbox.host if rollout.sandbox is not None else rollout.host,
+        cause=str(failure.get("cause", "")),
+        message=str(failure.get("message", "")),
+        evidence=evidence if len(evidence) <= 300 else evidence[:299] + "…",
+        at=float(failure.get("at") or time.time()),
+    )
+
+
 class CallStart(BaseModel):
     """What :meth:`RolloutStore.begin_call` found.
 
@@ -237,8 +280,19 @@ class RolloutStore:
         False when the id exists already (someone else won)."""
         pairs = [x for kv in _encode(rollout).items() for x in kv]
         created = await self._create_script(
-            keys=[self.key("rollout", rollout.rollout_id), self.key("rollouts", "live")],
-            args=[rollout.rollout_id, rollout.last_activity, uuid.uuid4().hex, *pairs],
+            keys=[
+                self.key("rollout", rollout.rollout_id),
+                self.key("rollouts", "live"),
+                self.key("rollouts", "index"),
+            ],
+            args=[
+                rollout.rollout_id,
+                rollout.last_activity,
+                uuid.uuid4().hex,
+                rollout.created_at,
+                INDEX_MAX,
+                *pairs,
+            ],
         )
         return bool(created)
 
@@ -249,19 +303,71 @@ class RolloutStore:
         ``once``: set the fields only if the rollout has no score yet (grading), so
         concurrent grade retries all end up with the one score stored first.
         """
+        return await self._update(rollout_id, once=once, fields=fields, failure=None)
+
+    async def mark_infra_failed(
+        self, rollout_id: str, failure: dict[str, Any], **fields: Any
+    ) -> Rollout | None:
+        """Mark the rollout infra_failed with ``failure`` (cause, message, evidence, at) and
+        ``fields``; in the same step, the first time, add it to :meth:`recent_failures`."""
+        return await self._update(
+            rollout_id,
+            once=False,
+            fields={**fields, "state": RolloutState.INFRA_FAILED, "infra_failure": failure},
+            failure=failure,
+        )
+
+    async def _update(
+        self,
+        rollout_id: str,
+        *,
+        once: bool,
+        fields: dict[str, Any],
+        failure: dict[str, Any] | None,
+    ) -> Rollout | None:
         current = await self.get(rollout_id)
         if current is None:
             return None
         encoded = _encode(current.model_copy(update=fields))
         pairs = [x for name in fields for x in (name, encoded[name])]
+        entry = _failure_entry(current, failure).model_dump_json() if failure else ""
         raw = await self._update_script(
-            keys=[self.key("rollout", rollout_id), self.key("rollouts", "live")],
-            args=[rollout_id, "once" if once else "", *pairs],
+            keys=[
+                self.key("rollout", rollout_id),
+                self.key("rollouts", "live"),
+                self.key("infra-failures"),
+            ],
+            args=[rollout_id, "once" if once else "", entry, RECENT_FAILURES_MAX, *pairs],
         )
         if not raw:
             return None
         flat = [str(x) for x in raw]
         return _decode(dict(zip(flat[::2], flat[1::2], strict=True)))
+
+    async def get_many(self, rollout_ids: list[str]) -> list[Rollout | None]:
+        """The records of ``rollout_ids`` in one round trip (None where there is none)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rollout_id in rollout_ids:
+                pipe.hgetall(self.key("rollout", rollout_id))
+            raws = await pipe.execute()
+        return [_decode(raw) if raw else None for raw in raws]
+
+    async def call_counts(self, rollout_ids: list[str]) -> list[int]:
+        """:meth:`call_count` of each of ``rollout_ids``, in one round trip."""
+        if not rollout_ids:
+            return []
+        values = await self.redis.mget([self.key("rollout", i, "seq") for i in rollout_ids])
+        return [int(v or 0) for v in values]
+
+    async def indexed_ids(self, start: int, count: int) -> list[str]:
+        """Rollout ids from the listing index, newest first."""
+        ids = await self.redis.zrevrange(self.key("rollouts", "index"), start, start + count - 1)
+        return [str(i) for i in ids]
+
+    async def recent_failures(self) -> list[InfraFailureEntry]:
+        """The newest infrastructure failures, newest first."""
+        raw = await self.redis.lrange(self.key("infra-failures"), 0, -1)
+        return [InfraFailureEntry.model_validate_json(r) for r in raw]
 
     async def live_ids(self) -> list[str]:
         ids = await self.redis.zrange(self.key("rollouts", "live"), 0, -1)

@@ -103,6 +103,8 @@ def stack_env(settings: Settings) -> dict[str, str]:
         "ORCH_HEARTBEAT_INTERVAL_S": "1",
         "ORCH_REAPER_INTERVAL_S": "2",
         "ORCH_LOG_FORMAT": "json",
+        # Several workers run on this machine: each stack names its own port (0: none).
+        "ORCH_WORKER_METRICS_PORT": str(settings.worker_metrics_port),
     }
 
 
@@ -114,8 +116,10 @@ def stack(
         update={
             "deployment": settings.deployment + "-e2e",
             "api_port": free_port(),
+            "worker_metrics_port": free_port(),
             "host_id": f"h1-{uuid.uuid4().hex[:6]}",
             "api_tokens": TOKEN,
+            "log_format": "json",  # as stack_env says: commands built from it agree
         }
     )
     codebase = f"e2e-requests-{uuid.uuid4().hex[:6]}"
@@ -207,6 +211,7 @@ def reaper_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iter
         update={
             "deployment": stack.settings.deployment + "-r",
             "api_port": free_port(),
+            "worker_metrics_port": free_port(),
             "host_id": f"h2-{uuid.uuid4().hex[:6]}",
             # The first stack's state dir: sandbox socket paths must stay short, and
             # they are per sandbox id, so the two deployments never collide there.

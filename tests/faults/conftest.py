@@ -147,6 +147,7 @@ def fault_stack(settings: Settings, base_image: str) -> Iterator[FaultStack]:
                 "deployment": settings.deployment + "-f",
                 "state_dir": state_dir,
                 "api_port": free_port(),
+                "worker_metrics_port": 0,
                 "host_id": f"f1-{uuid.uuid4().hex[:6]}",
                 "api_tokens": TOKEN,
                 "redis_url": server.url,

@@ -1,0 +1,199 @@
+"""``orchestrator rollouts ls|show``: the deployment's rollouts, and one rollout's
+trajectory step by step (views/rollouts.py reads them from Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+from collections.abc import Awaitable, Callable
+from typing import Annotated, TypeVar
+
+import typer
+from pydantic import TypeAdapter
+from rich.console import Console, Group, RenderableType
+from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from orchestrator.config import get_settings
+from orchestrator.outcomes import Outcome
+from orchestrator.rollouts.models import RolloutState, TrajectoryStep
+from orchestrator.rollouts.store import RolloutStore
+from orchestrator.views.format import age, arguments_text, head, ms
+from orchestrator.views.models import RolloutDetail, RolloutSummary
+from orchestrator.views.rollouts import list_rollouts, rollout_detail
+
+app = typer.Typer(help="The deployment's rollouts.", no_args_is_help=True)
+
+T = TypeVar("T")
+
+OUTCOME_STYLES = {
+    Outcome.OK: "green",
+    Outcome.AGENT_ERROR: "yellow",
+    Outcome.INFRA_ERROR: "bold red",
+    Outcome.REJECTED: "magenta",
+}
+
+
+def _with_store(read: Callable[[RolloutStore], Awaitable[T]]) -> T:
+    settings = get_settings()
+
+    async def run() -> T:
+        store = RolloutStore(settings.redis_url, settings.key_prefix)
+        try:
+            return await read(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def _outcome(outcome: Outcome | None) -> Text:
+    if outcome is None:
+        return Text("-")
+    return Text(outcome.value, style=OUTCOME_STYLES.get(outcome, ""))
+
+
+@app.command("ls")
+def ls(
+    state: Annotated[RolloutState | None, typer.Option(help="Only rollouts in this state.")] = None,
+    outcome: Annotated[
+        Outcome | None, typer.Option(help="Only rollouts with this outcome.")
+    ] = None,
+    limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 50,
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """The newest rollouts: trace id, rollout id, environment, state, outcome, calls,
+    score, age."""
+    rollouts = _with_store(
+        lambda store: list_rollouts(
+            store,
+            state=state.value if state else None,
+            outcome=outcome.value if outcome else None,
+            limit=limit,
+        )
+    )
+    if json_:
+        adapter = TypeAdapter(list[RolloutSummary])
+        typer.echo(adapter.dump_json(rollouts, indent=2).decode())
+        return
+    table = Table(title=f"rollouts ({len(rollouts)}, newest first)", title_justify="left")
+    for column in ("trace id", "rollout id", "environment", "state", "outcome"):
+        table.add_column(column, overflow="fold")
+    for column in ("calls", "score", "age"):
+        table.add_column(column, justify="right")
+    for r in rollouts:
+        table.add_row(
+            r.trace_id or "-",
+            r.rollout_id,
+            r.environment,
+            r.state.value,
+            _outcome(r.outcome),
+            str(r.calls),
+            "-" if r.score is None else f"{r.score:.3f}",
+            age(r.age_s),
+        )
+    Console().print(table)
+
+
+@app.command("show")
+def show(
+    rollout: Annotated[str, typer.Argument(help="A trace id (Agent RFT) or a rollout id.")],
+    lines: Annotated[int, typer.Option(min=1, help="Lines of each output to show.")] = 12,
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """One rollout: outcome, score, infra failure and its evidence, then the trajectory
+    step by step (tool, arguments, outcome, duration, the head of the output)."""
+    detail = _with_store(lambda store: rollout_detail(store, rollout))
+    if detail is None:
+        typer.echo(
+            f"error: no rollout {rollout!r} in deployment {get_settings().deployment}", err=True
+        )
+        raise typer.Exit(1)
+    if json_:
+        typer.echo(detail.model_dump_json(indent=2))
+        return
+    console = Console()
+    console.print(_header(detail))
+    if not detail.trajectory:
+        console.print("(no tool call recorded)")
+    for step in detail.trajectory:
+        console.print(_step(step, lines))
+
+
+def _when(timestamp: float | None) -> str:
+    if timestamp is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(timestamp).isoformat(sep=" ", timespec="seconds")
+
+
+def _header(detail: RolloutDetail) -> RenderableType:
+    s = detail.summary
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    rows: list[tuple[str, str | Text]] = [
+        ("trace id", s.trace_id or "-"),
+        ("rollout id", s.rollout_id),
+        ("source", s.source),
+        ("environment", f"{s.environment}" + (f" (codebase {s.codebase})" if s.codebase else "")),
+        ("state", s.state.value),
+        ("outcome", _outcome(s.outcome)),
+        ("score", "-" if s.score is None else f"{s.score:.4g}"),
+        ("calls", f"{s.calls} made, {detail.calls_in_flight} in flight"),
+        (
+            "host / sandbox",
+            f"{s.host or '-'} / {s.sandbox_id or '-'}" + (" (warm pool)" if s.pool_hit else ""),
+        ),
+        ("created", f"{_when(s.created_at)} ({age(s.age_s)} ago)"),
+        ("graded", _when(detail.graded_at)),
+        ("closed", _when(detail.closed_at)),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    parts: list[RenderableType] = [table]
+    if detail.grade_details:
+        details = Table.grid(padding=(0, 2))
+        details.add_column(style="bold")
+        details.add_column(overflow="fold")
+        for key, value in detail.grade_details.items():
+            details.add_row(key, escape(json.dumps(value, default=str)))
+        parts.append(Panel(details, title="grade details", title_align="left"))
+    if detail.infra_failure:
+        failure = detail.infra_failure
+        body = Text.assemble(
+            (f"{failure.get('cause', '?')}: ", "bold red"),
+            str(failure.get("message", "")),
+            "\nat " + _when(failure.get("at")),
+            "\nevidence:\n" + json.dumps(failure.get("evidence") or {}, indent=2, default=str),
+        )
+        parts.append(
+            Panel(body, title="infrastructure failure", title_align="left", border_style="red")
+        )
+    return Panel(Group(*parts), title=f"rollout {s.trace_id or s.rollout_id}", title_align="left")
+
+
+def _step(step: TrajectoryStep, lines: int) -> RenderableType:
+    timing = ms(step.duration_ms)
+    if step.queue_ms is not None or step.exec_ms is not None:
+        timing += f" (queue {ms(step.queue_ms)}, exec {ms(step.exec_ms)})"
+    title = Text.assemble(
+        (f"#{step.seq} {step.tool}", "bold"),
+        "  ",
+        _outcome(step.outcome),
+        f"  exit {step.exit_code}" if step.exit_code is not None else "",
+        f"  {step.error_kind}" if step.error_kind else "",
+        f"  {timing}",
+        "  truncated" if step.truncated else "",
+    )
+    output, more = head(step.output, lines)
+    body = Text.assemble(
+        ("arguments: ", "dim"),
+        arguments_text(step.arguments),
+        "\n",
+        output,
+        (f"\n… {more} more lines" if more else "", "dim"),
+    )
+    return Panel(body, title=title, title_align="left")
