@@ -11,7 +11,7 @@ from typing import Annotated, TypeVar
 
 import typer
 from pydantic import TypeAdapter
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
@@ -21,7 +21,7 @@ from orchestrator.config import get_settings
 from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.models import RolloutState, TrajectoryStep
 from orchestrator.rollouts.store import RolloutStore
-from orchestrator.views.format import age, arguments_text, head, ms
+from orchestrator.views.format import age, arguments_text, console, head, ms
 from orchestrator.views.models import RolloutDetail, RolloutSummary
 from orchestrator.views.rollouts import list_rollouts, rollout_detail
 
@@ -95,7 +95,7 @@ def ls(
             "-" if r.score is None else f"{r.score:.3f}",
             age(r.age_s),
         )
-    Console().print(table)
+    console().print(table)
 
 
 @app.command("show")
@@ -115,12 +115,12 @@ def show(
     if json_:
         typer.echo(detail.model_dump_json(indent=2))
         return
-    console = Console()
-    console.print(_header(detail))
+    out = console()
+    out.print(_header(detail))
     if not detail.trajectory:
-        console.print("(no tool call recorded)")
+        out.print("(no tool call recorded)")
     for step in detail.trajectory:
-        console.print(_step(step, lines))
+        out.print(_step(step, lines))
 
 
 def _when(timestamp: float | None) -> str:

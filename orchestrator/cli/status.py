@@ -15,7 +15,7 @@ from typing import Annotated
 
 import httpx
 import typer
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -25,7 +25,7 @@ from orchestrator.environments.loader import EnvironmentRegistry, load_environme
 from orchestrator.queue.app import celery_app
 from orchestrator.queue.client import QueueClient
 from orchestrator.rollouts.store import RolloutStore
-from orchestrator.views.format import age, ms, size
+from orchestrator.views.format import age, console, ms, size
 from orchestrator.views.models import CallStats, StatusSnapshot
 from orchestrator.views.scrape import Scrape, call_stats, fetch
 from orchestrator.views.state import read_state
@@ -224,7 +224,7 @@ def status(
     settings = get_settings()
     url = api_url or default_api_url(settings)
     registry = load_environments(settings)
-    console = Console()
+    out = console()
     if once or json_:
         # Rates need a window: two scrapes --interval apart.
         _, before = take_snapshot(settings, registry, url, None)
@@ -233,11 +233,11 @@ def status(
         if json_:
             typer.echo(snapshot.model_dump_json(indent=2))
         else:
-            console.print(render(snapshot))
+            out.print(render(snapshot))
         return
     snapshot, before = take_snapshot(settings, registry, url, None)
     try:
-        with Live(render(snapshot), console=console, auto_refresh=False) as live:
+        with Live(render(snapshot), console=out, auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
                 snapshot, after = take_snapshot(settings, registry, url, before)

@@ -91,8 +91,16 @@ def configure_logging(settings: Settings | None = None) -> None:
     for name in ("uvicorn", "uvicorn.error", "celery"):
         logging.getLogger(name).handlers = []
         logging.getLogger(name).propagate = True
-    # One line per HTTP request from a client library is noise, not a log.
-    for chatty in ("httpx", "httpcore"):
+    # Noise, not logs: a line per HTTP request from a client library, and Celery's "task
+    # received/succeeded" and beat's "sending due task" for every call and reaper pass (the
+    # worker logs what matters itself; a failed task still logs at ERROR).
+    for chatty in (
+        "httpx",
+        "httpcore",
+        "celery.worker.strategy",
+        "celery.app.trace",
+        "celery.beat",
+    ):
         logging.getLogger(chatty).setLevel(max(level, logging.WARNING))
     _configured = True
 

@@ -3,7 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 from typing import Any
+
+from rich.console import Console
+
+# Piped or captured output has no terminal to size to; rich would assume 80 columns and
+# fold ids and tables into unreadable columns.
+PIPED_WIDTH = 160
+
+
+def console() -> Console:
+    """The console the views print to: the terminal's width, or a wide page when piped."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return Console()
+    return Console(width=PIPED_WIDTH)
 
 
 def age(seconds: float | None) -> str:
