@@ -137,10 +137,12 @@ def host_status(previous: dict[str, Any]) -> dict[str, Any]:
 
     ``schedulable`` is False (the host is cordoned: no new sandboxes) while any check
     fails; ``docker_failures`` counts consecutive failed daemon probes, and the reaper
-    fails the rollouts of a host whose daemon failed ``host_unhealthy_after`` in a row."""
+    fails the rollouts of a host whose daemon failed ``host_unhealthy_after`` in a row
+    (only where an outage of the backend loses the sandboxes: not a Kubernetes API server's)."""
     settings = get_settings()
     health = backend().host_health()
-    failures = 0 if health.docker_ok else int(previous.get("docker_failures", 0)) + 1
+    lost = not health.docker_ok and health.outage_loses_sandboxes
+    failures = int(previous.get("docker_failures", 0)) + 1 if lost else 0
     reasons: list[str] = []
     if not health.docker_ok:
         reasons.append(f"daemon: {health.error}")

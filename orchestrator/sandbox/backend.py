@@ -206,6 +206,13 @@ class HostHealth(BaseModel):
     )
     sandboxes: int = Field(description="Sandboxes of this deployment on this host.")
     error: str | None = None
+    outage_loses_sandboxes: bool = Field(
+        True,
+        description="Whether the backend being unreachable means this host's sandboxes are "
+        "lost: true for a Docker daemon (its restart takes the containers with it), false "
+        "for a Kubernetes API server (pods run on while it is away; a lost node shows in "
+        "each pod's status). When false, a failed probe only cordons the host.",
+    )
 
 
 class SandboxError(Exception):

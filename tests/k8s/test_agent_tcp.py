@@ -140,11 +140,23 @@ def test_read_file_works(tcp_agent: Agent) -> None:
     assert missing.value.kind == "not_found"
 
 
+def _logs_once_they_say(tcp_agent: Agent, text: str, timeout_s: float = 10) -> str:
+    """The container's logs once they hold ``text``: Docker copies a container's output
+    asynchronously, so a line written just before the reply may not be there yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        logs: str = tcp_agent.container.logs().decode()
+        if text in logs or time.monotonic() > deadline:
+            assert text in logs, logs[-2000:]
+            return logs
+        time.sleep(0.05)
+
+
 def test_wrong_token_is_refused_and_logged(tcp_agent: Agent) -> None:
     with pytest.raises(AgentProtocolError, match="Unauthorized"):
         tcp_agent.call(agent.exec_request("touch /workspace/pwned", 10, 4096, "/"), token="guess")
-    logs = tcp_agent.container.logs().decode()
-    assert "refused a request" in logs and "wrong token" in logs
+    logs = _logs_once_they_say(tcp_agent, "wrong token")
+    assert "refused a request" in logs
     check = agent.exec_request("test -e /workspace/pwned && echo yes || echo no", 10, 64, "/")
     assert agent.exec_result(tcp_agent.call(check)).stdout.head == "no\n"
 
@@ -155,7 +167,7 @@ def test_missing_token_is_refused_and_logged(tcp_agent: Agent) -> None:
         sock.sendall(json.dumps(request).encode() + b"\n")
         reply = json.loads(sock.makefile("rb").readline())
     assert reply == {"ok": False, "error": "Unauthorized: bad token"}
-    assert "missing token" in tcp_agent.container.logs().decode()
+    _logs_once_they_say(tcp_agent, "missing token")
 
 
 def test_port_checks_do_not_disturb_the_agent(tcp_agent: Agent) -> None:

@@ -31,6 +31,11 @@ class AgentProtocolError(SandboxError):
     """The agent answered something that is not a valid reply."""
 
 
+class AgentUnauthorized(AgentProtocolError):
+    """The agent refused the request's token: over TCP, the address is another sandbox's
+    (a dead pod's IP given to a new pod)."""
+
+
 class CommandSpawnFailed(SandboxError):
     """The agent could not start the command (fork failed, e.g. the pids limit is hit)."""
 
@@ -103,6 +108,8 @@ def parse_reply(raw: bytes) -> dict[str, Any]:
         raise AgentProtocolError(f"exec agent sent invalid JSON: {raw[:200]!r}") from exc
     if not isinstance(reply, dict) or not reply.get("ok"):
         error = reply.get("error") if isinstance(reply, dict) else reply
+        if isinstance(error, str) and error.startswith("Unauthorized"):
+            raise AgentUnauthorized(f"exec agent failed: {error}")
         raise AgentProtocolError(f"exec agent failed: {error}")
     result = reply.get("result")
     if not isinstance(result, dict):

@@ -178,7 +178,7 @@ class KubernetesBackend(agent.AgentBackend):
                     if seen.ready or seen.fatal:
                         break
             except httpx2.HTTPStatusError as exc:
-                if exc.response.status_code != 410:
+                if _status_code(exc) != 410:
                     raise _fault("watch sandbox pod", exc) from exc
                 # Our version is too old for the watch cache: start again from a read.
                 current = self._get_pod(name)
@@ -230,7 +230,9 @@ class KubernetesBackend(agent.AgentBackend):
             return agent.call_tcp(
                 endpoint.ip, self.settings.k8s_agent_port, endpoint.token, request, timeout_s
             )
-        except SandboxUnavailable as exc:
+        except (SandboxUnavailable, agent.AgentUnauthorized) as exc:
+            # A refused token means the pod IP now belongs to another sandbox (pod IPs are
+            # reused): this sandbox's agent is as unreachable as if nothing answered.
             self._forget(handle.sandbox_id)
             # Only on failure, so calls never pay for it: what the pod's status says.
             raise SandboxUnavailable(f"{exc}; {self._state_evidence(handle)}") from exc
@@ -244,8 +246,9 @@ class KubernetesBackend(agent.AgentBackend):
             return known
         pod = self._get_pod(handle.native_id)
         ip = pod.status.podIP if pod and pod.status else None
-        if pod is None or not ip:
-            verdict = assess(pod)
+        verdict = assess(pod)
+        # An ended pod keeps its podIP in its status, but the IP is free for other pods.
+        if pod is None or not ip or not verdict.alive:
             raise SandboxUnavailable(
                 f"sandbox {handle.sandbox_id} has no agent to reach: {verdict.state}: "
                 f"{verdict.detail}"
@@ -328,18 +331,34 @@ class KubernetesBackend(agent.AgentBackend):
         """This worker's health for its heartbeat. ``docker_ok`` means "the backend is
         reachable" (here: the API server answered a list of this worker's sandboxes, timed
         as ``docker_ping_ms``); ``disk_free_bytes`` is the worker's own ``state_dir`` (the
-        sandboxes' disks are the nodes', watched by the kubelet). Never raises."""
+        sandboxes' disks are the nodes', watched by the kubelet). An unreachable API server
+        only cordons this worker: its pods run on and are reached without it
+        (``outage_loses_sandboxes``). Never raises."""
         disk_free = _free_bytes(self.settings.state_dir)
         started = time.monotonic()
+        # Only this worker's pods, selected by the API server: every worker lists on every
+        # heartbeat, and the namespace may hold thousands of other workers' sandboxes.
+        selector = self._selector()
+        if pods.label_safe(self.host):
+            selector[labels.HOST] = self.host
         try:
-            mine = [h for h in self.list_owned() if h.host == self.host]
-        except SandboxError as exc:
+            found = self.client.list(Pod, namespace=self.namespace, labels=selector)
+            mine = [h for h in map(self._handle_of, found) if h.host == self.host]
+        except KUBE_FAILURES as exc:
             return HostHealth(
-                docker_ok=False, disk_free_bytes=disk_free, sandboxes=0, error=str(exc)[:500]
+                docker_ok=False,
+                disk_free_bytes=disk_free,
+                sandboxes=0,
+                error=str(_fault("list sandbox pods", exc))[:500],
+                outage_loses_sandboxes=False,
             )
         ping_ms = round((time.monotonic() - started) * 1000, 2)
         return HostHealth(
-            docker_ok=True, docker_ping_ms=ping_ms, disk_free_bytes=disk_free, sandboxes=len(mine)
+            docker_ok=True,
+            docker_ping_ms=ping_ms,
+            disk_free_bytes=disk_free,
+            sandboxes=len(mine),
+            outage_loses_sandboxes=False,
         )
 
     def _get_pod(self, name: str) -> Pod | None:
@@ -457,6 +476,15 @@ def _free_bytes(path: Path) -> int:
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
+
+
+def _status_code(exc: httpx2.HTTPStatusError) -> int:
+    """The HTTP status of a refusal. The API server reports an expired watch (410) as an
+    ERROR event inside a 200 stream: lightkube raises that as an ApiError with a Status and
+    no response."""
+    if isinstance(exc, ApiError):
+        return int(exc.status.code or 0)
+    return exc.response.status_code
 
 
 def _fault(action: str, exc: BaseException) -> SandboxError:

@@ -111,6 +111,20 @@ def assess(
         return _infra("node_lost", f"being removed: {_condition(disruption)}")
     if meta is not None and meta.deletionTimestamp is not None:
         return _infra("terminating", "the pod is being deleted")
+    seed = _failed_init(pod) if terminated is None else None
+    if phase == "Failed" and seed is not None:
+        # The agent never started: the evidence is the init container that failed.
+        ended = seed.state.terminated if seed.state else None
+        seed_code = ended.exitCode if ended else None
+        seed_why = f"{ended.reason or ''} {(ended.message or '').strip()}".strip() if ended else ""
+        return PodVerdict(
+            state="exited",
+            outcome=Outcome.INFRA_ERROR,
+            fatal=True,
+            exit_code=seed_code,
+            detail=f"init container {seed.name} failed: exit={seed_code} reason={seed_why} "
+            f"{message}".strip(),
+        )
     if phase in ("Failed", "Succeeded") or terminated is not None:
         code = terminated.exitCode if terminated else None
         why = terminated.reason if terminated else reason
@@ -157,6 +171,16 @@ def _pending(
     waits = [f"{c.name}: {_waiting(c)}" for c in everyone if c.state and c.state.waiting]
     detail = "pending" + (f" ({'; '.join(waits)})" if waits else "")
     return _starting("pending", detail, False, pending_for_s, timeout_s)
+
+
+def _failed_init(pod: Pod) -> ContainerStatus | None:
+    """The init container that ended with a non-zero exit, if any."""
+    inits = (pod.status.initContainerStatuses if pod.status else None) or []
+    for container in inits:
+        ended = container.state.terminated if container.state else None
+        if ended is not None and ended.exitCode != 0:
+            return container
+    return None
 
 
 def _starting(

@@ -32,7 +32,8 @@ def watch_pod(
 ) -> Iterator[tuple[str, Pod]]:
     """Events (ADDED, MODIFIED, DELETED) of pod ``name`` after ``resource_version``, for
     at most ``timeout_s``. Raises ``httpx2.HTTPError`` (410 Gone: the version is too old,
-    start again from a fresh read)."""
+    start again from a fresh read; as an ERROR event in the stream, it is an ``ApiError``
+    without a response)."""
     seconds = max(1, math.ceil(timeout_s))
     # lightkube's generic client: the public watch has no deadline (see the module doc).
     generic: Any = client._client

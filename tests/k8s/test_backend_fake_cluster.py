@@ -1,0 +1,439 @@
+"""``KubernetesBackend`` end to end against the fake control plane of fake_cluster.py, whose
+kubelet runs each pod as real Docker containers: create (pod, Secret, watch until Ready,
+agent ping), commands and files through the agent at the pod IP with the token, probes of
+healthy, killed, OOM-killed and node-lost sandboxes, failed starts that leave nothing
+behind, destroy, listing, the leftover sweep and the heartbeat's count.
+
+What the fake cannot show (scheduling, CNI, NetworkPolicy, RuntimeClasses, a real kubelet)
+is listed in docs/kubernetes-backend.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+from lightkube import Client, KubeConfig
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Secret
+
+from orchestrator.config import Settings
+from orchestrator.environments.examples import ensure_requests_codebase
+from orchestrator.sandbox.agent import client as agent
+from orchestrator.sandbox.agent.client import AgentProtocolError
+from orchestrator.sandbox.backend import (
+    BackendUnavailable,
+    SandboxError,
+    SandboxHandle,
+    SandboxLimits,
+    SandboxSpec,
+    SandboxUnavailable,
+)
+from orchestrator.sandbox.k8s import pods
+from orchestrator.sandbox.k8s.backend import Endpoint, KubernetesBackend
+from tests.k8s.fake_cluster import FakeCluster
+
+pytestmark = pytest.mark.xdist_group("k8s-fake")
+
+NAMESPACE = "orchestrator-sandboxes"
+
+
+@pytest.fixture(scope="module")
+def codebase_image(settings: Settings, base_image: str) -> str:
+    """The `requests` codebase: the init container copies its /workspace into the pod."""
+    return ensure_requests_codebase(settings)
+
+
+@pytest.fixture(scope="module")
+def cluster(settings: Settings, client: docker.DockerClient) -> Iterator[FakeCluster]:
+    # The kubelet's containers carry a deployment of their own (still this run's, for the
+    # leak check), so the Docker backend's label sweeps never take them for its sandboxes.
+    with FakeCluster(client, docker_deployment=f"{settings.deployment}-kubelet") as fake:
+        yield fake
+
+
+def k8s_settings(settings: Settings, **overrides: Any) -> Settings:
+    chosen: dict[str, Any] = {
+        "deployment": settings.deployment,
+        "state_dir": settings.state_dir,
+        "sandbox_backend": "kubernetes",
+        "host_id": "worker-a",
+        "sandbox_start_timeout_s": 15,
+        "k8s_pending_timeout_s": 60,
+    }
+    return Settings(**{**chosen, **overrides})
+
+
+@pytest.fixture(scope="module")
+def k8s(settings: Settings, cluster: FakeCluster) -> Iterator[KubernetesBackend]:
+    backend = KubernetesBackend(k8s_settings(settings), client=cluster.client())
+    yield backend
+    for handle in backend.list_owned():
+        backend.destroy(handle)
+    cluster.settle()
+
+
+@pytest.fixture(scope="module")
+def sandbox(k8s: KubernetesBackend, codebase_image: str) -> Iterator[SandboxHandle]:
+    """One healthy sandbox of the `requests` codebase, shared by the tests that only read."""
+    handle = k8s.create(spec(codebase_image, "fake-cluster-shared"))
+    yield handle
+    k8s.destroy(handle)
+
+
+@pytest.fixture()
+def make(k8s: KubernetesBackend, cluster: FakeCluster, base_image: str) -> Iterator[Any]:
+    """Sandboxes of the base image for one test, destroyed (and checked gone) afterwards."""
+    made: list[SandboxHandle] = []
+
+    def create(rollout_id: str = "fake-cluster", **limits: Any) -> SandboxHandle:
+        handle = k8s.create(spec(base_image, rollout_id, **limits))
+        made.append(handle)
+        return handle
+
+    yield create
+    for handle in made:
+        k8s.destroy(handle)
+    cluster.settle()
+    for handle in made:
+        assert cluster.docker_objects(handle.native_id) == []
+
+
+def spec(image: str, rollout_id: str, **limits: Any) -> SandboxSpec:
+    return SandboxSpec(
+        image=image,
+        rollout_id=rollout_id,
+        limits=SandboxLimits(**{"memory_mb": 512, "disk_mb": 256, **limits}),
+    )
+
+
+def pod_ip(cluster: FakeCluster, handle: SandboxHandle) -> str:
+    pod = cluster.read("pods", handle.native_id)
+    assert pod is not None
+    ip: str = pod["status"]["podIP"]
+    return ip
+
+
+def phase_is(phase: str) -> Any:
+    return lambda pod: pod.get("status", {}).get("phase") == phase
+
+
+def test_a_sandbox_runs_commands_and_reads_the_codebase(
+    k8s: KubernetesBackend, cluster: FakeCluster, sandbox: SandboxHandle
+) -> None:
+    before = len(cluster.requests)
+    result = k8s.exec(
+        sandbox,
+        "id -u; pwd; echo note > note.txt; git log --oneline | wc -l; touch /etc/x 2>&1",
+        timeout_s=30,
+        output_budget_bytes=4096,
+    )
+    assert result.exit_code != 0  # the read-only root refused the last command
+    lines = result.stdout.head.splitlines()
+    assert lines[:2] == ["1000", "/workspace"]
+    assert int(lines[2]) >= 1  # the init container copied the codebase, .git included
+    assert "Read-only file system" in lines[3]
+    found = k8s.read_file(sandbox, "src/requests/sessions.py", max_bytes=1 << 20)
+    assert "class Session" in found.text
+    note = k8s.read_file(sandbox, "note.txt", max_bytes=64)
+    assert note.text == "note\n"
+    # Tool calls go to the agent at the pod IP, never through the API server.
+    assert len(cluster.requests) == before
+
+
+def test_the_pod_is_what_the_backend_rendered_and_owns_its_secret(
+    k8s: KubernetesBackend,
+    cluster: FakeCluster,
+    client: docker.DockerClient,
+    sandbox: SandboxHandle,
+) -> None:
+    pod = cluster.read("pods", sandbox.native_id)
+    secret = cluster.read("secrets", sandbox.native_id)
+    assert pod is not None and secret is not None
+    for key, value in pods.selector(k8s.settings).items():
+        assert pod["metadata"]["labels"][key] == value
+        assert secret["metadata"]["labels"][key] == value
+    owner = secret["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["uid"]) == (
+        "Pod",
+        sandbox.native_id,
+        pod["metadata"]["uid"],
+    )
+    ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
+    assert pod["status"]["phase"] == "Running" and ready["Ready"] == "True"
+    # The kubelet ran the container as the pod says: uid 1000, read-only, no capabilities.
+    container = cluster.main_container(sandbox.native_id)
+    container.reload()
+    attrs = container.attrs
+    host = attrs["HostConfig"]
+    assert attrs["Config"]["User"] == "1000:1000"
+    assert host["ReadonlyRootfs"] and host["CapDrop"] == ["ALL"]
+    assert "no-new-privileges" in host["SecurityOpt"]
+    assert host["Memory"] == 512 * 2**20
+
+
+def test_the_agent_refuses_requests_without_the_sandbox_token(
+    k8s: KubernetesBackend, cluster: FakeCluster, sandbox: SandboxHandle
+) -> None:
+    ip = pod_ip(cluster, sandbox)
+    port = k8s.settings.k8s_agent_port
+    touch = agent.exec_request("touch /workspace/pwned", 10, 256, "/")
+    with pytest.raises(AgentProtocolError, match="Unauthorized"):
+        agent.call_tcp(ip, port, "not-the-token", touch, 10)
+    with socket.create_connection((ip, port), timeout=10) as sock:
+        sock.sendall(json.dumps(touch).encode() + b"\n")
+        reply = json.loads(sock.makefile("rb").readline())
+    assert reply == {"ok": False, "error": "Unauthorized: bad token"}
+    check = k8s.exec(
+        sandbox, "test -e pwned && echo yes || echo no", timeout_s=10, output_budget_bytes=64
+    )
+    assert check.stdout.head == "no\n"
+
+
+def test_a_healthy_sandbox_probes_healthy(k8s: KubernetesBackend, sandbox: SandboxHandle) -> None:
+    probe = k8s.probe(sandbox)
+    assert (probe.alive, probe.agent_ok, probe.state, probe.agent_caused) == (
+        True,
+        True,
+        "running",
+        None,
+    )
+
+
+def test_another_worker_reaches_the_sandbox_through_the_api(
+    settings: Settings, cluster: FakeCluster, k8s: KubernetesBackend, sandbox: SandboxHandle
+) -> None:
+    """A worker that did not create the sandbox reads its IP and token from the API, and the
+    heartbeat of each worker counts only its own sandboxes."""
+    other = KubernetesBackend(k8s_settings(settings, host_id="worker-b"), client=cluster.client())
+    result = other.exec(sandbox, "echo hi", timeout_s=10, output_budget_bytes=64)
+    assert result.stdout.head == "hi\n"
+    assert sandbox.sandbox_id in {h.sandbox_id for h in other.list_owned()}
+    mine = [h for h in k8s.list_owned() if h.host == "worker-a"]
+    assert k8s.host_health().sandboxes == len(mine) >= 1
+    assert k8s.host_health().docker_ok
+    health = other.host_health()
+    assert health.docker_ok and health.sandboxes == 0
+
+
+def test_list_owned_reads_back_every_label_and_destroy_is_idempotent(
+    k8s: KubernetesBackend, cluster: FakeCluster, make: Any, base_image: str
+) -> None:
+    odd = "trace_" + "x" * 70 + "/odd"  # not label-safe: kept as an annotation
+    first = make(rollout_id="fake-cluster-one")
+    second = make(rollout_id=odd)
+    listed = {h.sandbox_id: h for h in k8s.list_owned()}
+    assert listed[first.sandbox_id].rollout_id == "fake-cluster-one"
+    assert listed[second.sandbox_id].rollout_id == odd
+    for handle in (first, second):
+        found = listed[handle.sandbox_id]
+        assert (found.host, found.runtime, found.image, found.native_id) == (
+            "worker-a",
+            "runc",
+            base_image,
+            handle.native_id,
+        )
+        assert (found.created_at, found.expires_at) == (handle.created_at, handle.expires_at)
+    k8s.destroy(first)
+    k8s.destroy(first)  # idempotent: a 404 is success
+    assert first.sandbox_id not in {h.sandbox_id for h in k8s.list_owned()}
+    assert cluster.read("pods", first.native_id) is None
+    assert cluster.read("secrets", first.native_id) is None
+    cluster.settle()
+    assert cluster.docker_objects(first.native_id) == []
+    gone = k8s.probe(first)
+    assert (gone.alive, gone.state) == (False, "missing")
+    assert k8s.probe(second).alive
+
+
+def test_a_killed_sandbox_probes_as_exited_not_by_the_agent(
+    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+) -> None:
+    handle = make()
+    cluster.kill(handle.native_id)
+    probe = k8s.probe(handle)
+    assert (probe.alive, probe.state, probe.exit_code, probe.oom_killed, probe.agent_caused) == (
+        False,
+        "exited",
+        137,
+        False,
+        None,
+    )
+    assert "reason=Error" in probe.detail
+    # Not to the dead pod's IP (free for other pods): its status says why.
+    with pytest.raises(SandboxUnavailable, match="no agent to reach: exited"):
+        k8s.exec(handle, "true", timeout_s=5, output_budget_bytes=64)
+
+
+def test_a_reused_pod_ip_is_not_taken_for_the_sandbox(
+    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+) -> None:
+    """Pod IPs are reused: a worker remembering a dead pod's IP may reach another sandbox's
+    agent, which refuses the token. That is "unreachable" with the pod's state, and the
+    worker reads the address again."""
+    first, second = make(), make()
+    token = k8s._endpoint(first).token
+    # As if first's old IP now belonged to second's pod, while this worker remembers it.
+    k8s._remember(first.sandbox_id, Endpoint(pod_ip(cluster, second), token))
+    with pytest.raises(SandboxUnavailable, match=r"Unauthorized.*sandbox state: running"):
+        k8s.exec(first, "true", timeout_s=5, output_budget_bytes=64)
+    again = k8s.exec(first, "echo again", timeout_s=5, output_budget_bytes=64)
+    assert again.stdout.head == "again\n"
+
+
+def test_an_oom_killed_sandbox_is_the_agents_doing(
+    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+) -> None:
+    handle = make(memory_mb=128)
+    # The whole container may go before the agent replies.
+    with contextlib.suppress(SandboxUnavailable):
+        k8s.exec(
+            handle, "python3 -c 'x = bytearray(400 << 20)'", timeout_s=30, output_budget_bytes=1024
+        )
+    cluster.wait_for_pod(handle.native_id, phase_is("Failed"))
+    probe = k8s.probe(handle)
+    assert (probe.alive, probe.state, probe.oom_killed, probe.agent_caused) == (
+        False,
+        "oom_killed",
+        True,
+        "memory_limit",
+    )
+
+
+def test_a_lost_node_is_an_infrastructure_fault(
+    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+) -> None:
+    handle = make()
+    cluster.lose_node(handle.native_id)
+    probe = k8s.probe(handle)
+    assert (probe.alive, probe.state, probe.agent_caused) == (False, "node_lost", None)
+    assert "DisruptionTarget" in probe.detail
+
+
+def test_an_image_that_cannot_be_pulled_fails_the_create_and_leaves_nothing(
+    k8s: KubernetesBackend, cluster: FakeCluster
+) -> None:
+    pods_before, secrets_before = cluster.names("pods"), cluster.names("secrets")
+    objects_before = set(cluster.docker_objects())
+    with pytest.raises(SandboxError) as failed:
+        k8s.create(spec("orchestrator/no-such-image:fake-cluster", "fake-cluster-pull"))
+    message = str(failed.value)
+    assert "image_pull_failed" in message and "ImagePullBackOff" in message
+    assert "events:" in message and "Failed to pull image" in message
+    cluster.settle()
+    assert cluster.names("pods") == pods_before
+    assert cluster.names("secrets") == secrets_before
+    assert set(cluster.docker_objects()) == objects_before
+
+
+def test_a_pod_that_never_gets_ready_times_out_and_leaves_nothing(
+    settings: Settings, cluster: FakeCluster, base_image: str
+) -> None:
+    pending = KubernetesBackend(
+        k8s_settings(settings, k8s_pending_timeout_s=1.5, k8s_node_selector={"pool": "gpu"}),
+        client=cluster.client(),
+    )
+    pods_before, secrets_before = cluster.names("pods"), cluster.names("secrets")
+    with pytest.raises(SandboxError) as failed:
+        pending.create(spec(base_image, "fake-cluster-pending"))
+    message = str(failed.value)
+    assert "unschedulable" in message and "not Ready within 1.5 s" in message
+    assert "FailedScheduling" in message
+    cluster.settle()
+    assert cluster.names("pods") == pods_before
+    assert cluster.names("secrets") == secrets_before
+
+
+def test_create_survives_an_expired_watch(
+    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+) -> None:
+    """The API server's history is compacted between the create and the watch: the watch
+    gets 410 Gone as an ERROR event, and the backend starts again from a fresh read."""
+    cluster.expire_next_watch()
+    handle = make(rollout_id="fake-cluster-expired")
+    assert any(
+        method == "GET" and path.endswith(f"/pods/{handle.native_id}")
+        for method, path in cluster.requests
+    )
+    assert k8s.exec(handle, "echo up", timeout_s=10, output_budget_bytes=64).stdout.head == "up\n"
+
+
+def test_sweep_leftovers_removes_only_settled_orphan_secrets(
+    k8s: KubernetesBackend, cluster: FakeCluster, sandbox: SandboxHandle
+) -> None:
+    orphan = pods.pod_name(k8s.settings, "sbx-orphan00000")
+    meta = ObjectMeta(name=orphan, labels=dict(pods.selector(k8s.settings)))
+    k8s.client.create(Secret(metadata=meta, type="Opaque", data={}), namespace=NAMESPACE)
+    assert k8s.sweep_leftovers() == 0  # young: its pod may be on its way
+    assert cluster.read("secrets", orphan) is not None
+    cluster.backdate("secrets", orphan, seconds=3600)
+    assert k8s.sweep_leftovers() == 1
+    assert cluster.read("secrets", orphan) is None
+    assert cluster.read("secrets", sandbox.native_id) is not None  # its pod lives
+
+
+def test_the_backend_finds_the_api_server_through_kubeconfig(
+    settings: Settings,
+    cluster: FakeCluster,
+    sandbox: SandboxHandle,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As a worker outside the cluster builds it: no client given, KUBECONFIG set."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps(cluster.kubeconfig()))  # JSON is YAML
+    monkeypatch.setenv("KUBECONFIG", str(path))
+    backend = KubernetesBackend(k8s_settings(settings))
+    assert sandbox.sandbox_id in {h.sandbox_id for h in backend.list_owned()}
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    with pytest.raises(BackendUnavailable, match="no Kubernetes configuration"):
+        KubernetesBackend(k8s_settings(settings))
+
+
+def test_an_api_server_that_refuses_or_is_gone_is_reported_not_raised_by_the_heartbeat(
+    settings: Settings, cluster: FakeCluster, sandbox: SandboxHandle
+) -> None:
+    config = cluster.kubeconfig()
+    config["users"][0]["user"]["token"] = "wrong"
+    refused = KubernetesBackend(
+        k8s_settings(settings), client=Client(config=KubeConfig.from_dict(config), trust_env=False)
+    )
+    health = refused.host_health()
+    assert not health.docker_ok and "401 Unauthorized" in (health.error or "")
+    with pytest.raises(SandboxError, match="kubernetes refused to read sandbox pod: 401"):
+        refused.probe(sandbox)
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    config["clusters"][0]["cluster"]["server"] = f"http://127.0.0.1:{port}"
+    gone = KubernetesBackend(
+        k8s_settings(settings), client=Client(config=KubeConfig.from_dict(config), trust_env=False)
+    )
+    health = gone.host_health()
+    assert not health.docker_ok and "unreachable" in (health.error or "")
+    # Pods run on without the API server: the worker is cordoned, its rollouts kept.
+    assert not health.outage_loses_sandboxes
+    with pytest.raises(BackendUnavailable, match="kubernetes API unreachable"):
+        gone.create(spec(settings.base_image, "fake-cluster-gone"))
+
+
+def test_a_failed_workspace_seed_fails_the_create_with_its_evidence(
+    k8s: KubernetesBackend, cluster: FakeCluster
+) -> None:
+    """An image without /workspace: the init container's copy fails, so does the pod."""
+    pods_before, secrets_before = cluster.names("pods"), cluster.names("secrets")
+    with pytest.raises(SandboxError) as failed:
+        k8s.create(spec("debian:bookworm-slim", "fake-cluster-seed"))
+    message = str(failed.value)
+    assert "(exited)" in message
+    assert "init container workspace-seed failed: exit=1 reason=Error" in message
+    cluster.settle()
+    assert cluster.names("pods") == pods_before
+    assert cluster.names("secrets") == secrets_before
