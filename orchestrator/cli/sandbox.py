@@ -52,9 +52,9 @@ def run(
         console.print(f"[red]error:[/red] {exc}")
         raise typer.Exit(2) from exc
     backend = _backend()
-    spec = SandboxSpec.from_settings(
-        settings, image=image, rollout_id="cli", runtime=cast(Runtime, runtime or None)
-    )
+    # No rollout id: an ad hoc sandbox, left to its expiry by the workers' orphan sweep
+    # (which destroys a sandbox naming a rollout without a record, even mid-command).
+    spec = SandboxSpec.from_settings(settings, image=image, runtime=cast(Runtime, runtime or None))
     try:
         handle = backend.create(spec)
     except SandboxError as exc:

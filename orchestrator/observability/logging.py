@@ -97,6 +97,9 @@ def configure_logging(settings: Settings | None = None) -> None:
     for chatty in (
         "httpx",
         "httpcore",
+        # lightkube's fork of httpx: the Kubernetes backend's list on every heartbeat.
+        "httpx2",
+        "httpcore2",
         "celery.worker.strategy",
         "celery.app.trace",
         "celery.beat",

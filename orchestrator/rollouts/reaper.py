@@ -161,7 +161,7 @@ def sweep_orphans(backend: SandboxBackend, client: redis.Redis, settings: Settin
         if rollout_id == POOL_LABEL:
             pooled, owner = pool_owner(client, settings, handle.sandbox_id)
             # A young one may be on its way into its pool.
-            if pooled or now - handle.created_at.timestamp() < POOL_DELIVERY_S:
+            if pooled or now - handle.created_at.timestamp() < pool_delivery_s(settings):
                 continue
             rollout_id = owner or f"{POOL_LABEL}-unclaimed"
         key = f"{settings.key_prefix}rollout:{rollout_id}"
@@ -186,6 +186,17 @@ def sweep_orphans(backend: SandboxBackend, client: redis.Redis, settings: Settin
             reason=why,
         )
     return destroyed
+
+
+def pool_delivery_s(settings: Settings) -> float:
+    """How long a pool sandbox may be unclaimed after its creation began. A pod may wait
+    ``k8s_pending_timeout_s`` for a node (the cluster autoscaler adding one) or an image
+    pull, then for its agent: sweeping it sooner deletes it under its creator."""
+    if settings.sandbox_backend != "kubernetes":
+        return POOL_DELIVERY_S
+    # Plus slack for the API calls around the wait and the delivery to Redis.
+    creation = settings.k8s_pending_timeout_s + settings.sandbox_start_timeout_s + 30
+    return max(POOL_DELIVERY_S, creation)
 
 
 def _orphaned(state: Any, sandbox: Any, closed_at: Any, sandbox_id: str) -> str | None:

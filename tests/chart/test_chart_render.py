@@ -187,6 +187,9 @@ def test_config_map_is_read_by_the_real_settings(
     assert parsed.api_host == "0.0.0.0"
     assert parsed.worker_metrics_host == "0.0.0.0"
     assert parsed.log_format == "json"
+    # The API must not give up on a pod before its worker does.
+    creating = parsed.k8s_pending_timeout_s + parsed.sandbox_start_timeout_s
+    assert parsed.sandbox_create_timeout_s >= creating
 
 
 def test_environments_are_mounted_where_the_setting_points(
