@@ -11,9 +11,8 @@ Real here:
   the pod's command, uid/gid and ``fsGroup``, read-only root, capabilities dropped, no new
   privileges, memory and CPU limits; the Secret's keys as read-only files where the pod mounts
   them; ``emptyDir`` volumes as Docker volumes (tmpfs for ``medium: Memory``); the init
-  container run first, on the shared workspace volume; the pod IP is the main container's
-  address on Docker's bridge, and readiness is a TCP connect to the probe's port, as the
-  kubelet's ``tcpSocket`` probe.
+  container run first, on the shared workspace volume; readiness is a TCP connect to the
+  probe's port, as the kubelet's ``tcpSocket`` probe.
 
 Fake, and said so:
 
@@ -22,6 +21,15 @@ Fake, and said so:
   then ``ImagePullBackOff``);
 - no admission, defaulting or schema validation beyond what is named above; no NetworkPolicy,
   CNI, RuntimeClass handlers (only ``runc``), evictions, or ``activeDeadlineSeconds``;
+- the pod network: a real pod has a network namespace of its own; here the main container
+  shares the host's (Docker's host networking), so every connection to a pod stays on
+  loopback, where tests may send traffic (never to a bridge address, which CI may not route).
+  Each pod gets an address of its own in 127.0.0.0/8 (``loopback.claim``), the kubelet
+  rewrites the agent's ``--listen tcp:0.0.0.0:PORT`` to that address, reports it as
+  ``status.podIP`` and probes it there; ``hand_out`` gives a chosen address to the next pod,
+  as a CNI reuses a terminated pod's IP. So the sandbox is not network-isolated in these
+  tests (it can reach anything on the host's loopback; the init container has no network),
+  and no test here may rely on it being so; the NetworkPolicy is not enforced either way;
 - the garbage collector runs at once, not in the background; the watch history is kept until
   ``expire_next_watch`` drops it; probes run every ``PROBE_PERIOD_S``, not every second;
 - on cgroup v1 (no ``memory.oom.group``) the kubelet stands in for it: an OOM kill in a
@@ -37,6 +45,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
+import itertools
 import json
 import re
 import shutil
@@ -60,6 +69,7 @@ from docker.types import Mount
 from lightkube import Client, KubeConfig
 
 from orchestrator.sandbox import labels
+from tests.k8s import loopback
 
 Obj = dict[str, Any]
 MountKind = Literal["bind", "volume"]
@@ -360,6 +370,7 @@ class FakeCluster:
         self.requests: list[tuple[str, str]] = []
         self.runs: dict[str, PodRun] = {}
         self.runs_lock = threading.Lock()
+        self.next_addresses: list[str] = []  # under runs_lock
         self.closed = threading.Event()
         self.scratch = Path(tempfile.mkdtemp(prefix="orch-fake-kubelet-"))
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
@@ -474,6 +485,12 @@ class FakeCluster:
             pod["metadata"]["deletionGracePeriodSeconds"] = 1
 
         self.store.update("pods", run.namespace, run.name, run.uid, lost)
+
+    def hand_out(self, address: str) -> None:
+        """The next pod to start gets ``address`` as its IP, as a CNI hands a terminated
+        pod's address to a new pod (its kubelet fails the pod if the address is still held)."""
+        with self.runs_lock:
+            self.next_addresses.append(address)
 
     def expire_next_watch(self) -> None:
         """The next watch from a resourceVersion finds it compacted (410 Gone)."""
@@ -696,6 +713,7 @@ class _Kubelet:
         # Volume name -> (Docker source, mount type, read-only).
         self.volumes: dict[str, tuple[str, MountKind, bool]] = {}
         self.started = timestamp()
+        self.address: str | None = None  # the pod IP on loopback, while the pod holds it
 
     # status helpers
 
@@ -974,8 +992,9 @@ class _Kubelet:
             no_copy=kind == "volume",
         )
 
-    def start(self, container: Obj, **extra: Any) -> Container:
-        command = [*(container.get("command") or []), *(container.get("args") or [])]
+    def start(self, container: Obj, command: list[str] | None = None, **extra: Any) -> Container:
+        if command is None:
+            command = [*(container.get("command") or []), *(container.get("args") or [])]
         made = self.cluster.docker.containers.create(
             container["image"],
             command=command or None,
@@ -1028,10 +1047,12 @@ class _Kubelet:
 
     def run_main(self, container: Obj) -> None:
         init = bool(self.spec.get("shareProcessNamespace"))  # the pause process reaps
-        made = self.start(container, network_mode="bridge", init=init)
+        command = [*(container.get("command") or []), *(container.get("args") or [])]
+        ip = self.claim_address(_listen_port(command))
+        made = self.start(
+            container, command=_listen_on(command, ip), network_mode="host", init=init
+        )
         self.run_.main = made
-        made.reload()
-        ip = made.attrs["NetworkSettings"]["IPAddress"]
         started = {"running": {"startedAt": timestamp()}}
         self.set_status(
             phase="Running",
@@ -1076,6 +1097,20 @@ class _Kubelet:
                     ],
                 )
 
+    def claim_address(self, port: int | None) -> str:
+        """The pod's loopback address: one handed out for it, else a fresh one, with the
+        agent's port free there."""
+        with self.cluster.runs_lock:
+            wanted = self.cluster.next_addresses.pop(0) if self.cluster.next_addresses else None
+        self.address, _ = loopback.claim(port or 0, wanted)
+        return self.address
+
+    def release_address(self) -> None:
+        """The pod's containers are gone: its address is free for other pods."""
+        if self.address is not None:
+            loopback.release(self.address)
+            self.address = None
+
     @staticmethod
     def probe_port(container: Obj, probe: Obj) -> int | None:
         port = (probe.get("tcpSocket") or {}).get("port")
@@ -1085,6 +1120,8 @@ class _Kubelet:
         return None if port is None else int(port)
 
     def report_exit(self, container: Obj, made: Container, started: Obj) -> None:
+        # Before the status says so: a test that saw the pod end may hand its IP out.
+        self.release_address()
         state = made.attrs["State"]
         code = int(state["ExitCode"])
         reason = "OOMKilled" if state.get("OOMKilled") else ("Completed" if code == 0 else "Error")
@@ -1108,6 +1145,7 @@ class _Kubelet:
     def teardown(self) -> None:
         run = self.run_
         _remove_labelled(self.cluster.docker, [f"{POD_UID_LABEL}={run.uid}"])
+        self.release_address()
         shutil.rmtree(self.cluster.scratch / run.uid, ignore_errors=True)
         # A pod deleted gracefully is gone from the API once its containers are.
         pod = self.cluster.read("pods", run.name, run.namespace)
@@ -1118,6 +1156,24 @@ class _Kubelet:
 
 
 _PodInitializing: Obj = {"waiting": {"reason": "PodInitializing"}}
+
+
+def _listen_port(command: list[str]) -> int | None:
+    """The port of the agent's ``--listen tcp:HOST:PORT`` in a pod's command, if any."""
+    for flag, value in itertools.pairwise(command):
+        if flag == "--listen" and value.startswith("tcp:"):
+            return int(value.rpartition(":")[2])
+    return None
+
+
+def _listen_on(command: list[str], address: str) -> list[str]:
+    """The command with the agent's ``--listen tcp:HOST:PORT`` moved to ``address``: the
+    pod shares the host's network, where 0.0.0.0 would be every pod's port at once."""
+    moved = list(command)
+    for i, (flag, value) in enumerate(itertools.pairwise(command)):
+        if flag == "--listen" and value.startswith("tcp:"):
+            moved[i + 1] = f"tcp:{address}:{value.rpartition(':')[2]}"
+    return moved
 
 
 def _connects(ip: str, port: int) -> bool:

@@ -1,7 +1,9 @@
 """The real exec agent in its Kubernetes mode (TCP, per-sandbox token, commands as its own
 user), in a real container of the sandbox base image run as a pod would run it: uid 1000,
-read-only root, no capabilities, no new privileges. Reached over the bridge network by the
-TCP client, as a worker reaches a pod's IP."""
+read-only root, no capabilities, no new privileges. Reached by the TCP client as a worker
+reaches a pod's IP, but on loopback: the container shares the host's network and the agent
+listens on an address of its own in 127.0.0.0/8 (tests send no traffic to bridge
+addresses). So the container is not network-isolated here, and no test relies on it."""
 
 from __future__ import annotations
 
@@ -26,27 +28,32 @@ from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.agent.client import AgentProtocolError
 from orchestrator.sandbox.backend import FileReadError, SandboxUnavailable
 from orchestrator.sandbox.k8s import pods
+from tests.k8s import loopback
 
-PORT = 7070
 AGENT_DIR = "/opt/orchestrator/agent"
 
 
 class Agent:
     """Where the agent in the container listens, and its token."""
 
-    def __init__(self, container: Container, ip: str, token: str) -> None:
+    def __init__(self, container: Container, ip: str, port: int, token: str) -> None:
         self.container = container
         self.ip = ip
+        self.port = port
         self.token = token
 
     def call(self, request: dict[str, object], token: str | None = None) -> dict[str, object]:
-        return agent.call_tcp(self.ip, PORT, self.token if token is None else token, request, 30)
+        token = self.token if token is None else token
+        return agent.call_tcp(self.ip, self.port, token, request, 30)
 
 
 @pytest.fixture(scope="module")
 def tcp_agent(settings: Settings, base_image: str, client: docker.DockerClient) -> Iterator[Agent]:
     token = secrets.token_urlsafe(32)
-    with tempfile.TemporaryDirectory(prefix="orch-k8s-agent-") as scratch:
+    with (
+        loopback.held() as (ip, port),
+        tempfile.TemporaryDirectory(prefix="orch-k8s-agent-") as scratch,
+    ):
         # As the pod's Secret volume: the agent's code and its token, read-only, readable
         # by the sandbox's group (fsGroup 1000 on Kubernetes).
         secret_dir = Path(scratch)
@@ -63,12 +70,13 @@ def tcp_agent(settings: Settings, base_image: str, client: docker.DockerClient) 
                 "-S",
                 f"{AGENT_DIR}/{pods.AGENT_KEY}",
                 "--listen",
-                f"tcp:0.0.0.0:{PORT}",
+                f"tcp:{ip}:{port}",
                 "--token-file",
                 f"{AGENT_DIR}/{pods.TOKEN_KEY}",
                 "--same-user",
             ],
             detach=True,
+            network_mode="host",
             name=f"orch-{settings.deployment}-k8s-agent-{secrets.token_hex(3)}",
             labels={labels.MANAGED: "true", labels.DEPLOYMENT: settings.deployment},
             user=f"{pods.SANDBOX_UID}:{pods.SANDBOX_UID}",
@@ -86,10 +94,7 @@ def tcp_agent(settings: Settings, base_image: str, client: docker.DockerClient) 
             mounts=[Mount(AGENT_DIR, str(secret_dir), type="bind", read_only=True)],
         )
         try:
-            container.reload()
-            ip = container.attrs["NetworkSettings"]["IPAddress"]
-            assert ip, "the container has no bridge address"
-            ready = Agent(container, ip, token)
+            ready = Agent(container, ip, port, token)
             deadline = time.monotonic() + 20
             while True:
                 try:
@@ -163,7 +168,7 @@ def test_wrong_token_is_refused_and_logged(tcp_agent: Agent) -> None:
 
 def test_missing_token_is_refused_and_logged(tcp_agent: Agent) -> None:
     request = agent.exec_request("echo ran", 10, 4096, "/")
-    with socket.create_connection((tcp_agent.ip, PORT), timeout=10) as sock:
+    with socket.create_connection((tcp_agent.ip, tcp_agent.port), timeout=10) as sock:
         sock.sendall(json.dumps(request).encode() + b"\n")
         reply = json.loads(sock.makefile("rb").readline())
     assert reply == {"ok": False, "error": "Unauthorized: bad token"}
@@ -173,6 +178,6 @@ def test_missing_token_is_refused_and_logged(tcp_agent: Agent) -> None:
 def test_port_checks_do_not_disturb_the_agent(tcp_agent: Agent) -> None:
     """The kubelet's readiness probe opens and closes a connection with no request."""
     for _ in range(3):
-        with socket.create_connection((tcp_agent.ip, PORT), timeout=10):
+        with socket.create_connection((tcp_agent.ip, tcp_agent.port), timeout=10):
             pass
     assert "version" in tcp_agent.call(agent.PING_REQUEST)

@@ -11,6 +11,7 @@ is listed in docs/kubernetes-backend.md.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import socket
 from collections.abc import Iterator
@@ -176,6 +177,10 @@ def test_the_pod_is_what_the_backend_rendered_and_owns_its_secret(
     assert host["ReadonlyRootfs"] and host["CapDrop"] == ["ALL"]
     assert "no-new-privileges" in host["SecurityOpt"]
     assert host["Memory"] == 512 * 2**20
+    # The fake's one liberty with the pod network: the host's, on a loopback address.
+    address = ipaddress.ip_address(pod["status"]["podIP"])
+    assert host["NetworkMode"] == "host"
+    assert address.is_loopback and address not in ipaddress.ip_network("127.0.0.0/16")
 
 
 def test_the_agent_refuses_requests_without_the_sandbox_token(
@@ -285,6 +290,28 @@ def test_a_reused_pod_ip_is_not_taken_for_the_sandbox(
         k8s.exec(first, "true", timeout_s=5, output_budget_bytes=64)
     again = k8s.exec(first, "echo again", timeout_s=5, output_budget_bytes=64)
     assert again.stdout.head == "again\n"
+
+
+def test_a_killed_pods_ip_handed_to_a_new_pod_reaches_nothing_of_the_old_sandbox(
+    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+) -> None:
+    """The pod dies, the network hands its IP to a new pod, and a worker still remembers
+    the old address: the new pod's agent refuses the old token, so no command of the dead
+    sandbox runs in another, and the failure carries the dead pod's state."""
+    dead = make(rollout_id="fake-cluster-dead")
+    old_ip = pod_ip(cluster, dead)
+    cluster.kill(dead.native_id)
+    cluster.wait_for_pod(dead.native_id, phase_is("Failed"))
+    cluster.hand_out(old_ip)
+    heir = make(rollout_id="fake-cluster-heir")
+    assert pod_ip(cluster, heir) == old_ip
+    with pytest.raises(SandboxUnavailable, match=r"Unauthorized.*sandbox state: exited"):
+        k8s.exec(dead, "touch /workspace/from-the-dead", timeout_s=5, output_budget_bytes=64)
+    check = "test -e /workspace/from-the-dead && echo yes || echo no"
+    assert k8s.exec(heir, check, timeout_s=5, output_budget_bytes=64).stdout.head == "no\n"
+    # The worker forgot the address; the pod's status says there is no agent to reach.
+    with pytest.raises(SandboxUnavailable, match="no agent to reach: exited"):
+        k8s.exec(dead, "true", timeout_s=5, output_budget_bytes=64)
 
 
 def test_an_oom_killed_sandbox_is_the_agents_doing(

@@ -63,7 +63,7 @@ RUNNING_READY = {
     "phase": "Running",
     "podIP": "10.244.1.17",
     "podIPs": [{"ip": "10.244.1.17"}],
-    "hostIP": "172.18.0.3",
+    "hostIP": "192.168.49.2",
     "qosClass": "Guaranteed",
     "startTime": T0,
     "conditions": [
@@ -102,7 +102,7 @@ SEED_PULLING: dict[str, Any] = {
 
 IMAGE_PULL_BACKOFF: dict[str, Any] = {
     "phase": "Pending",
-    "hostIP": "172.18.0.3",
+    "hostIP": "192.168.49.2",
     "podIP": "10.244.1.18",
     "qosClass": "Guaranteed",
     "startTime": T0,
