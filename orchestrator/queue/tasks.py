@@ -8,6 +8,7 @@ import functools
 import os
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -324,14 +325,15 @@ def _fill_one(pool: PoolTarget) -> bool:
     if not worker.take_own_slot():
         filler.deliver(pool, None)
         return False
+    transit = filler.hold_in_transit(f"create:{uuid.uuid4().hex}")
     try:
         handle = worker.backend().create(pool.spec)
     except SandboxError as exc:
         log.warning("pool.create_failed", pool=pool.name, error=str(exc))
         worker.release_slot(get_settings().host_id)
-        filler.deliver(pool, None)
+        filler.deliver(pool, None, transit)
         return False
-    filler.deliver(pool, handle)
+    filler.deliver(pool, handle, transit)
     return True
 
 

@@ -19,7 +19,7 @@ from orchestrator.config import get_settings
 from orchestrator.environments.loader import EnvironmentRegistry, load_environments
 from orchestrator.observability.logging import get_logger
 from orchestrator.queue.payloads import ToolCall, ToolCallDone
-from orchestrator.rollouts.admission import TAKE_SLOT
+from orchestrator.rollouts.admission import TAKE_SLOT, load_key
 from orchestrator.rollouts.pools import PoolFiller
 from orchestrator.rollouts.tickets import WorkerTickets
 from orchestrator.sandbox.factory import HostBackend, make_backend
@@ -95,14 +95,14 @@ def _slot_script() -> Any:
 def take_own_slot() -> bool:
     """A slot of this host's capacity for a new sandbox (rollouts/admission.py)."""
     settings = get_settings()
-    key = f"{settings.key_prefix}host-rollouts"
+    key = load_key(settings)
     taken = _slot_script()(keys=[key], args=[settings.host_id, settings.host_max_sandboxes])
     return bool(taken)
 
 
 def release_slot(host_id: str) -> None:
     """Give back a slot of ``host_id`` (its sandbox is gone or was never made)."""
-    redis_client().hincrby(f"{get_settings().key_prefix}host-rollouts", host_id, -1)
+    redis_client().hincrby(load_key(get_settings()), host_id, -1)
 
 
 class _InFlight:

@@ -53,6 +53,32 @@ def load_key(settings: Settings) -> str:
     return f"{settings.key_prefix}host-rollouts"
 
 
+TRANSIT_MAX_S = 900
+"""A slot in transit for longer than this belongs to a holder that crashed: the recount
+stops counting it (a pool creation waits at most the create lane plus a start; a hand-out
+at most a probe)."""
+
+
+def transit_key(settings: Settings) -> str:
+    """The sorted set of slots held by sandboxes in transit, which neither a rollout record
+    nor a pool's ready list shows yet: a pool sandbox being created, or one taken from its
+    pool and being probed. Members ``<host>|<tag>``; scores: when to stop counting them."""
+    return f"{settings.key_prefix}slots-in-transit"
+
+
+def transit_member(host: str, tag: str) -> str:
+    return f"{host}|{tag}"
+
+
+def count_in_transit(members: list[str]) -> dict[str, int]:
+    """Slots in transit per host, from the set's members."""
+    counts: dict[str, int] = {}
+    for member in members:
+        host = member.rpartition("|")[0]
+        counts[host] = counts.get(host, 0) + 1
+    return counts
+
+
 def waiting_key(settings: Settings) -> str:
     """The sorted set of new rollouts waiting for a slot (scores: their deadlines)."""
     return f"{settings.key_prefix}admission-waiting"
@@ -133,6 +159,15 @@ class Admission:
     async def release(self, host: str) -> None:
         """Give a slot back (the sandbox was destroyed, or never made)."""
         await self.redis.hincrby(self._load_key(), host, -1)
+
+    async def in_transit(self) -> dict[str, int]:
+        """Slots held per host by sandboxes in transit (see :func:`transit_key`)."""
+        key = transit_key(self.settings)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.zremrangebyscore(key, "-inf", time.time())
+            pipe.zrange(key, 0, -1)
+            _, members = await pipe.execute()
+        return count_in_transit([str(m) for m in members])
 
     async def set_loads(self, counts: dict[str, int]) -> None:
         """Replace the slot counts with ones counted from the records (the reaper), so a

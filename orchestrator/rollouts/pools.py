@@ -6,6 +6,8 @@ Keys (under the deployment's prefix), per pool ``<environment>:<codebase or ->``
   pool:{pool}:pending   counter: sandboxes a worker is creating for it right now
   pool-members          set: pool sandboxes not yet bound to a rollout (the sweep spares them)
   pool-claim:{sbx}      the rollout that took pool sandbox ``sbx`` (the sweep checks it)
+  slots-in-transit      the slots of pool sandboxes being created or handed out
+                        (rollouts/admission.py), which the reaper's slot recount adds
 
 A pool sandbox is used by one rollout only and destroyed with it. It holds its host's
 admission slot (rollouts/admission.py) from creation, and hands it to its rollout. Workers
@@ -25,6 +27,7 @@ import redis
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
 from orchestrator.environments.models import EnvironmentConfig
+from orchestrator.rollouts.admission import TRANSIT_MAX_S, transit_key, transit_member
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 
 POOL_LABEL = "pool"
@@ -41,15 +44,27 @@ redis.call('EXPIRE', KEYS[2], 600)
 return n
 """
 
-# KEYS: ready list, pending counter, members set. ARGV: handle JSON ('' when the creation
-# failed), sandbox id.
+# KEYS: ready list, pending counter, members set, slots in transit. ARGV: handle JSON (''
+# when the creation failed), sandbox id, the creation's transit member. One step, so the
+# sandbox's slot is always counted in one place: in transit, then in the ready list.
 _DELIVER = """
 if ARGV[1] ~= '' then
   redis.call('RPUSH', KEYS[1], ARGV[1])
   redis.call('SADD', KEYS[3], ARGV[2])
 end
 if tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
+redis.call('ZREM', KEYS[4], ARGV[3])
 return 1
+"""
+
+# KEYS: ready list, slots in transit. ARGV: until when to count the slot in transit. Takes
+# a ready sandbox and counts its slot in transit in one step (until bound or discarded).
+_TAKE = """
+local raw = redis.call('LPOP', KEYS[1])
+if not raw then return false end
+local handle = cjson.decode(raw)
+redis.call('ZADD', KEYS[2], ARGV[1], handle['host'] .. '|' .. handle['sandbox_id'])
+return raw
 """
 
 
@@ -117,17 +132,28 @@ class PoolFiller:
         keys = [pool_key(self.settings, pool.name, "ready"), self._pending(pool)]
         return int(self._reserve(keys=keys, args=[pool.size, wanted]))
 
-    def deliver(self, pool: PoolTarget, handle: SandboxHandle | None) -> None:
-        """Put a new sandbox in the pool (None: its creation failed, free the reservation)."""
+    def hold_in_transit(self, tag: str) -> str:
+        """Count a slot this host just took for a pool creation as in transit (the
+        reaper's recount sees it before the sandbox reaches the ready list); returns the
+        member to give :meth:`deliver`."""
+        member = transit_member(self.settings.host_id, tag)
+        self.client.zadd(transit_key(self.settings), {member: time.time() + TRANSIT_MAX_S})
+        return member
+
+    def deliver(self, pool: PoolTarget, handle: SandboxHandle | None, transit: str = "") -> None:
+        """Put a new sandbox in the pool (None: its creation failed, free the reservation),
+        and stop counting its slot in transit."""
         self._deliver(
             keys=[
                 pool_key(self.settings, pool.name, "ready"),
                 self._pending(pool),
                 members_key(self.settings),
+                transit_key(self.settings),
             ],
             args=[
                 handle.model_dump_json() if handle else "",
                 handle.sandbox_id if handle else "",
+                transit,
             ],
         )
 
@@ -183,6 +209,7 @@ class PoolClaims:
     def __init__(self, settings: Settings, client: Any) -> None:
         self.settings = settings
         self.client = client  # redis.asyncio.Redis with decoded responses
+        self._take = client.register_script(_TAKE)
 
     async def take(self, resolved: ResolvedEnvironment) -> SandboxHandle | None:
         """A ready sandbox of this rollout's pool, or None (no pool, or empty). The caller
@@ -190,10 +217,12 @@ class PoolClaims:
         if resolved.environment.pool_size <= 0:
             return None
         name = pool_name(resolved.environment.name, resolved.codebase)
-        raw = await self.client.lpop(pool_key(self.settings, name, "ready"))
+        keys = [pool_key(self.settings, name, "ready"), transit_key(self.settings)]
+        raw = await self._take(keys=keys, args=[time.time() + TRANSIT_MAX_S])
         if raw is None:
             return None
-        # Still a pool member (the orphan sweep spares it) until bound to its rollout.
+        # Still a pool member (the orphan sweep spares it), and its slot in transit (the
+        # recount keeps it), until bound to its rollout.
         return SandboxHandle.model_validate_json(raw)
 
     async def bind(self, handle: SandboxHandle, rollout_id: str, ttl_s: int) -> None:
@@ -201,8 +230,17 @@ class PoolClaims:
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.set(claim_key(self.settings, handle.sandbox_id), rollout_id, ex=ttl_s)
             pipe.srem(members_key(self.settings), handle.sandbox_id)
+            # The rollout's record (its host set) counts the slot from now on.
+            pipe.zrem(transit_key(self.settings), self._in_transit(handle))
             await pipe.execute()
 
     async def forget(self, handle: SandboxHandle) -> None:
-        """The sandbox taken is being destroyed instead of bound."""
-        await self.client.srem(members_key(self.settings), handle.sandbox_id)
+        """The sandbox taken is being destroyed instead of bound (its slot is released)."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.srem(members_key(self.settings), handle.sandbox_id)
+            pipe.zrem(transit_key(self.settings), self._in_transit(handle))
+            await pipe.execute()
+
+    @staticmethod
+    def _in_transit(handle: SandboxHandle) -> str:
+        return transit_member(handle.host, handle.sandbox_id)

@@ -218,9 +218,9 @@ def _orphaned(state: Any, sandbox: Any, closed_at: Any, sandbox_id: str) -> str 
 
 async def _recount_host_loads(store: RolloutStore, service: RolloutService) -> None:
     """Rebuild the per-host slot counts (rollouts/admission.py) from what holds slots:
-    live rollouts with a host, and ready pool sandboxes; so a count that drifted (a crash
-    between taking a slot and using it) heals within one reaper pass. Pool sandboxes being
-    created right now are not counted: a host may briefly take that many more."""
+    live rollouts with a host, ready pool sandboxes, and pool sandboxes in transit (being
+    created, or handed out); so a count that drifted (a crash between taking a slot and
+    using it) heals within one reaper pass."""
     counts: dict[str, int] = {}
     for rollout_id in await store.live_ids():
         rollout = await store.get(rollout_id)
@@ -230,4 +230,8 @@ async def _recount_host_loads(store: RolloutStore, service: RolloutService) -> N
         for raw in await store.redis.lrange(pool_key(service.settings, pool.name, "ready"), 0, -1):
             host = SandboxHandle.model_validate_json(raw).host
             counts[host] = counts.get(host, 0) + 1
+    # Pool sandboxes being created, or taken and being probed, are in neither place yet:
+    # without them a recount during a refill gave their slots away (a host overcommitted).
+    for host, held in (await service.admission.in_transit()).items():
+        counts[host] = counts.get(host, 0) + held
     await service.admission.set_loads(counts)

@@ -15,6 +15,7 @@ from typing import Any
 import docker
 import httpx
 import pytest
+import redis
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -196,10 +197,17 @@ def test_reaps_and_orphans_move_the_workers_counters(
     item = {**planning_item, "codebase": reaper_stack.codebase}
     trace = new_trace()
     backend = DockerBackend(reaper_stack.settings)
-    # A sandbox of this host's deployment that no rollout owns: the sweep's to find.
-    orphan = backend.create(
-        SandboxSpec(image=base_image, rollout_id=f"orphan-{uuid.uuid4().hex[:8]}")
-    )
+    # A sandbox of this host's deployment that no rollout owns: the sweep's to find. Its
+    # rollout has a record while the sandbox is made (as a real one does: the sweep must
+    # not take a sandbox being created), and loses it afterwards (as when Redis lost it).
+    owner = f"orphan-{uuid.uuid4().hex[:8]}"
+    record = f"{reaper_stack.settings.key_prefix}rollout:{owner}"
+    with redis.Redis.from_url(reaper_stack.settings.redis_url) as state:
+        state.hset(record, mapping={"state": "creating"})
+        try:
+            orphan = backend.create(SandboxSpec(image=base_image, rollout_id=owner))
+        finally:
+            state.delete(record)
     try:
         with reaper_stack.client() as client:
             reply = client.post(

@@ -1,0 +1,128 @@
+"""Slots held by pool sandboxes in transit, on real Redis: a pool creation and a hand-out
+are counted from the moment they take their slot until the ready list or the rollout's
+record counts them, so the reaper's recount never gives their slots away."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from orchestrator.config import Settings
+from orchestrator.environments.loader import ResolvedEnvironment, load_environments
+from orchestrator.queue.app import celery_app
+from orchestrator.queue.client import QueueClient
+from orchestrator.rollouts.admission import Admission, transit_key
+from orchestrator.rollouts.pools import PoolClaims, PoolFiller, PoolTarget, pool_key
+from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
+
+ENVIRONMENTS = """\
+environments:
+  - name: pooled
+    image: orchestrator/sandbox-base:latest
+    pool_size: 2
+    tools: [shell]
+    grader: {name: file_f1}
+"""
+
+
+@pytest.fixture
+def unit(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
+    path = tmp_path_factory.mktemp("transit") / "environments.yaml"
+    path.write_text(ENVIRONMENTS)
+    own = settings.model_copy(
+        update={"deployment": settings.deployment + "-tr", "environments_file": path}
+    )
+    yield own
+    client = redis.Redis.from_url(own.redis_url)
+    keys = list(client.scan_iter(match=f"{own.key_prefix}*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def _handle(settings: Settings, sandbox_id: str) -> SandboxHandle:
+    now = datetime.now(UTC)
+    return SandboxHandle(
+        sandbox_id=sandbox_id,
+        backend="docker",
+        host=settings.host_id,
+        runtime="runc",
+        rollout_id="pool",
+        image="orchestrator/sandbox-base:latest",
+        native_id=sandbox_id,
+        created_at=now,
+        expires_at=now + timedelta(hours=1),
+    )
+
+
+def _resolved(settings: Settings) -> ResolvedEnvironment:
+    return load_environments(settings).resolve({"environment": "pooled"})
+
+
+def test_a_pool_creation_is_in_transit_until_delivered(unit: Settings) -> None:
+    async def scenario() -> None:
+        sync = redis.Redis.from_url(unit.redis_url)
+        async_redis = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
+        admission = Admission(unit, QueueClient(unit, celery_app(), async_redis))
+        filler = PoolFiller(unit, sync)
+        pool = PoolTarget(name="pooled:-", size=2, spec=SandboxSpec(image="x"))
+        try:
+            assert await admission.in_transit() == {}
+            creating = filler.hold_in_transit("create:one")
+            failing = filler.hold_in_transit("create:two")
+            assert await admission.in_transit() == {unit.host_id: 2}
+            # Delivered: the ready list counts it now, not the transit set.
+            filler.deliver(pool, _handle(unit, "sbx-one"), creating)
+            filler.deliver(pool, None, failing)
+            assert await admission.in_transit() == {}
+            assert sync.llen(pool_key(unit, "pooled:-", "ready")) == 1
+        finally:
+            sync.close()
+            await async_redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_hand_out_is_in_transit_until_bound_or_forgotten(unit: Settings) -> None:
+    async def scenario() -> None:
+        async_redis = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
+        admission = Admission(unit, QueueClient(unit, celery_app(), async_redis))
+        claims = PoolClaims(unit, async_redis)
+        resolved = _resolved(unit)
+        ready = pool_key(unit, "pooled:-", "ready")
+        try:
+            for sandbox_id in ("sbx-a", "sbx-b"):
+                await async_redis.rpush(ready, _handle(unit, sandbox_id).model_dump_json())
+            first = await claims.take(resolved)
+            second = await claims.take(resolved)
+            assert first is not None and second is not None
+            assert await claims.take(resolved) is None
+            # Taken from the ready list, not yet a rollout's: still holding their slots.
+            assert await admission.in_transit() == {unit.host_id: 2}
+            await claims.bind(first, "ro_one", ttl_s=60)
+            await claims.forget(second)
+            assert await admission.in_transit() == {}
+        finally:
+            await async_redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_crashed_holders_slot_stops_counting(unit: Settings) -> None:
+    async def scenario() -> None:
+        async_redis = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
+        admission = Admission(unit, QueueClient(unit, celery_app(), async_redis))
+        try:
+            # A holder that died long ago: its member's deadline has passed.
+            await async_redis.zadd(transit_key(unit), {f"{unit.host_id}|create:dead": 1.0})
+            assert await admission.in_transit() == {}
+            assert await async_redis.zcard(transit_key(unit)) == 0
+        finally:
+            await async_redis.aclose()
+
+    asyncio.run(scenario())
