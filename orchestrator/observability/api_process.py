@@ -27,7 +27,11 @@ from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors.multiprocess import Multiprocess
 
 from orchestrator.config import Settings, get_settings
-from orchestrator.observability.logging import configure_logging, get_logger
+from orchestrator.observability.logging import (
+    capture_stray_output,
+    configure_logging,
+    get_logger,
+)
 from orchestrator.observability.metrics import MULTIPROC_ENV
 
 APP = "orchestrator.api.app:create_app"
@@ -78,6 +82,7 @@ class _MarkingMultiprocess(Multiprocess):
 def run(settings: Settings, *, workers: int, log_level: str, timeout_keep_alive: int) -> None:
     """Serve the API in the foreground with ``workers`` processes."""
     configure_logging(settings)
+    capture_stray_output(settings)
     path = prepare_multiproc_dir(settings, workers)
     if path is not None:
         get_logger(__name__).info("api.metrics_multiprocess", directory=str(path))

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -106,6 +108,35 @@ def configure_logging(settings: Settings | None = None) -> None:
     ):
         logging.getLogger(chatty).setLevel(max(level, logging.WARNING))
     _configured = True
+
+
+_stdout_captured = False
+
+
+def capture_stray_output(settings: Settings | None = None) -> None:
+    """In JSON mode, turn what a server process prints to stdout (Celery writes its
+    "worker: Warm shutdown" straight to the process's stdout, as libraries may) into log
+    lines, so a log pipeline that parses every line as JSON never meets plain text. Only
+    for servers: a CLI's stdout is its output. Once per process."""
+    global _stdout_captured
+    settings = settings or get_settings()
+    if _stdout_captured or settings.log_format != "json":
+        return
+    configure_logging(settings)
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    os.dup2(write_end, 1)  # fd 1 itself, so sys.__stdout__ and child processes follow
+    os.close(write_end)
+    stray = structlog.get_logger("stdout")
+
+    def relay() -> None:
+        with os.fdopen(read_end, "r", errors="replace") as lines:
+            for line in lines:
+                if line.strip():
+                    stray.info("stdout", text=line.rstrip("\n"))
+
+    threading.Thread(target=relay, name="stdout-relay", daemon=True).start()
+    _stdout_captured = True
 
 
 def get_logger(name: str) -> Any:

@@ -18,6 +18,7 @@ from celery.signals import setup_logging, worker_ready, worker_shutdown, worker_
 from orchestrator.config import get_settings
 from orchestrator.observability.logging import (
     bind_sandbox,
+    capture_stray_output,
     configure_logging,
     get_logger,
     rollout_context,
@@ -51,8 +52,9 @@ def shared_task(name: str) -> Callable[[Task], Task]:
 
 def _on_setup_logging(**_: Any) -> None:
     """Celery's own logging set-up is skipped (a receiver exists): our one root handler
-    formats its lines too."""
+    formats its lines too, and what Celery prints to stdout becomes log lines as well."""
     configure_logging()
+    capture_stray_output()
 
 
 def _on_worker_ready(**_: Any) -> None:
