@@ -24,16 +24,13 @@ from prometheus_client.registry import Collector
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry
 from orchestrator.observability.logging import get_logger
+from orchestrator.queue.app import queue_depth_keys
 from orchestrator.rollouts.admission import load_key, waiting_key
 from orchestrator.rollouts.pools import pool_key, pool_name, pooled_codebases
 from orchestrator.sandbox.backend import SandboxHandle
 
 log = get_logger(__name__)
 
-# Celery's Redis transport keeps a queue as a list under its name, and messages sent with
-# a priority in sibling lists named with this separator and the priority step.
-_PRIORITY_SEP = "\x06\x16"
-_PRIORITY_STEPS = (3, 6, 9)
 # A Redis that does not answer within this is reported down rather than stalling a scrape.
 _REDIS_TIMEOUT_S = 2.0
 
@@ -89,9 +86,8 @@ class StateCollector(Collector):
         pipe.zcount(waiting_key(settings), time.time(), "+inf")
         pipe.zrange(self._key("rollouts", "live"), 0, -1)
         for queue in queues:
-            pipe.llen(queue)
-            for step in _PRIORITY_STEPS:
-                pipe.llen(f"{queue}{_PRIORITY_SEP}{step}")
+            for key in queue_depth_keys(queue):
+                pipe.llen(key)
         for _, pool, _ in pools:
             pipe.lrange(pool_key(settings, pool, "ready"), 0, -1)
         replies = iter(pipe.execute())
@@ -99,9 +95,7 @@ class StateCollector(Collector):
         loads: dict[str, str] = next(replies)
         waiting = int(next(replies))
         live: list[str] = next(replies)
-        depths = {
-            q: sum(int(next(replies)) for _ in range(1 + len(_PRIORITY_STEPS))) for q in queues
-        }
+        depths = {q: sum(int(next(replies)) for _ in queue_depth_keys(q)) for q in queues}
         ready = {pool: list(next(replies)) for _, pool, _ in pools}
         return [
             *self._hosts(beats),

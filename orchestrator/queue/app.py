@@ -21,6 +21,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from celery import Celery
+from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from orchestrator.config import Settings, get_settings
 
@@ -60,3 +61,9 @@ def make_celery(settings: Settings) -> Celery:
 def celery_app() -> Celery:
     """The process's Celery app, from the process's settings."""
     return make_celery(get_settings())
+
+
+def queue_depth_keys(queue: str) -> list[str]:
+    """The Redis lists kombu keeps one Celery queue's waiting messages in (one per
+    priority step: the queue's own name, then siblings with kombu's separator)."""
+    return [queue if step == 0 else f"{queue}{Channel.sep}{step}" for step in PRIORITY_STEPS]

@@ -13,6 +13,7 @@ call's fate is known within about a second whatever happens to the worker:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -28,6 +29,9 @@ CHECK_S = 1.0
 # A failed call is probed before it is answered (queue/tasks.py); a probe of a sandbox whose
 # agent went silent takes up to this long.
 PROBE_ALLOWANCE_S = 30.0
+# A missing heartbeat must stay missing this many intervals before a running call's worker
+# counts as gone (its key expires three intervals after the last beat anyway).
+HEARTBEAT_GRACE_BEATS = 2.0
 
 
 class CallDispatcher:
@@ -98,6 +102,10 @@ class CallDispatcher:
     async def check_running(self, rollout_id: str, call_id: str, host: str, ticket: Ticket) -> None:
         """Raise :class:`CallLost` if the worker instance running the call is gone."""
         beat = await self.queue.heartbeat(host)
+        if beat is None:
+            # Gone only if it stays gone: a Redis that just restarted may have lost the
+            # worker's last beat (AOF syncs every second), and the next one is on its way.
+            beat = await self._heartbeat_within(host, HEARTBEAT_GRACE_BEATS)
         if beat is not None and beat.get("instance") == ticket.worker:
             return
         state = await self.store.mark_ticket_lost(rollout_id, call_id, ticket.worker)
@@ -108,6 +116,16 @@ class CallDispatcher:
                 rollout_id=rollout_id,
                 evidence={"ticket": _evidence(ticket), "heartbeat": beat},
             )
+
+    async def _heartbeat_within(self, host: str, beats: float) -> dict[str, Any] | None:
+        """The host's heartbeat if one appears within ``beats`` heartbeat intervals."""
+        deadline = time.monotonic() + beats * self.settings.heartbeat_interval_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(0.25, self.settings.heartbeat_interval_s / 4))
+            beat = await self.queue.heartbeat(host)
+            if beat is not None:
+                return beat
+        return None
 
     async def _cancel(self, call: ToolCall, why: str, beat: dict[str, Any] | None) -> None:
         """Cancel the queued call; if a worker claimed it meanwhile, keep waiting."""

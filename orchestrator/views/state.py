@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kombu.transport.redis import PRIORITY_STEPS, Channel
 from redis.exceptions import RedisError
 
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry
+from orchestrator.queue.app import queue_depth_keys
 from orchestrator.queue.client import QueueClient
 from orchestrator.rollouts.admission import load_key, waiting_key
 from orchestrator.rollouts.models import RolloutState
@@ -162,12 +162,6 @@ async def _pools(
             )
         )
     return views
-
-
-def queue_depth_keys(queue: str) -> list[str]:
-    """The Redis lists kombu keeps one Celery queue's waiting messages in (one per
-    priority step)."""
-    return [queue if p == 0 else f"{queue}{Channel.sep}{p}" for p in PRIORITY_STEPS]
 
 
 async def _queues(settings: Settings, store: RolloutStore, hosts: list[str]) -> list[QueueDepth]:
