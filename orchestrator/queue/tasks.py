@@ -35,7 +35,7 @@ from orchestrator.queue.payloads import (
     ToolCallDone,
 )
 from orchestrator.rollouts.pools import PoolTarget, targets
-from orchestrator.sandbox.backend import ProbeResult, SandboxError
+from orchestrator.sandbox.backend import ProbeResult, SandboxError, SandboxHandle
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.tools.base import ToolResult, agent_error
 
@@ -195,7 +195,7 @@ def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
     try:
         result = tool.run(worker.backend(), call.handle, call.arguments, tool_settings)
     except SandboxError as exc:
-        probe = _probe(call)
+        probe = _probe(call.handle)
         if probe.agent_caused:
             # The agent's own doing took the whole sandbox down (gVisor ends the sandbox
             # at its memory limit): scored as the agent's mistake, with what is lost.
@@ -213,7 +213,7 @@ def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
             evidence={"probe": probe.model_dump(mode="json")},
         )
     if result.error_kind in _PROBE_AFTER:
-        probe = _probe(call)
+        probe = _probe(call.handle)
         if not (probe.alive and probe.agent_ok) and not probe.agent_caused:
             log.error(
                 "tool.sandbox_unhealthy_after_limit",
@@ -239,9 +239,10 @@ def _killed_by_agent(probe: ProbeResult, budget: int) -> ToolResult:
     return agent_error(message, cause, budget=budget)
 
 
-def _probe(call: ToolCall) -> ProbeResult:
+def _probe(handle: SandboxHandle) -> ProbeResult:
+    """The sandbox's probe; a backend that cannot tell is evidence too (state unknown)."""
     try:
-        return worker.backend().probe(call.handle)
+        return worker.backend().probe(handle)
     except SandboxError as exc:
         return ProbeResult(alive=False, state="unknown", agent_ok=False, detail=f"probe: {exc}")
 
@@ -252,12 +253,7 @@ def probe_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     """Is this sandbox alive and does a trivial command run (before grading)."""
     request = ProbeSandbox.model_validate(payload)
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
-        try:
-            return worker.backend().probe(request.handle).model_dump(mode="json")
-        except SandboxError as exc:
-            detail = f"probe: {exc}"
-            probe = ProbeResult(alive=False, state="unknown", agent_ok=False, detail=detail)
-            return probe.model_dump(mode="json")
+        return _probe(request.handle).model_dump(mode="json")
 
 
 @shared_task(name="orchestrator.destroy_sandbox")
