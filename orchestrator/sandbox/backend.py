@@ -39,6 +39,15 @@ class SandboxLimits(BaseModel):
         "in MB) is killed; None takes the deployment's sandbox_output_mb.",
     )
 
+    def disk_mb_in(self, settings: Settings) -> int:
+        """The disk cap in force: this sandbox's own, else the deployment's."""
+        return settings.sandbox_disk_mb if self.disk_mb is None else self.disk_mb
+
+    def output_mb_in(self, settings: Settings) -> int:
+        """The output past which a command is killed: this sandbox's own, else the
+        deployment's."""
+        return settings.sandbox_output_mb if self.output_mb is None else self.output_mb
+
 
 class SandboxSpec(BaseModel):
     """Everything needed to create one sandbox."""

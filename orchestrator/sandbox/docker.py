@@ -141,7 +141,7 @@ class DockerBackend(agent.AgentBackend):
     ) -> None:
         api = self.client.api
         limits = spec.limits
-        disk_mb = self._disk_mb(spec)
+        disk_mb = spec.limits.disk_mb_in(self.settings)
         workspace = self.workspaces.volume_options(spec.image, stamp[labels.SANDBOX], disk_mb)
         memory = f"{limits.memory_mb}m"
         host_config = api.create_host_config(
@@ -194,7 +194,7 @@ class DockerBackend(agent.AgentBackend):
                 {
                     "memory_mb": limits.memory_mb,
                     "pids": limits.pids,
-                    "output_mb": self._output_mb(spec),
+                    "output_mb": spec.limits.output_mb_in(self.settings),
                     "disk": {"/workspace": disk_mb, "/tmp": limits.tmp_mb, "/home/agent": HOME_MB},
                 }
             ),
@@ -255,14 +255,6 @@ class DockerBackend(agent.AgentBackend):
                     )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
-
-    def _disk_mb(self, spec: SandboxSpec) -> int:
-        disk_mb = spec.limits.disk_mb
-        return self.settings.sandbox_disk_mb if disk_mb is None else disk_mb
-
-    def _output_mb(self, spec: SandboxSpec) -> int:
-        output_mb = spec.limits.output_mb
-        return self.settings.sandbox_output_mb if output_mb is None else output_mb
 
     def destroy(self, handle: SandboxHandle) -> None:
         self._destroy_by_id(handle.sandbox_id)

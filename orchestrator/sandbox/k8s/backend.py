@@ -101,8 +101,8 @@ class KubernetesBackend(agent.AgentBackend):
             self.settings,
             spec,
             identity,
-            disk_mb=self._disk_mb(spec),
-            output_mb=self._output_mb(spec),
+            disk_mb=spec.limits.disk_mb_in(self.settings),
+            output_mb=spec.limits.output_mb_in(self.settings),
         )
         name = pods.pod_name(self.settings, sandbox_id)
         handle = SandboxHandle(
@@ -211,14 +211,6 @@ class KubernetesBackend(agent.AgentBackend):
             except KUBE_FAILURES as exc:
                 raise _fault(action, exc) from exc
         log.info("sandbox.destroyed", sandbox_id=handle.sandbox_id, rollout_id=handle.rollout_id)
-
-    def _disk_mb(self, spec: SandboxSpec) -> int:
-        disk_mb = spec.limits.disk_mb
-        return self.settings.sandbox_disk_mb if disk_mb is None else disk_mb
-
-    def _output_mb(self, spec: SandboxSpec) -> int:
-        output_mb = spec.limits.output_mb
-        return self.settings.sandbox_output_mb if output_mb is None else output_mb
 
     # -- commands --------------------------------------------------------------------------
 
