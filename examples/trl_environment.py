@@ -9,32 +9,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from functools import partial
 from typing import Any
 
 from examples.codebase_planning.agent import localise
+from examples.codebase_planning.episodes import example_parser, rows
 from orchestrator.adapters.trl import (
     OrchestratorEnvironment,
     environment_factory,
     reward_function,
 )
-from orchestrator.environments.examples import planning_example_dir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--token", default=os.environ.get("ORCH_API_TOKEN"))
-    parser.add_argument("--rows", type=int, default=2, help="dataset rows to play")
-    parser.add_argument("--codebase", help="play every row on this codebase instead")
-    return parser.parse_args(argv)
-
-
-def rows(limit: int, codebase: str | None) -> list[dict[str, Any]]:
-    with (planning_example_dir() / "dataset.jsonl").open() as lines:
-        loaded = [json.loads(line) for line, _ in zip(lines, range(limit), strict=False)]
-    return [{**row, "codebase": codebase} if codebase else row for row in loaded]
+    return example_parser(__doc__.splitlines()[0]).parse_args(argv)
 
 
 def play(env: OrchestratorEnvironment, tool: str, arguments: dict[str, Any]) -> str:

@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import importlib
 import json
-import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import yaml
 
 from examples.codebase_planning.agent import localise
-from examples.trl_environment import rows
+from examples.codebase_planning.episodes import example_parser, rows
 from orchestrator.adapters.verl import OrchestratorTool
 from orchestrator.client import InfraFailure
 
@@ -28,11 +27,7 @@ CONFIG = Path(__file__).with_name("verl_tool_config.yaml")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--token", default=os.environ.get("ORCH_API_TOKEN"))
-    parser.add_argument("--rows", type=int, default=2, help="dataset rows to play")
-    parser.add_argument("--codebase", help="play every row on this codebase instead")
+    parser = example_parser(__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=CONFIG)
     return parser.parse_args(argv)
 
