@@ -55,7 +55,7 @@ import httpx
 import redis
 
 from bench import plots
-from bench.common import RESULTS, mem_used_mb, summary, write_report
+from bench.common import RESULTS, function_call, mem_used_mb, summary, write_report
 from orchestrator import local
 from orchestrator.config import Settings
 from orchestrator.environments.examples import ensure_requests_codebase, planning_example_dir
@@ -364,16 +364,8 @@ class Burst:
         n: int,
         call: PlannedCall,
     ) -> CallResult:
-        call_id = f"call_{step}_{n}"
-        body = {
-            "type": "function_call",
-            "id": f"fc_{step}_{n}",
-            "call_id": call_id,
-            "name": call.tool,
-            "arguments": json.dumps(call.arguments),
-            "trace_id": trace,
-            "item": item,
-        }
+        body = function_call(trace, f"{step}_{n}", call.tool, call.arguments, item)
+        call_id = body["call_id"]
         result, _ = await self.post(
             http, "tool", "/agent-rft/tools", body, trace, call_id, tool_label(call), step
         )

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from orchestrator.api.models import FunctionCall
 from orchestrator.config import Settings
 from orchestrator.images.codebases import UnknownCodebase, add_codebase, get_codebase
 from orchestrator.local import free_port
@@ -50,6 +51,20 @@ def summary(values: list[float]) -> dict[str, float]:
         "p99": round(percentile(values, 99), 3),
         "mean": round(statistics.fmean(values), 3) if values else float("nan"),
     }
+
+
+def function_call(
+    trace: str, tag: str, tool: str, arguments: dict[str, Any], item: dict[str, Any]
+) -> dict[str, Any]:
+    """The body Agent RFT posts for one tool call (the API's own model), ids ``*_<tag>``."""
+    return FunctionCall(
+        id=f"fc_{tag}",
+        call_id=f"call_{tag}",
+        name=tool,
+        arguments=json.dumps(arguments),
+        trace_id=trace,
+        item=item,
+    ).model_dump(mode="json")
 
 
 def mem_used_mb() -> float:

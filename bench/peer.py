@@ -59,6 +59,7 @@ from swerex.runtime.abstract import BashAction, Command, CreateBashSessionReques
 from bench.common import (
     BENCH_CODEBASE,
     ensure_bench_codebase,
+    function_call,
     summary,
     throwaway_stack_settings,
     write_report,
@@ -344,15 +345,9 @@ class OrchestratorFleet:
 
     async def _call(self, trace: str, command: str) -> str:
         n = self.seq[trace] = self.seq[trace] + 1
-        body = {
-            "type": "function_call",
-            "id": f"fc_{n}",
-            "call_id": f"call_{n}",
-            "name": "shell",
-            "arguments": json.dumps({"command": command}),
-            "trace_id": trace,
-            "item": {"codebase": BENCH_CODEBASE},
-        }
+        body = function_call(
+            trace, str(n), "shell", {"command": command}, {"codebase": BENCH_CODEBASE}
+        )
         response = await self.http.post("/agent-rft/tools", json=body)
         response.raise_for_status()
         output = str(response.json()["output"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 import uuid
 from typing import Any
@@ -23,6 +22,7 @@ import httpx
 from bench.common import (
     BENCH_CODEBASE,
     ensure_bench_codebase,
+    function_call,
     summary,
     throwaway_stack_settings,
     write_report,
@@ -52,15 +52,7 @@ async def one_rollout(
     item = {"codebase": BENCH_CODEBASE}
 
     async def call(n: int) -> float:
-        body = {
-            "type": "function_call",
-            "id": f"fc_{n}",
-            "call_id": f"call_{n}",
-            "name": "shell",
-            "arguments": json.dumps({"command": command}),
-            "trace_id": trace,
-            "item": item,
-        }
+        body = function_call(trace, str(n), "shell", {"command": command}, item)
         started = time.perf_counter()
         response = await http.post("/agent-rft/tools", json=body)
         elapsed = (time.perf_counter() - started) * 1000
