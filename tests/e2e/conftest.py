@@ -72,7 +72,16 @@ class Stack:
             self.stop(name)
         for host in hosts or (self.settings,):
             collect_expired(DockerBackend(host), everything=True)
-        _flush_redis(self.settings)
+        flush_redis(self.settings)
+
+    def restart_worker(self, **env: str) -> None:
+        """Stop the worker (if running) and start a new one, with ``env`` on top."""
+        from orchestrator.cli.serve import worker_command
+
+        if "worker" in self.procs:
+            self.stop("worker")
+        self.start("worker", worker_command(self.settings), env={**self.env, **env})
+        self.wait_ready()
 
     def wait_ready(self, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -144,7 +153,7 @@ def stack(
         remove_codebase(stack_settings, codebase)
 
 
-def _flush_redis(settings: Settings) -> None:
+def flush_redis(settings: Settings) -> None:
     import redis
 
     client = redis.Redis.from_url(settings.redis_url)
@@ -188,7 +197,7 @@ REAPER_ENVIRONMENTS = {
 }
 
 
-def _reaper_environments_yaml(path: Path) -> Path:
+def reaper_environments_yaml(path: Path) -> Path:
     import yaml
 
     from orchestrator.environments.loader import default_environments_text
@@ -206,7 +215,7 @@ def reaper_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iter
     runs beat: the reaper every second, with environments whose idle timeout and grace
     after grading are a few seconds. Shares the first stack's codebase image."""
     root = tmp_path_factory.mktemp("reaper-stack")
-    env_file = _reaper_environments_yaml(root / "environments.yaml")
+    env_file = reaper_environments_yaml(root / "environments.yaml")
     settings = stack.settings.model_copy(
         update={
             "deployment": stack.settings.deployment + "-r",

@@ -27,7 +27,6 @@ from orchestrator.client import (
 from orchestrator.sandbox.docker import DockerBackend
 from tests.e2e.conftest import TOKEN, Stack
 from tests.e2e.helpers import file_f1, sandboxes_of, wait_for
-from tests.e2e.test_worker_shutdown import _restart_worker
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -124,7 +123,7 @@ def worker_restored(stack: Stack) -> Iterator[None]:
     yield
     if stack.procs.get("worker") is None or stack.procs["worker"].poll() is not None:
         stack.procs.pop("worker", None)
-        _restart_worker(stack)
+        stack.restart_worker()
 
 
 def test_a_503_is_retried_with_the_same_call_id_and_runs_once(
@@ -156,7 +155,7 @@ def test_a_503_is_retried_with_the_same_call_id_and_runs_once(
             )
             caller.start()
             assert refused.wait(timeout=60), "the call was never refused while no worker ran"
-            _restart_worker(stack)
+            stack.restart_worker()
             caller.join(timeout=120)
             assert results, "the retried call did not finish"
             assert results[0].output.count("ran") == 1

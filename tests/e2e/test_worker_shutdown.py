@@ -14,7 +14,6 @@ import httpx
 import pytest
 import redis
 
-from orchestrator.cli.serve import worker_command
 from tests.e2e.conftest import Stack
 from tests.e2e.helpers import error_code, function_call, new_call_id, new_trace
 
@@ -29,17 +28,10 @@ def _heartbeat(stack: Stack) -> Any:
         client.close()
 
 
-def _restart_worker(stack: Stack, **env: str) -> None:
-    if "worker" in stack.procs:
-        stack.stop("worker")
-    stack.start("worker", worker_command(stack.settings), env={**stack.env, **env})
-    stack.wait_ready()
-
-
 @pytest.fixture()
 def worker_restored(stack: Stack) -> Iterator[None]:
     yield
-    _restart_worker(stack)
+    stack.restart_worker()
 
 
 def _post(client: httpx.Client, body: dict[str, Any]) -> httpx.Response:
@@ -74,7 +66,7 @@ def test_sigterm_lets_a_running_call_finish_and_refuses_new_ones_cleanly(
         assert refused.status_code == 503, refused.text
         assert "not run" in refused.json()["error"]["message"]
         stack.procs.pop("worker")
-        _restart_worker(stack)
+        stack.restart_worker()
         retried = _post(client, body)
         assert retried.status_code == 200, retried.text
         assert retried.json()["output"].count("ran") == 1
@@ -85,7 +77,7 @@ def test_sigterm_lets_a_running_call_finish_and_refuses_new_ones_cleanly(
 def test_a_call_past_the_shutdown_grace_is_an_infra_error(
     stack: Stack, planning_item: dict[str, Any], worker_restored: None
 ) -> None:
-    _restart_worker(stack, ORCH_WORKER_SHUTDOWN_GRACE_S="1")
+    stack.restart_worker(ORCH_WORKER_SHUTDOWN_GRACE_S="1")
     trace = new_trace()
     with stack.client() as client:
         assert _post(client, function_call(trace, planning_item, "shell", {"command": "true"}))

@@ -31,7 +31,7 @@ from orchestrator.config import Settings
 from orchestrator.environments.examples import REQUESTS_CODEBASE, ensure_requests_codebase
 from orchestrator.local import free_port
 from tests.daemons import DockerDaemon, machine_runtimes, running
-from tests.e2e.conftest import TOKEN, Stack, _flush_redis, stack_env
+from tests.e2e.conftest import TOKEN, Stack, flush_redis, stack_env
 from tests.faults.infra import FaultStack, RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -204,7 +204,7 @@ def _tear_down(faults: FaultStack) -> None:
     finally:
         _restore(faults)
         faults.clean()
-        _flush_redis(faults.settings)
+        flush_redis(faults.settings)
         keep = os.environ.get("ORCH_FAULTS_KEEP_LOGS")  # a directory to copy the logs to
         if keep and faults.stack.logs is not None:
             shutil.copytree(faults.stack.logs, keep, dirs_exist_ok=True)

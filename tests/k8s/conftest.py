@@ -23,7 +23,7 @@ from orchestrator.environments.examples import REQUESTS_CODEBASE, ensure_request
 from orchestrator.local import free_port
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
-from tests.e2e.conftest import TOKEN, Stack, _flush_redis, _reaper_environments_yaml, stack_env
+from tests.e2e.conftest import TOKEN, Stack, flush_redis, reaper_environments_yaml, stack_env
 from tests.k8s.fake_cluster import FakeCluster
 
 NAMESPACE = "orchestrator-sandboxes"
@@ -66,7 +66,7 @@ POOLED = "pooled-planning"
 def _environments(path: Path) -> Path:
     """The default environments with an idle timeout and a grace after grading of a few
     seconds (the reaper ends rollouts within a test's patience), plus ``POOLED``."""
-    _reaper_environments_yaml(path)
+    reaper_environments_yaml(path)
     data = yaml.safe_load(path.read_text())
     data["environments"].append(
         {
@@ -148,4 +148,4 @@ def k8s_stack(
             stack.stop(name)
         collect_expired(stack.k8s, everything=True)
         fake_cluster.settle()
-        _flush_redis(stack_settings)
+        flush_redis(stack_settings)
