@@ -234,6 +234,15 @@ class Settings(BaseSettings):
         """Redis keys and Celery queues of this deployment start with this."""
         return f"orch:{self.deployment}:"
 
+    def heartbeat_key(self, host_id: str | None = None) -> str:
+        """The Redis key of a worker host's heartbeat (expires three beats after the last)."""
+        return f"{self.key_prefix}worker:{host_id or self.host_id}"
+
+    @property
+    def hosts_key(self) -> str:
+        """The Redis set of every worker host that ever beat in this deployment."""
+        return f"{self.key_prefix}hosts"
+
     def host_queue(self, host_id: str | None = None) -> str:
         """The queue of one worker host: calls go to the host holding the sandbox."""
         return f"orch.{self.deployment}.host.{host_id or self.host_id}"

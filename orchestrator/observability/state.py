@@ -76,12 +76,12 @@ class StateCollector(Collector):
 
     def _read(self) -> list[Metric]:
         settings = self.settings
-        hosts = sorted(str(h) for h in self.client.smembers(self._key("hosts")))
+        hosts = sorted(str(h) for h in self.client.smembers(settings.hosts_key))
         pools = self._pools()
         queues = [settings.shared_queue, *(settings.host_queue(h) for h in hosts)]
         pipe = self.client.pipeline(transaction=False)
         for host in hosts:
-            pipe.get(self._key("worker", host))
+            pipe.get(settings.heartbeat_key(host))
         pipe.hgetall(load_key(settings))
         pipe.zcount(waiting_key(settings), time.time(), "+inf")
         pipe.zrange(self._key("rollouts", "live"), 0, -1)

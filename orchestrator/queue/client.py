@@ -38,18 +38,18 @@ class QueueClient:
         return f"{self.settings.key_prefix}reply:{uuid.uuid4().hex}"
 
     async def worker_alive(self, host_id: str) -> bool:
-        return bool(await self.redis.exists(f"{self.settings.key_prefix}worker:{host_id}"))
+        return bool(await self.redis.exists(self.settings.heartbeat_key(host_id)))
 
     async def heartbeat(self, host_id: str) -> dict[str, Any] | None:
         """The host's latest heartbeat (queue/worker.py), None when it has none."""
-        raw = await self.redis.get(f"{self.settings.key_prefix}worker:{host_id}")
+        raw = await self.redis.get(self.settings.heartbeat_key(host_id))
         return json.loads(raw) if raw else None
 
     async def live_hosts(self) -> list[dict[str, Any]]:
-        hosts = await self.redis.smembers(f"{self.settings.key_prefix}hosts")
+        hosts = await self.redis.smembers(self.settings.hosts_key)
         statuses = []
         for host in sorted(str(h) for h in hosts):
-            raw = await self.redis.get(f"{self.settings.key_prefix}worker:{host}")
+            raw = await self.redis.get(self.settings.heartbeat_key(host))
             if raw:
                 statuses.append(json.loads(raw))
         return statuses

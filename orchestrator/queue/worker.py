@@ -58,7 +58,7 @@ def push_reply(key: str, result: dict[str, Any]) -> None:
 
 
 def heartbeat_key(host_id: str) -> str:
-    return f"{get_settings().key_prefix}worker:{host_id}"
+    return get_settings().heartbeat_key(host_id)
 
 
 # This worker process, as named in the heartbeat and on the tickets it claims: a worker
@@ -247,7 +247,7 @@ def publish_heartbeat(finding: dict[str, Any]) -> None:
         ttl = max(1, int(settings.heartbeat_interval_s * 3))
         client = redis_client()
         client.set(heartbeat_key(settings.host_id), json.dumps(status), ex=ttl)
-        client.sadd(f"{settings.key_prefix}hosts", settings.host_id)
+        client.sadd(settings.hosts_key, settings.host_id)
     except Exception as exc:  # noqa: BLE001 - a dead beat makes a live worker look dead
         log.warning("worker.heartbeat_failed", host=settings.host_id, error=repr(exc))
 

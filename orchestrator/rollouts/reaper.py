@@ -128,7 +128,7 @@ async def _failing_hosts(
     ``host_unhealthy_after`` probes in a row. Value: (cause, message, evidence)."""
     silent_key = store.key("hosts", "silent-since")
     failing: dict[str, tuple[str, str, dict[str, Any]]] = {}
-    for host in sorted(str(h) for h in await store.redis.smembers(store.key("hosts"))):
+    for host in sorted(str(h) for h in await store.redis.smembers(settings.hosts_key)):
         beat = await queue.heartbeat(host)
         if beat is None:
             await store.redis.hsetnx(silent_key, host, now)

@@ -70,7 +70,7 @@ async def _hosts(
     live: list[RolloutSummary],
     now: float,
 ) -> list[HostView]:
-    known = {str(h) for h in await store.redis.smembers(store.key("hosts"))} | set(loads)
+    known = {str(h) for h in await store.redis.smembers(queue.settings.hosts_key)} | set(loads)
     views = []
     for host in sorted(known):
         beat = await queue.heartbeat(host)

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.xdist_group("e2e")
 def _heartbeat(stack: Stack) -> Any:
     client = redis.Redis.from_url(stack.settings.redis_url)
     try:
-        return client.get(f"{stack.settings.key_prefix}worker:{stack.settings.host_id}")
+        return client.get(stack.settings.heartbeat_key())
     finally:
         client.close()
 

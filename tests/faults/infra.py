@@ -157,14 +157,14 @@ class FaultStack:
     def heartbeat_gone(self) -> bool:
         client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
         try:
-            return not client.exists(f"{self.settings.key_prefix}worker:{self.settings.host_id}")
+            return not client.exists(self.settings.heartbeat_key())
         finally:
             client.close()
 
     def _schedulable(self) -> bool:
         client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
         try:
-            raw = client.get(f"{self.settings.key_prefix}worker:{self.settings.host_id}")
+            raw = client.get(self.settings.heartbeat_key())
         finally:
             client.close()
         return raw is not None and bool(json.loads(raw).get("schedulable"))
