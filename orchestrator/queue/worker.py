@@ -246,10 +246,18 @@ def publish_heartbeat(finding: dict[str, Any]) -> None:
     try:
         ttl = max(1, int(settings.heartbeat_interval_s * 3))
         client = redis_client()
-        client.set(heartbeat_key(settings.host_id), json.dumps(status), ex=ttl)
+        # Under the lock, so a beat computed before the retirement cannot land after it.
+        with _heartbeat_lock:
+            if _retired.is_set():
+                return
+            client.set(heartbeat_key(settings.host_id), json.dumps(status), ex=ttl)
         client.sadd(settings.hosts_key, settings.host_id)
     except Exception as exc:  # noqa: BLE001 - a dead beat makes a live worker look dead
         log.warning("worker.heartbeat_failed", host=settings.host_id, error=repr(exc))
+
+
+_heartbeat_lock = threading.Lock()
+_retired = threading.Event()
 
 
 # Only delete the heartbeat if it is still ours: a new instance may have started already.
@@ -264,7 +272,9 @@ def retire_heartbeat() -> None:
     """Say at once that this worker is gone (instead of letting the key expire), so the
     API stops waiting on it and cancels calls still queued for it."""
     try:
-        redis_client().eval(_RETIRE, 1, heartbeat_key(get_settings().host_id), INSTANCE)
+        with _heartbeat_lock:
+            _retired.set()  # no beat after this one: the key stays gone
+            redis_client().eval(_RETIRE, 1, heartbeat_key(get_settings().host_id), INSTANCE)
     except Exception as exc:  # noqa: BLE001 - shutting down anyway
         log.warning("worker.retire_failed", error=repr(exc))
 
