@@ -1,12 +1,16 @@
 """The one settings object: every knob, read from ``ORCH_*`` environment variables."""
 
+import re
 import socket
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+GRADER_SECRET = re.compile(r"[A-Za-z0-9_-]+")
+"""What a grader URL secret may hold: it is one path segment."""
 
 Runtime = Literal["runc", "runsc", "kata"]
 """runc (containers), runsc (gVisor), kata (a VM per sandbox; Kubernetes backend only)."""
@@ -37,6 +41,13 @@ class Settings(BaseSettings):
     api_workers: int = Field(1, ge=1, le=64, description="API processes (uvicorn workers).")
     api_tokens: str = Field(
         "", description="Comma-separated bearer tokens accepted by the API (required)."
+    )
+    grader_url_secret: str = Field(
+        "",
+        description="When set, the endpoint grader is also served at "
+        "/agent-rft/grade/<secret> without a bearer token, for Agent RFT platforms whose "
+        "endpoint grader sends no header (Azure's, for now). At least 32 characters; "
+        "`orchestrator up` makes one. Treat the URL as a credential.",
     )
     max_request_bytes: int = Field(1024 * 1024, description="Larger bodies get 413.")
     worker_concurrency: int = Field(64, ge=1, description="Threads per worker process.")
@@ -84,6 +95,16 @@ class Settings(BaseSettings):
     )
     create_concurrency: int = Field(
         4, ge=1, description="Sandboxes a worker creates at once (rollouts' and pools')."
+    )
+    agent_rft_call_bound_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long Agent RFT waits for one tool call or grade before it gives up "
+        "(its documentation: 10 minutes). Commands of Agent RFT calls are capped, and a "
+        "rollout's first call waits for its sandbox, so that every call answers within it.",
+    )
+    agent_rft_call_margin_s: float = Field(
+        30.0, ge=0, description="Kept free of agent_rft_call_bound_s (network, the platform)."
     )
     host_lost_after_s: float = Field(
         30.0, gt=0, description="A host silent this long has its rollouts marked infra_failed."
@@ -164,7 +185,13 @@ class Settings(BaseSettings):
     sandbox_tmp_mb: int = Field(
         256, ge=1, description="Size of a sandbox's /tmp (memory-backed), in MB."
     )
-    sandbox_lifetime_s: int = Field(3600, ge=10, description="Hard expiry stamped on labels.")
+    sandbox_lifetime_s: int = Field(
+        14400,
+        ge=10,
+        description="A rollout's (and its sandbox's) hard lifetime, in seconds: past it the "
+        "rollout ends and a later call or grade is a 503 (lifetime_exceeded). Far above any "
+        "real episode (minutes); abandoned rollouts end sooner, at their idle timeout.",
+    )
     sandbox_start_timeout_s: float = Field(
         20.0,
         gt=0,
@@ -224,6 +251,16 @@ class Settings(BaseSettings):
         """Per-sandbox socket directories of this deployment (deployments may share a
         state_dir; each sweeps only its own)."""
         return self.state_dir / "run" / self.deployment
+
+    @field_validator("grader_url_secret")
+    @classmethod
+    def _secret_long_enough(cls, value: str) -> str:
+        if value and (len(value) < 32 or not GRADER_SECRET.fullmatch(value)):
+            raise ValueError(
+                "must be at least 32 characters of [A-Za-z0-9_-] (a URL path segment); "
+                "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            )
+        return value
 
     @property
     def tokens(self) -> list[str]:

@@ -14,3 +14,36 @@ class Outcome(StrEnum):
     AGENT_ERROR = "agent_error"
     INFRA_ERROR = "infra_error"
     REJECTED = "rejected"
+
+
+class Cause(StrEnum):
+    """Why a rollout failed for infrastructure reasons (``infra_failure.cause``, the code
+    of its 503s, the ``cause`` label of ``orchestrator_infra_errors_total``); also the
+    codes of 503s that fail nothing. docs/failure-model.md has the table."""
+
+    INFRA_ERROR = "infra_error"
+    """No more precise cause."""
+    NOT_RUN = "not_run"
+    """A call that never ran and never will: its retry may run it. Fails nothing."""
+    STARTING = "starting"
+    """The sandbox is still being made when the request's time is up. Fails nothing."""
+    CALL_IN_PROGRESS = "call_in_progress"
+    """An earlier attempt of the call still runs when the request's time is up. Fails
+    nothing: a retry gets its result."""
+    SANDBOX_CREATE_FAILED = "sandbox_create_failed"
+    TOOL_CALL_FAILED = "tool_call_failed"
+    WORKER_STOPPED = "worker_stopped"
+    """The worker stopped (shutdown, scale-down) before a running call finished."""
+    SANDBOX_DEAD = "sandbox_dead"
+    PROBE_FAILED = "probe_failed"
+    WORKER_LOST = "worker_lost"
+    CALL_OVERRAN = "call_overran"
+    HOST_LOST = "host_lost"
+    HOST_UNHEALTHY = "host_unhealthy"
+    STUCK_CREATING = "stuck_creating"
+    IDLE_REAPED = "idle_reaped"
+    """Ended by us: no call for the environment's ``idle_timeout_s``."""
+    LIFETIME_EXCEEDED = "lifetime_exceeded"
+    """Ended by us: past the environment's maximum lifetime."""
+    ENVIRONMENT_REMOVED = "environment_removed"
+    """Ended by us: its environment is no longer in the configuration."""

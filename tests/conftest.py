@@ -31,6 +31,7 @@ from orchestrator.images.base import BaseBuildResult, build_base_image
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
+from tests import agent_caused
 from tests.faults.report import REPORT_ENV, read_rows, table
 
 RUNTIMES: list[Runtime] = ["runc", "runsc"]
@@ -104,9 +105,14 @@ def pytest_configure(config: pytest.Config) -> None:
         report = Path(tempfile.mkdtemp(prefix=f"orch-faults-{RUN_ID}-")) / "rows.jsonl"
         config.stash[_fault_report_key] = report
         os.environ[REPORT_ENV] = str(report)
+        # The same for the agent-caused table (tests/agent_caused.py).
+        acts = Path(tempfile.mkdtemp(prefix=f"orch-acts-{RUN_ID}-")) / "rows.jsonl"
+        config.stash[_acts_report_key] = acts
+        os.environ[agent_caused.REPORT_ENV] = str(acts)
 
 
 _fault_report_key = pytest.StashKey[Path]()
+_acts_report_key = pytest.StashKey[Path]()
 
 
 def pytest_terminal_summary(
@@ -120,6 +126,13 @@ def pytest_terminal_summary(
     if rows:
         terminalreporter.write_sep("=", "fault injection")
         for line in table(rows):
+            terminalreporter.write_line(line)
+    acts = config.stash[_acts_report_key]
+    act_rows = agent_caused.read_rows(acts)
+    shutil.rmtree(acts.parent, ignore_errors=True)
+    if act_rows:
+        terminalreporter.write_sep("=", "agent-caused: scored, never discarded")
+        for line in agent_caused.table(act_rows):
             terminalreporter.write_line(line)
 
 

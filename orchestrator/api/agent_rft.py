@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException
 
-from orchestrator.api.auth import require_token
+from orchestrator.api.auth import require_secret, require_token
 from orchestrator.api.deps import service
 from orchestrator.api.models import (
     ErrorResponse,
@@ -20,6 +20,7 @@ from orchestrator.api.models import (
     Score,
 )
 from orchestrator.grading import extract_answer
+from orchestrator.rollouts.models import RolloutSource
 from orchestrator.rollouts.service import RolloutService
 
 router = APIRouter(prefix="/agent-rft", tags=["agent-rft"], dependencies=[Depends(require_token)])
@@ -44,7 +45,7 @@ async def _call(body: FunctionCall, name: str, svc: RolloutService) -> FunctionC
         body.arguments,
         call_id=body.call_id,
         item=body.item,
-        source="agent_rft",
+        source=RolloutSource.AGENT_RFT,
     )
     return FunctionCallOutput(call_id=body.call_id, id=body.id, output=reply.output)
 
@@ -67,10 +68,33 @@ async def named_tool_call(
     return await _call(body, name, svc)
 
 
+# The endpoint grader without a header, under the deployment's secret path segment
+# (settings.grader_url_secret): Azure's endpoint grader "does not support auth header for
+# now" (docs/agent-rft.md). Not in the OpenAPI document: its path is a credential.
+secret_grader = APIRouter(
+    prefix="/agent-rft", dependencies=[Depends(require_secret)], include_in_schema=False
+)
+
+
 @router.post("/grade", responses=ERRORS)
 async def grade(body: GradeRequest, svc: Annotated[RolloutService, Depends(service)]) -> Score:
     """Score a rollout. Idempotent; an infra-failed rollout gets 503, never a score."""
+    return await _grade(body, svc)
+
+
+@secret_grader.post("/grade/{secret}")
+async def grade_by_secret(
+    body: GradeRequest, svc: Annotated[RolloutService, Depends(service)]
+) -> Score:
+    """:func:`grade`, for a grader that sends no header."""
+    return await _grade(body, svc)
+
+
+async def _grade(body: GradeRequest, svc: RolloutService) -> Score:
     reply = await svc.grade(
-        body.trace_id, extract_answer(body.sample), body.item, source="agent_rft"
+        body.trace_id,
+        extract_answer(body.sample),
+        body.item,
+        source=RolloutSource.AGENT_RFT,
     )
     return Score(score=reply.score, details=reply.details)

@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator import __version__
 from orchestrator.api import agent_rft, errors, health, rollouts
-from orchestrator.api.auth import OPEN_PATHS, token_ok
+from orchestrator.api.auth import loggable_path, request_allowed
 from orchestrator.api.deps import AppState
 from orchestrator.api.middleware import HttpMetrics
 from orchestrator.config import Settings, get_settings
@@ -21,12 +21,14 @@ from orchestrator.observability.state import StateCollector
 from orchestrator.outcomes import Outcome
 from orchestrator.queue.app import make_celery
 from orchestrator.queue.client import QueueClient
+from orchestrator.rollouts.bounds import check_agent_rft_bound
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.rollouts.store import RolloutStore
 
 
 class RequestGuard:
-    """Before any route, in this order: the bearer token (except on open paths); 413 for
+    """Before any route, in this order: the bearer token (except on open paths and the
+    grader's secret path, :func:`~orchestrator.api.auth.request_allowed`); 413 for
     bodies over the limit, counted as they stream in (Content-Length may lie or be absent);
     every body read as JSON whatever its declared content type (clients that omit the
     header are common). After the route: any exception that escaped is a 503 JSON answer
@@ -42,8 +44,8 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", []))
-        if scope["path"] not in OPEN_PATHS and not token_ok(
-            self.settings.tokens, headers.get(b"authorization", b"").decode("latin-1")
+        if not request_allowed(
+            self.settings, scope["path"], headers.get(b"authorization", b"").decode("latin-1")
         ):
             await self._answer(
                 send,
@@ -84,7 +86,9 @@ class RequestGuard:
         try:
             await self.app(scope, counting, tracking)
         except Exception as exc:
-            get_logger(__name__).exception("api.unexpected_error", path=scope["path"])
+            get_logger(__name__).exception(
+                "api.unexpected_error", path=loggable_path(scope["path"])
+            )
             if started:
                 raise
             await self._answer(
@@ -119,6 +123,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     configure_logging(settings)
     if not settings.tokens:
         raise RuntimeError("no API tokens configured: set ORCH_API_TOKENS")
+    # Every path of an Agent RFT call must answer within the platform's bound.
+    check_agent_rft_bound(settings)
     environments = load_environments(settings)
     # A misconfigured grader fails the start, not the first grade of a training run.
     for name in environments.names():
@@ -152,6 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(health.router)
     app.include_router(agent_rft.router)
+    app.include_router(agent_rft.secret_grader)
     app.include_router(rollouts.router)
     app.add_middleware(RequestGuard, settings=settings)
     app.add_middleware(HttpMetrics)  # outermost: it counts the guard's refusals too

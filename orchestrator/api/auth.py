@@ -12,8 +12,11 @@ import secrets
 from fastapi import HTTPException, Request
 
 from orchestrator.api.deps import state
+from orchestrator.config import Settings
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/docs", "/redoc", "/openapi.json"})
+HEADERLESS_GRADE_PREFIX = "/agent-rft/grade/"
+"""The endpoint grader under a secret path segment (``grader_url_secret``): no header."""
 
 
 def token_ok(tokens: list[str], authorization: str) -> bool:
@@ -24,6 +27,37 @@ def token_ok(tokens: list[str], authorization: str) -> bool:
         for token in tokens:
             ok |= secrets.compare_digest(presented.encode(), token.encode())
     return ok
+
+
+def secret_ok(secret: str, path: str) -> bool:
+    """Whether ``path`` is the endpoint grader under the deployment's secret segment."""
+    if not secret or not path.startswith(HEADERLESS_GRADE_PREFIX):
+        return False
+    presented = path.removeprefix(HEADERLESS_GRADE_PREFIX)
+    return secrets.compare_digest(presented.encode(), secret.encode())
+
+
+def loggable_path(path: str) -> str:
+    """``path`` fit for a log line: the grader's secret segment masked."""
+    if path.startswith(HEADERLESS_GRADE_PREFIX):
+        return HEADERLESS_GRADE_PREFIX + "<secret>"
+    return path
+
+
+def request_allowed(settings: Settings, path: str, authorization: str) -> bool:
+    """The one rule of who may make a request: an open path, the grader's secret path,
+    or a valid bearer token."""
+    return (
+        path in OPEN_PATHS
+        or secret_ok(settings.grader_url_secret, path)
+        or token_ok(settings.tokens, authorization)
+    )
+
+
+async def require_secret(request: Request) -> None:
+    """The secret grader route's own check (the guard's too: checked twice, as tokens)."""
+    if not secret_ok(state(request).settings.grader_url_secret, request.url.path):
+        raise HTTPException(404, "Not Found")
 
 
 async def require_token(request: Request) -> None:

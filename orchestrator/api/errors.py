@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from orchestrator.api.auth import loggable_path
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.admission import AtCapacity
@@ -63,7 +64,7 @@ def install(app: FastAPI) -> None:
         return error_response(
             503,
             Outcome.INFRA_ERROR,
-            "infra_error",
+            exc.code,
             exc.message,
             rollout_id=exc.rollout_id,
             headers={"Retry-After": RETRY_AFTER_S},
@@ -84,7 +85,11 @@ def install(app: FastAPI) -> None:
     async def _state_store(request: Request, exc: RedisError) -> JSONResponse:
         # Redis restarting: nothing was recorded, so a retry is safe (a call that reached a
         # worker keeps its result on its ticket, rollouts/tickets.py).
-        log.error("api.state_store_unavailable", path=request.url.path, error=repr(exc))
+        log.error(
+            "api.state_store_unavailable",
+            path=loggable_path(request.url.path),
+            error=repr(exc),
+        )
         return error_response(
             503,
             Outcome.INFRA_ERROR,

@@ -44,7 +44,12 @@ class FunctionCall(_Lenient):
     """A Responses-API function call, as Agent RFT posts it to a tool endpoint."""
 
     type: str = "function_call"
-    id: str = Field("", max_length=200)
+    id: str | None = Field(
+        None,
+        max_length=200,
+        description="Echoed back, never a key (it may be absent or null: the platform's own "
+        "preflight sends null); call_id is the call's identity.",
+    )
     call_id: str = Field(pattern=CALL_ID)
     name: str | None = Field(None, max_length=64)
     arguments: str | JsonObject | None = None
@@ -55,7 +60,7 @@ class FunctionCall(_Lenient):
 class FunctionCallOutput(BaseModel):
     type: Literal["function_call_output"] = "function_call_output"
     call_id: str
-    id: str
+    id: str | None = Field(description="The request's id, as it came (null when absent).")
     output: str
 
 
@@ -131,6 +136,11 @@ class RolloutView(BaseModel):
     timings: dict[str, float | None]
     pool_hit: bool | None = None
     infra_failure: dict[str, Any] | None
+    ended_by: dict[str, Any] | None = Field(
+        None,
+        description="Set when the orchestrator ended the rollout before its grade (cause: "
+        "idle_reaped, lifetime_exceeded, environment_removed): a later call or grade fails it.",
+    )
 
 
 class Trajectory(BaseModel):

@@ -24,6 +24,7 @@ from orchestrator.api.models import (
 )
 from orchestrator.grading import extract_answer
 from orchestrator.rollouts.errors import Rejected
+from orchestrator.rollouts.models import RolloutSource
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.rollouts.store import Rollout
 
@@ -45,7 +46,7 @@ async def create_rollout(body: CreateRollout, svc: Svc) -> RolloutCreated:
     rollout = await svc.start(
         rollout_id,
         body.item,
-        source="api",
+        source=RolloutSource.API,
         environment=body.environment,
         codebase=body.codebase,
         exclusive=True,
@@ -74,7 +75,7 @@ async def call_tool(
 @router.post("/{rollout_id}/grade", responses=RESPONSES)
 async def grade_rollout(rollout_id: RolloutId, body: RolloutGradeRequest, svc: Svc) -> Score:
     answer = body.answer if body.answer is not None else extract_answer(body.sample or {})
-    reply = await svc.grade(rollout_id, answer, None, source="api")
+    reply = await svc.grade(rollout_id, answer, None, source=RolloutSource.API)
     return Score(score=reply.score, details=reply.details)
 
 
@@ -128,4 +129,5 @@ def view(rollout: Rollout, calls: int) -> RolloutView:
         },
         pool_hit=rollout.pool_hit,
         infra_failure=rollout.infra_failure,
+        ended_by=rollout.ended_by,
     )

@@ -92,16 +92,24 @@ def beat() -> None:
 
 def api_token(settings: Settings) -> str:
     """ORCH_API_TOKENS if set; else the token kept from the last start, or a new one."""
-    if settings.tokens:
-        return settings.api_tokens
-    path = settings.state_dir / "api-token"
+    return settings.api_tokens if settings.tokens else _kept_secret(settings, "api-token")
+
+
+def grader_secret(settings: Settings) -> str:
+    """ORCH_GRADER_URL_SECRET if set; else the one kept from the last start, or a new one."""
+    return settings.grader_url_secret or _kept_secret(settings, "grader-secret")
+
+
+def _kept_secret(settings: Settings, name: str) -> str:
+    """The secret kept in ``state_dir/name`` (mode 0600), made on the first start."""
+    path = settings.state_dir / name
     if path.exists():
         return path.read_text().strip()
-    token = secrets.token_urlsafe(32)
+    secret = secrets.token_urlsafe(32)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch(mode=0o600)
-    path.write_text(token + "\n")
-    return token
+    path.write_text(secret + "\n")
+    return secret
 
 
 def up(
@@ -110,7 +118,8 @@ def up(
     """Serve: API, one worker and beat in the foreground; Ctrl-C stops them all."""
     settings = get_settings()
     token = api_token(settings)
-    env = {**os.environ, "ORCH_API_TOKENS": token}
+    secret = grader_secret(settings)
+    env = {**os.environ, "ORCH_API_TOKENS": token, "ORCH_GRADER_URL_SECRET": secret}
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     procs = {
         "worker": subprocess.Popen(worker_command(settings), env=env),
@@ -131,6 +140,8 @@ def up(
         console.print(
             f"[green]orchestrator is up[/green] at {base}\n"
             f"  tools:  {base}/agent-rft/tools   grader: {base}/agent-rft/grade\n"
+            f"  grader without a header: {base}/agent-rft/grade/{secret}   (kept in "
+            f"{Path(settings.state_dir) / 'grader-secret'}; the URL is a credential)\n"
             f"  docs:   {base}/docs\n"
             f"  token:  {token}   (Authorization: Bearer <token>; kept in "
             f"{Path(settings.state_dir) / 'api-token'} unless ORCH_API_TOKENS is set)\n"

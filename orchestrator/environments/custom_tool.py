@@ -279,6 +279,9 @@ class CommandTool(Tool[CommandArgs]):
         )
         return min(timeout, settings.command_timeout_max_s)
 
+    def command_timeout_s(self, args: CommandArgs, settings: Settings) -> float:
+        return self.timeout_s(settings)
+
     def execute(
         self, backend: SandboxBackend, handle: SandboxHandle, args: CommandArgs, settings: Settings
     ) -> ToolResult:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import importlib.resources
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -260,6 +260,11 @@ class ResolvedEnvironment:
 
 CODEBASE_CACHE_S = 30.0
 """How long a codebase found registered is trusted without asking the daemon again."""
+PINNED_CACHE_MAX = 256
+"""Environment snapshots kept parsed beside the configured ones (oldest dropped first)."""
+
+Pinned = tuple[EnvironmentConfig, Mapping[str, Tool[Any]]]
+"""An environment and its tools, built once."""
 
 
 class EnvironmentRegistry:
@@ -274,6 +279,12 @@ class EnvironmentRegistry:
         self._environments = {env.name: env for env in environments}
         self._tools = {env.name: _build_tools(env) for env in environments}
         self._known_codebases: dict[str, tuple[str, float]] = {}
+        # Pinned environments by digest: the configured ones, and snapshots of other
+        # configurations that rollouts still run on (bounded; oldest dropped first).
+        self._configured: dict[str, Pinned] = {
+            env.digest: (env, self._tools[env.name]) for env in environments
+        }
+        self._snapshots: dict[str, Pinned] = {}
 
     def names(self) -> list[str]:
         """Environment names, in file order."""
@@ -384,12 +395,32 @@ class EnvironmentRegistry:
         return image
 
     def for_rollout(self, name: str, image: str, codebase: str | None) -> ResolvedEnvironment:
-        """A rollout's environment as recorded when it started: no lookups at all."""
+        """Environment ``name`` as configured now, on ``image``: no lookups at all."""
         if name not in self._environments:
             raise UnknownEnvironment(name, self.names(), origin="the rollout's record")
         return ResolvedEnvironment(
             self._environments[name], image, codebase, self._tools[name], self.settings
         )
+
+    def pinned(
+        self, digest: str, snapshot: Callable[[], str], *, image: str, codebase: str | None
+    ) -> ResolvedEnvironment:
+        """A rollout's environment as it was when the rollout started (its
+        :attr:`~EnvironmentConfig.digest`, and ``snapshot`` giving its
+        :attr:`~EnvironmentConfig.snapshot`, both kept with the rollout), whatever the
+        configuration says now. ``snapshot`` is called only for a digest no configured
+        environment has and none seen before, so the usual call does no I/O."""
+        found = self._configured.get(digest) or self._snapshots.get(digest)
+        if found is None:
+            config = EnvironmentConfig.model_validate_json(snapshot())
+            if config.digest != digest:
+                raise ValueError(f"the snapshot of environment {config.name!r} is not {digest}")
+            found = (config, _build_tools(config))
+            if len(self._snapshots) >= PINNED_CACHE_MAX:
+                self._snapshots.pop(next(iter(self._snapshots)))
+            self._snapshots[digest] = found
+        config, tools = found
+        return ResolvedEnvironment(config, image, codebase, tools, self.settings)
 
 
 def _row_codebase(item: Mapping[str, Any]) -> str | None:

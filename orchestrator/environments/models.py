@@ -17,9 +17,12 @@ Custom tools run one fixed program with the model's arguments placed into its ar
 
 from __future__ import annotations
 
+import hashlib
+import json
 import posixpath
 import re
 import string
+from functools import cached_property
 from typing import Annotated, Any
 
 from jsonschema import SchemaError
@@ -314,7 +317,14 @@ class EnvironmentConfig(BaseModel):
         None, ge=256, description="Bytes of one tool output; None: the deployment's."
     )
     grader: GraderConfig = Field(description="Which grader scores a rollout; see below.")
-    idle_timeout_s: int = Field(600, ge=1, description="Tear down after this long unused.")
+    idle_timeout_s: int = Field(
+        1200,
+        ge=1,
+        description="End the rollout after this long without a call; a call or grade after "
+        "that is a 503 (idle_reaped): discarded, never scored. The default outlasts a "
+        "reasoning model's think time between two calls on a loaded trainer "
+        "(docs/failure-model.md).",
+    )
     max_lifetime_s: int | None = Field(
         None, ge=10, description="Hard expiry of the sandbox; None: settings.sandbox_lifetime_s."
     )
@@ -397,6 +407,17 @@ class EnvironmentConfig(BaseModel):
         return (
             self.max_lifetime_s if self.max_lifetime_s is not None else settings.sandbox_lifetime_s
         )
+
+    @cached_property
+    def snapshot(self) -> str:
+        """This environment as canonical JSON: what a rollout pins when it starts, so an
+        edited or removed configuration never changes a rollout already running."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @cached_property
+    def digest(self) -> str:
+        """A short content hash of :attr:`snapshot`: equal digests, equal environments."""
+        return hashlib.sha256(self.snapshot.encode()).hexdigest()[:16]
 
 
 class EnvironmentsFile(BaseModel):

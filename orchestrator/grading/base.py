@@ -90,6 +90,14 @@ class Grader(ABC):
 
     name: ClassVar[str]
     options_model: ClassVar[type[GraderOptions]] = GraderOptions
+    needs_sandbox: ClassVar[bool] = False
+    """True for a grader whose score is only sound if the rollout's sandbox is still
+    healthy when it grades (one that takes the trajectory's last outputs as the sandbox's
+    final state, say): the sandbox is probed first, and a sandbox that died not by the
+    agent's hand makes the rollout ``infra_failed`` instead of scored. A grader that
+    scores the answer against the row and the trajectory (``file_f1``, ``numeric_match``)
+    leaves it False: the trajectory it reads was recorded whatever became of the
+    sandbox after, so grading never waits on the sandbox."""
     options: GraderOptions
 
     def __init__(self, **options: Any) -> None:

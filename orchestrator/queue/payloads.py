@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from orchestrator.outcomes import Cause
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.tools.base import ToolResult
 
@@ -32,15 +33,24 @@ class ToolCall(BaseModel):
     ticket: str = Field(description="The call's run ticket key (rollouts/tickets.py).")
     attempt: str = Field(description="The attempt the ticket must name for this to run.")
     environment: str
+    environment_digest: str = Field(
+        description="The environment the rollout was pinned to (EnvironmentConfig.digest)."
+    )
     handle: SandboxHandle
     tool: str
     arguments: Any
+    command_timeout_max_s: float | None = Field(
+        None,
+        description="Cap on the call's command timeout (Agent RFT's bound); None: the "
+        "deployment's command_timeout_max_s.",
+    )
     enqueued_at: float = Field(description="time.time() when the API enqueued it.")
 
 
 class ToolCallDone(BaseModel):
     result: ToolResult | None = None
     infra_error: str | None = Field(None, description="Set when the sandbox failed us.")
+    cause: Cause = Field(Cause.TOOL_CALL_FAILED, description="The infra_error's cause.")
     evidence: dict[str, Any] = Field(default_factory=dict)
     queue_ms: float = 0.0
     exec_ms: float = 0.0

@@ -34,6 +34,7 @@ from orchestrator.queue.payloads import (
     ToolCall,
     ToolCallDone,
 )
+from orchestrator.rollouts.bounds import with_command_cap
 from orchestrator.rollouts.pools import PoolTarget, targets
 from orchestrator.sandbox.backend import ProbeResult, SandboxError, SandboxHandle
 from orchestrator.sandbox.gc import collect_expired
@@ -165,7 +166,11 @@ def _run_tool(call: ToolCall, started: float) -> dict[str, Any]:
         log.info("tool.skipped", rollout_id=call.rollout_id, call_id=call.call_id, ticket=claimed)
         return {"skipped": claimed}
     with worker.in_flight.running(call):
-        done = _run_claimed(call, started)
+        try:
+            done = _run_claimed(call, started)
+        except Exception as exc:  # our bug: an infra fault with its evidence, not a hang
+            log.exception("tool.crashed", rollout_id=call.rollout_id, call_id=call.call_id)
+            done = ToolCallDone(infra_error=f"the worker failed to run the call: {exc!r}")
     state, reply_to = worker.tickets().finish(
         call.ticket, worker.INSTANCE, done.model_dump_json(), time.time()
     )
@@ -184,10 +189,11 @@ _PROBE_AFTER = {"timeout", "memory_limit", "pids_limit", "disk_limit"}
 
 def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
     queue_ms = max(0.0, (started - call.enqueued_at) * 1000)
-    settings = get_settings()
-    config = worker.environments().get(call.environment)
-    tool = worker.environments().tools(call.environment)[call.tool]
-    tool_settings = config.tool_settings(settings)
+    resolved = worker.environment_of(call)
+    tool = resolved.tools[call.tool]
+    tool_settings = resolved.tool_settings(
+        with_command_cap(get_settings(), call.command_timeout_max_s)
+    )
 
     def finished(**fields: Any) -> ToolCallDone:
         return ToolCallDone(queue_ms=queue_ms, exec_ms=(time.time() - started) * 1000, **fields)

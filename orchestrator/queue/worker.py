@@ -16,8 +16,13 @@ from typing import Any
 import redis
 
 from orchestrator.config import get_settings
-from orchestrator.environments.loader import EnvironmentRegistry, load_environments
+from orchestrator.environments.loader import (
+    EnvironmentRegistry,
+    ResolvedEnvironment,
+    load_environments,
+)
 from orchestrator.observability.logging import get_logger
+from orchestrator.outcomes import Cause
 from orchestrator.queue.payloads import ToolCall, ToolCallDone
 from orchestrator.rollouts.admission import TAKE_SLOT, load_key
 from orchestrator.rollouts.pools import PoolFiller
@@ -40,6 +45,23 @@ def environments() -> EnvironmentRegistry:
 @lru_cache(maxsize=1)
 def redis_client() -> redis.Redis:
     return redis.Redis.from_url(get_settings().redis_url, max_connections=256)
+
+
+def environment_of(call: ToolCall) -> ResolvedEnvironment:
+    """The environment the call's rollout was pinned to when it started: this worker's
+    own configuration when it is the same, else the snapshot kept in the rollout's record
+    (read once per digest)."""
+
+    def snapshot() -> str:
+        key = f"{get_settings().key_prefix}rollout:{call.rollout_id}"
+        raw = redis_client().hget(key, "environment_config")
+        if not raw:
+            raise LookupError(f"rollout {call.rollout_id} has no pinned environment")
+        return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+    return environments().pinned(
+        call.environment_digest, snapshot, image=call.handle.image, codebase=None
+    )
 
 
 def reply(payload: dict[str, Any], result: dict[str, Any]) -> None:
@@ -285,7 +307,9 @@ def abort_in_flight(reason: str) -> int:
     aborted = 0
     for call in in_flight.snapshot():
         done = ToolCallDone(
-            infra_error=f"worker stopped: {reason}", evidence={"host": call.handle.host}
+            infra_error=f"worker stopped: {reason}",
+            cause=Cause.WORKER_STOPPED,
+            evidence={"host": call.handle.host},
         )
         state, reply_to = tickets().finish(
             call.ticket, INSTANCE, done.model_dump_json(), time.time()

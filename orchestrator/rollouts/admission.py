@@ -117,14 +117,21 @@ class Admission:
         host = await self._take(keys=[self._load_key()], args=pairs)
         return str(host) if host else None
 
-    async def take(self, *, give_up: Callable[[], Awaitable[bool]] | None = None) -> str:
-        """A slot, waiting in the bounded queue if every host is full. ``give_up`` is
+    async def take(
+        self,
+        *,
+        give_up: Callable[[], Awaitable[bool]] | None = None,
+        wait_s: float | None = None,
+    ) -> str:
+        """A slot, waiting in the bounded queue if every host is full, for at most
+        ``wait_s`` (default and upper bound: ``admission_wait_s``). ``give_up`` is
         asked while waiting (another request created the rollout meanwhile): then
         :class:`AtCapacity` is not raised, ``""`` is returned."""
         host = await self.try_take()
         if host is not None:
             return host
-        wait_s = self.settings.admission_wait_s
+        limit = self.settings.admission_wait_s
+        wait_s = limit if wait_s is None else min(wait_s, limit)
         waiting = waiting_key(self.settings)
         waiter = uuid.uuid4().hex
         now = time.time()

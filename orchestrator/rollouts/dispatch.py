@@ -18,17 +18,15 @@ import time
 from typing import Any
 
 from orchestrator.config import Settings
+from orchestrator.outcomes import Cause
 from orchestrator.queue.client import QueueClient
 from orchestrator.queue.payloads import ToolCall, ToolCallDone
+from orchestrator.rollouts.bounds import call_bound_s
 from orchestrator.rollouts.errors import CallLost, CallNotRun
 from orchestrator.rollouts.store import RolloutStore
 from orchestrator.rollouts.tickets import Ticket, TicketState
-from orchestrator.sandbox.agent.client import REPLY_SLACK_S
 
 CHECK_S = 1.0
-# A failed call is probed before it is answered (queue/tasks.py); a probe of a sandbox whose
-# agent went silent takes up to this long.
-PROBE_ALLOWANCE_S = 30.0
 # A missing heartbeat must stay missing this many intervals before a running call's worker
 # counts as gone (its key expires three intervals after the last beat anyway).
 HEARTBEAT_GRACE_BEATS = 2.0
@@ -40,19 +38,12 @@ class CallDispatcher:
         self.store = store
         self.queue = queue
 
-    def timeout_s(self) -> float:
-        """The longest a call may take from sending to its result: the longest command,
-        the wait for a worker, the exec agent's reply allowance and a probe after it."""
-        return (
-            self.settings.command_timeout_max_s
-            + self.settings.queue_wait_s
-            + REPLY_SLACK_S
-            + PROBE_ALLOWANCE_S
-        )
-
     async def run(self, call: ToolCall, *, reply_key: str) -> ToolCallDone:
-        """Send ``call`` (whose ticket is queued for ``call.attempt``) and await its result."""
+        """Send ``call`` (whose ticket is queued for ``call.attempt``) and await its result,
+        for at most its bound: the longest command, the wait for a worker, the exec agent's
+        reply allowance and a probe after it (rollouts/bounds.py)."""
         host = call.handle.host
+        bound = call_bound_s(self.settings, call.command_timeout_max_s)
         beat = await self.queue.heartbeat(host)
         if beat is None or beat.get("draining"):
             await self._cancel(call, f"host {host!r} has no live worker", beat)
@@ -60,9 +51,9 @@ class CallDispatcher:
             "orchestrator.run_tool",
             call.model_dump(mode="json"),
             queue=self.settings.host_queue(host),
-            expires=self.timeout_s(),
+            expires=bound,
         )
-        deadline = time.monotonic() + self.timeout_s()
+        deadline = time.monotonic() + bound
         while True:
             remaining = deadline - time.monotonic()
             reply = await self.queue.wait_reply(reply_key, max(0.01, min(remaining, CHECK_S)))
@@ -85,10 +76,10 @@ class CallDispatcher:
                 await self.check_running(call.rollout_id, call.call_id, host, ticket)
                 if time.monotonic() > deadline:
                     raise CallLost(
-                        f"the call ran past its {self.timeout_s():.0f} s bound on {host!r}",
+                        f"the call ran past its {bound:.0f} s bound on {host!r}",
                         rollout_id=call.rollout_id,
                         evidence={"ticket": _evidence(ticket)},
-                        cause="call_overran",
+                        cause=Cause.CALL_OVERRAN,
                     )
             elif ticket.state == TicketState.CANCELLED:
                 raise CallNotRun("the call was cancelled", rollout_id=call.rollout_id)

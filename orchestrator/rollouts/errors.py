@@ -1,18 +1,33 @@
-"""What can go wrong with a rollout, named by whose fault it is (DESIGN.md's taxonomy)."""
+"""What can go wrong with a rollout, named by whose fault it is (docs/failure-model.md)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from orchestrator.outcomes import Cause
+
 
 class InfraError(Exception):
-    """Our fault: the trainer must get a 5xx and discard the rollout, never a score."""
+    """Our fault: the trainer must get a 5xx and discard the rollout, never a score.
 
-    def __init__(self, message: str, *, rollout_id: str, evidence: dict[str, Any] | None = None):
+    ``code`` says why in a word the trainer's logs can count: the cause recorded on an
+    ``infra_failed`` rollout (``idle_reaped``, ``host_lost``, ``worker_lost``, ...), or
+    ``not_run`` for a call that never ran and may be retried.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rollout_id: str,
+        evidence: dict[str, Any] | None = None,
+        code: str = Cause.INFRA_ERROR,
+    ):
         super().__init__(message)
         self.message = message
         self.rollout_id = rollout_id
         self.evidence = evidence or {}
+        self.code = code
 
 
 class Rejected(Exception):
@@ -34,6 +49,11 @@ class CallNotRun(InfraError):
     """The call never ran (its host's worker was gone, or the queue never got to it) and
     never will: a 503 whose retry may run it. The rollout itself is intact."""
 
+    def __init__(
+        self, message: str, *, rollout_id: str, evidence: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(message, rollout_id=rollout_id, evidence=evidence, code=Cause.NOT_RUN)
+
 
 class CallLost(InfraError):
     """The worker running the call died (or the call overran every bound): it may have
@@ -45,7 +65,32 @@ class CallLost(InfraError):
         *,
         rollout_id: str,
         evidence: dict[str, Any] | None = None,
-        cause: str = "worker_lost",
+        cause: Cause = Cause.WORKER_LOST,
     ) -> None:
-        super().__init__(message, rollout_id=rollout_id, evidence=evidence)
+        super().__init__(message, rollout_id=rollout_id, evidence=evidence, code=cause)
         self.cause = cause
+
+
+class StillStarting(InfraError):
+    """The rollout's sandbox is still being made when the request's time is up (Agent
+    RFT's bound): a 503 whose retry finds the rollout and its sandbox. Fails nothing."""
+
+    def __init__(self, rollout_id: str) -> None:
+        super().__init__(
+            "the rollout's sandbox is still being made and this request's time is up; retry",
+            rollout_id=rollout_id,
+            code=Cause.STARTING,
+        )
+
+
+class CallPending(InfraError):
+    """Another attempt of the same call is still running when the request's time is up:
+    a 503 whose retry gets its result. Fails nothing."""
+
+    def __init__(self, rollout_id: str) -> None:
+        super().__init__(
+            "an earlier attempt of this call is still running and this request's time is up; "
+            "retry to get its result",
+            rollout_id=rollout_id,
+            code=Cause.CALL_IN_PROGRESS,
+        )

@@ -11,6 +11,15 @@ from pydantic import BaseModel, Field
 from orchestrator.outcomes import Outcome
 
 
+class RolloutSource(StrEnum):
+    """Which API a rollout came through."""
+
+    AGENT_RFT = "agent_rft"
+    """Agent RFT's tool and grader endpoints: the first call of a trace starts it."""
+    API = "api"
+    """The rollout API (``/v1/rollouts``): an explicit create."""
+
+
 class RolloutState(StrEnum):
     """Where a rollout is in its life. ``infra_failed`` is final: never graded."""
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import redis
@@ -14,9 +16,11 @@ import redis
 from orchestrator.config import Settings
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import bind_sandbox, get_logger, rollout_context
+from orchestrator.outcomes import Cause
 from orchestrator.queue.app import celery_app
 from orchestrator.queue.client import QueueClient
 from orchestrator.queue.worker import environments
+from orchestrator.rollouts.errors import InfraError
 from orchestrator.rollouts.models import RolloutState
 from orchestrator.rollouts.pools import POOL_LABEL, pool_key, pool_owner, targets
 from orchestrator.rollouts.service import RolloutService
@@ -30,36 +34,67 @@ RECENTLY_CLOSED_S = 5
 # How long a new pool sandbox may take from its creation to its pool's list.
 POOL_DELIVERY_S = 120
 _ENDED = {RolloutState.CLOSED.value, RolloutState.INFRA_FAILED.value}
-# reason_to_end's reasons as metric labels (free text never becomes a label).
-_REAP_REASONS = {
-    "idle": "idle",
-    "graded": "graded",
-    "max_lifetime": "max_lifetime",
-    "infra_failed": "infra_failed",
-    "stuck_creating": "stuck_creating",
-    "environment no longer configured": "unconfigured",
+
+
+class EndReason(StrEnum):
+    """Why the reaper ends a rollout; also the ``reason`` label of sandboxes reaped."""
+
+    IDLE = "idle"
+    GRADED = "graded"
+    MAX_LIFETIME = "max_lifetime"
+    INFRA_FAILED = "infra_failed"
+    STUCK_CREATING = "stuck_creating"
+    UNCONFIGURED = "unconfigured"
+
+
+# The reaper's own ends of a rollout not graded yet: the trainer may still be working on
+# it, so it is ended with a cause that fails its next call or grade (never scored).
+_ENDED_BY_US = {
+    EndReason.IDLE: Cause.IDLE_REAPED,
+    EndReason.MAX_LIFETIME: Cause.LIFETIME_EXCEEDED,
+    EndReason.UNCONFIGURED: Cause.ENVIRONMENT_REMOVED,
 }
 
 
-def reason_to_end(rollout: Rollout, service: RolloutService, now: float) -> str | None:
-    """Why this rollout should end now, or None to keep it."""
+@dataclass(frozen=True)
+class End:
+    """A rollout to end, and what to tell a trainer that comes back to it."""
+
+    reason: EndReason
+    why: str = ""
+
+
+def reason_to_end(rollout: Rollout, service: RolloutService, now: float) -> End | None:
+    """Why this rollout should end now, or None to keep it. Its limits are those of the
+    environment it was pinned to when it started."""
     if rollout.closed_at is not None:
         return None
-    try:
-        config = service.environments.get(rollout.environment)
-    except LookupError:
-        return "environment no longer configured"
+    if rollout.environment not in service.environments:
+        return End(
+            EndReason.UNCONFIGURED,
+            f"its environment {rollout.environment!r} was removed from the configuration",
+        )
     if rollout.state == RolloutState.INFRA_FAILED:
-        return "infra_failed"
-    if now - rollout.created_at > config.effective_lifetime_s(service.settings):
-        return "max_lifetime"
+        return End(EndReason.INFRA_FAILED)
+    try:
+        config = service.environment_of(rollout).environment
+    except InfraError:
+        return End(EndReason.UNCONFIGURED, "its environment is no longer configured")
+    lifetime = config.effective_lifetime_s(service.settings)
+    if now - rollout.created_at > lifetime:
+        return End(EndReason.MAX_LIFETIME, f"it passed its maximum lifetime of {lifetime} s")
     if rollout.state == RolloutState.GRADED and rollout.graded_at is not None:
-        return "graded" if now - rollout.graded_at > config.grace_after_grade_s else None
+        graded = now - rollout.graded_at > config.grace_after_grade_s
+        return End(EndReason.GRADED) if graded else None
     if rollout.state == RolloutState.CREATING:
         limit = service.settings.sandbox_create_timeout_s * 2
-        return "stuck_creating" if now - rollout.created_at > limit else None
+        return End(EndReason.STUCK_CREATING) if now - rollout.created_at > limit else None
     if rollout.calls_in_flight <= 0 and now - rollout.last_activity > config.idle_timeout_s:
-        return "idle"
+        return End(
+            EndReason.IDLE,
+            f"no tool call for {now - rollout.last_activity:.0f} s, past the environment's "
+            f"idle_timeout_s of {config.idle_timeout_s} s",
+        )
     return None
 
 
@@ -105,19 +140,20 @@ async def _reap_one(
         host_cause, message, evidence = failing[host]
         await service.mark_infra_failed(rollout_id, host_cause, message, evidence)
         rollout = await store.get(rollout_id) or rollout
-    reason = reason_to_end(rollout, service, now)
-    if reason is None:
+    end = reason_to_end(rollout, service, now)
+    if end is None:
         return None
-    if reason == "stuck_creating":
+    if end.reason == EndReason.STUCK_CREATING:
         await service.mark_infra_failed(
-            rollout_id, "stuck_creating", "sandbox never became ready", {}
+            rollout_id, Cause.STUCK_CREATING, "sandbox never became ready", {}
         )
-    await service.close(rollout_id, reason, wait=False)
+    await service.close(
+        rollout_id, end.reason, wait=False, ended_by=_ENDED_BY_US.get(end.reason), why=end.why
+    )
     if rollout.sandbox is not None:
         # A lost host's sandbox goes when the host's sweep runs again; it is reaped now.
-        label = host_cause or _REAP_REASONS.get(reason, "other")
-        metrics.SANDBOXES_REAPED.labels(label).inc()
-    return reason
+        metrics.SANDBOXES_REAPED.labels(host_cause or end.reason).inc()
+    return end.reason
 
 
 async def _failing_hosts(
@@ -135,12 +171,12 @@ async def _failing_hosts(
             since = float(await store.redis.hget(silent_key, host) or now)
             if now - since > settings.host_lost_after_s:
                 message = f"host {host!r} sent no heartbeat for {now - since:.0f} s"
-                failing[host] = ("host_lost", message, {"silent_since": since})
+                failing[host] = (Cause.HOST_LOST, message, {"silent_since": since})
             continue
         await store.redis.hdel(silent_key, host)
         if int(beat.get("docker_failures", 0)) >= settings.host_unhealthy_after:
             message = f"host {host!r} is unhealthy: {beat.get('error') or 'daemon probe failed'}"
-            failing[host] = ("host_unhealthy", message, {"heartbeat": beat})
+            failing[host] = (Cause.HOST_UNHEALTHY, message, {"heartbeat": beat})
     for host, (cause, message, _) in failing.items():
         log.error("host.failing", host=host, cause=cause, error=message)
     return failing

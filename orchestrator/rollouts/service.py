@@ -8,6 +8,7 @@ The API calls this; it never talks to Docker. Workers run the tools (queue/tasks
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -17,10 +18,10 @@ from pydantic import BaseModel
 
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
-from orchestrator.grading import GraderConfigError, ItemError, get_grader
+from orchestrator.grading import Grader, GraderConfigError, ItemError, get_grader
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import bind_sandbox, get_logger, in_rollout_context
-from orchestrator.outcomes import Outcome
+from orchestrator.outcomes import Cause, Outcome
 from orchestrator.queue.client import QueueClient, QueueTimeout
 from orchestrator.queue.payloads import (
     CreateSandbox,
@@ -31,12 +32,27 @@ from orchestrator.queue.payloads import (
     ToolCallDone,
 )
 from orchestrator.rollouts.admission import Admission
+from orchestrator.rollouts.bounds import (
+    Deadline,
+    agent_rft_settings,
+    call_bound_s,
+    call_overhead_s,
+)
 from orchestrator.rollouts.dispatch import CallDispatcher
-from orchestrator.rollouts.errors import CallLost, GraderFailed, InfraError, Rejected
-from orchestrator.rollouts.models import RolloutState, TrajectoryStep
+from orchestrator.rollouts.errors import (
+    CallLost,
+    CallNotRun,
+    CallPending,
+    GraderFailed,
+    InfraError,
+    Rejected,
+    StillStarting,
+)
+from orchestrator.rollouts.models import RolloutSource, RolloutState, TrajectoryStep
 from orchestrator.rollouts.pools import PoolClaims
 from orchestrator.rollouts.store import CallStart, Rollout, RolloutStore
 from orchestrator.rollouts.tickets import TicketState, ticket_key
+from orchestrator.sandbox.agent.client import PROBE_MAX_S
 from orchestrator.sandbox.backend import ProbeResult, SandboxHandle
 from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
 
@@ -77,6 +93,18 @@ class PendingCall:
     call_id: str
     received: float  # time.monotonic() when the request came
     started_at: datetime
+    settings: Settings
+    """The deployment's settings as this call's tools see them (Agent RFT: capped)."""
+    deadline: Deadline
+
+
+@dataclass(frozen=True)
+class CallCheck:
+    """What :meth:`RolloutService._check_call` found: an agent mistake to answer now
+    (``early``), or how long the call's command may take."""
+
+    early: CallReply | None = None
+    command_timeout_s: float = 0.0
 
 
 class GradeReply(BaseModel):
@@ -97,6 +125,7 @@ class RolloutService:
         self.environments = environments
         self.queue = queue
         self.dispatcher = CallDispatcher(settings, store, queue)
+        self._agent_rft_settings = agent_rft_settings(settings)
         self.admission = Admission(settings, queue)
         self.pools = PoolClaims(settings, store.redis)
 
@@ -127,8 +156,25 @@ class RolloutService:
         )
 
     def environment_of(self, rollout: Rollout) -> ResolvedEnvironment:
-        return self.resolve(
-            rollout.item, environment=rollout.environment, codebase=rollout.codebase
+        """The rollout's environment, tools and image as pinned when it started, whatever
+        the configuration says now. No I/O: this is on every call's path."""
+        if rollout.environment_digest is None:  # written before rollouts were pinned
+            try:
+                return self.environments.for_rollout(
+                    rollout.environment, rollout.image, rollout.codebase
+                )
+            except LookupError as exc:
+                raise InfraError(
+                    f"the rollout's environment is no longer configured: {exc}",
+                    rollout_id=rollout.rollout_id,
+                    code=Cause.ENVIRONMENT_REMOVED,
+                ) from exc
+        snapshot = rollout.environment_config or ""
+        return self.environments.pinned(
+            rollout.environment_digest,
+            lambda: snapshot,
+            image=rollout.image,
+            codebase=rollout.codebase,
         )
 
     # -- start -------------------------------------------------------------------------------
@@ -139,25 +185,31 @@ class RolloutService:
         rollout_id: str,
         item: dict[str, Any],
         *,
-        source: str,
+        source: RolloutSource,
         environment: str | None = None,
         codebase: str | None = None,
         exclusive: bool = False,
         resolved: ResolvedEnvironment | None = None,
+        deadline: Deadline | None = None,
+        reserve_s: float = 0.0,
     ) -> Rollout:
         """Return the rollout, creating it and its sandbox if it is new.
 
         Concurrent first calls of one id create exactly one sandbox: one caller wins the
         record, the others wait for its sandbox. ``exclusive`` (the rollout API) makes an
         existing id a 409 instead. ``resolved``: the row, already resolved by the caller.
+        ``deadline``: the request's bound, of which ``reserve_s`` is kept for the call
+        that follows; a sandbox not ready by then is a 503 (:class:`StillStarting`) while
+        it goes on being made for the request's retry.
         """
+        deadline = deadline or Deadline(None)
         if resolved is None:
             resolved = await self.aresolve(item, environment=environment, codebase=codebase)
         existing = await self.store.get(rollout_id)
         if existing is not None:
             if exclusive:
                 raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
-            return await self._wait_ready(existing)
+            return await self._wait_ready(existing, deadline, reserve_s)
         # One first call of a rollout acquires its sandbox; its parallel first calls wait
         # for the record instead of each taking a warm sandbox or a slot to give back.
         starting = self.store.key("rollout", rollout_id, "starting")
@@ -167,7 +219,7 @@ class RolloutService:
             if current is not None:
                 if exclusive:
                     raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
-                return await self._wait_ready(current)
+                return await self._wait_ready(current, deadline, reserve_s)
             await asyncio.sleep(0.02)  # (its starter failed: the lock is gone, we start it)
         try:
             # The starter before us may have finished: its record is there, the lock gone.
@@ -176,7 +228,7 @@ class RolloutService:
                 # The sandbox's place first (a warm sandbox, or a host's slot for a cold
                 # one), the record after: a rollout refused at capacity leaves nothing
                 # behind, and its retry starts afresh.
-                acquired = await self._acquire(rollout_id, resolved)
+                acquired = await self._acquire(rollout_id, resolved, deadline, reserve_s)
             record = _new_record(
                 rollout_id,
                 source,
@@ -193,15 +245,31 @@ class RolloutService:
                 current = await self.store.get(rollout_id)
                 if current is None:
                     raise InfraError("the rollout vanished while it started", rollout_id=rollout_id)
-                return await self._wait_ready(current)
+                return await self._wait_ready(current, deadline, reserve_s)
         finally:
             await self.store.redis.delete(starting)
-        return await self._start_sandbox(record, resolved, acquired)
+        # Shielded: a request out of time leaves, the sandbox goes on being made for its
+        # retry (which finds the record and waits for it).
+        starting_task = asyncio.ensure_future(self._start_sandbox(record, resolved, acquired))
+        starting_task.add_done_callback(_retrieve)
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(starting_task), deadline.left(reserve=reserve_s)
+            )
+        except TimeoutError:
+            raise StillStarting(rollout_id) from None
 
-    async def _acquire(self, rollout_id: str, resolved: ResolvedEnvironment) -> Acquired | None:
+    async def _acquire(
+        self,
+        rollout_id: str,
+        resolved: ResolvedEnvironment,
+        deadline: Deadline,
+        reserve_s: float,
+    ) -> Acquired | None:
         """A warm sandbox from the rollout's pool (probed first), else a host slot for a
-        cold one, waiting within the admission bound. None: the rollout appeared meanwhile
-        (a concurrent first call made it)."""
+        cold one, waiting within the admission bound (and the request's deadline, less
+        ``reserve_s``). None: the rollout appeared meanwhile (a concurrent first call made
+        it)."""
         started = time.monotonic()
         for _ in range(3):
             handle = await self.pools.take(resolved)
@@ -216,7 +284,8 @@ class RolloutService:
         async def rollout_exists() -> bool:
             return await self.store.get(rollout_id) is not None
 
-        host = await self.admission.take(give_up=rollout_exists)
+        wait_s = deadline.cap(self.settings.admission_wait_s, reserve=reserve_s)
+        host = await self.admission.take(give_up=rollout_exists, wait_s=wait_s)
         return Acquired(host=host, handle=None, started=started) if host else None
 
     async def _usable(self, handle: SandboxHandle, resolved: ResolvedEnvironment) -> bool:
@@ -225,18 +294,19 @@ class RolloutService:
         if handle.expires_at.timestamp() - time.time() < lifetime / 2:
             return False
         try:
-            probe = await self._probe(handle, timeout_s=10)
+            probe = await self._probe(handle)
         except QueueTimeout:
             return False
         return probe.alive and probe.agent_ok
 
-    async def _probe(self, handle: SandboxHandle, *, timeout_s: float) -> ProbeResult:
-        """Probe a sandbox through its host's worker; QueueTimeout when none answers."""
+    async def _probe(self, handle: SandboxHandle) -> ProbeResult:
+        """Probe a sandbox through its host's worker; QueueTimeout when none answers
+        within the longest a probe takes plus the wait for a worker."""
         raw = await self.queue.call(
             "orchestrator.probe_sandbox",
             ProbeSandbox(handle=handle).model_dump(mode="json"),
             queue=self.settings.host_queue(handle.host),
-            timeout_s=timeout_s,
+            timeout_s=PROBE_MAX_S + self.settings.queue_wait_s,
             host_id=handle.host,
         )
         return ProbeResult.model_validate(raw)
@@ -316,11 +386,11 @@ class RolloutService:
         if created.handle is None:
             # A creation that timed out may still finish: the orphan sweep takes it then.
             await self.admission.release(host)
-            await self.mark_infra_failed(
-                record.rollout_id, "sandbox_create_failed", created.error or "unknown", {}
-            )
-            raise InfraError(
-                f"could not create the sandbox: {created.error}", rollout_id=record.rollout_id
+            raise await self.fail(
+                record.rollout_id,
+                Cause.SANDBOX_CREATE_FAILED,
+                f"could not create the sandbox: {created.error or 'unknown'}",
+                {},
             )
         return created.handle
 
@@ -331,11 +401,21 @@ class RolloutService:
         if await self.store.redis.set(key, "1", nx=True, px=1000):
             await self.queue.send("orchestrator.refill_pools", {}, queue=self.settings.shared_queue)
 
-    async def _wait_ready(self, rollout: Rollout) -> Rollout:
-        deadline = time.monotonic() + self.settings.sandbox_create_timeout_s + 5
+    async def _wait_ready(
+        self, rollout: Rollout, deadline: Deadline | None = None, reserve_s: float = 0.0
+    ) -> Rollout:
+        """The rollout once its sandbox is ready (or it failed). Past the request's
+        deadline (less ``reserve_s``) a 503 that leaves the rollout as it is."""
+        bound = time.monotonic() + self.settings.sandbox_create_timeout_s + 5
+        left = deadline.left(reserve=reserve_s) if deadline is not None else None
+        out_of_time = left is not None and time.monotonic() + left < bound
+        if left is not None:
+            bound = min(bound, time.monotonic() + left)
         delay = 0.005
         while rollout.state == RolloutState.CREATING:
-            if time.monotonic() > deadline:
+            if time.monotonic() >= bound:
+                if out_of_time:
+                    raise StillStarting(rollout.rollout_id)
                 raise InfraError("sandbox creation did not finish", rollout_id=rollout.rollout_id)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.1)
@@ -355,7 +435,7 @@ class RolloutService:
         *,
         call_id: str | None,
         item: dict[str, Any] | None = None,
-        source: str = "api",
+        source: RolloutSource = RolloutSource.API,
     ) -> CallReply:
         """Run one tool call. ``item`` given (Agent RFT) means: start the rollout if new.
 
@@ -366,29 +446,48 @@ class RolloutService:
         received = time.monotonic()
         started_at = datetime.now(UTC)
         call_id = call_id or f"auto_{time.time_ns()}"
+        deadline = Deadline.for_source(self.settings, source)
+        settings = self._settings_for(source)
         existing = await self.store.get(rollout_id)
         if existing is None:
             if item is None:
                 raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
             # A new rollout (Agent RFT): agent mistakes are answered before anything exists.
             resolved = await self.aresolve(item)
-            early = self._check_call(resolved, tool_name, arguments, call_id, received)
-            if early is not None:
-                return early
-            rollout = await self.start(rollout_id, item, source=source, resolved=resolved)
+            check = self._check_call(resolved, settings, tool_name, arguments, call_id, received)
+            if check.early is not None:
+                return check.early
+            rollout = await self.start(
+                rollout_id,
+                item,
+                source=source,
+                resolved=resolved,
+                deadline=deadline,
+                reserve_s=check.command_timeout_s + call_overhead_s(settings),
+            )
         else:
-            rollout = await self._wait_ready(existing)
-            resolved = self.environment_of(rollout)
-            early = self._check_call(resolved, tool_name, arguments, call_id, received)
-            if early is not None:
-                return early
+            resolved = self.environment_of(existing)
+            check = self._check_call(resolved, settings, tool_name, arguments, call_id, received)
+            if check.early is not None:
+                return check.early
+            reserve = check.command_timeout_s + call_overhead_s(settings)
+            rollout = await self._wait_ready(existing, deadline, reserve)
         bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
         if rollout.state != RolloutState.ACTIVE or rollout.infra_failure:
             # A retry gets its stored reply even after the rollout ended or failed.
             stored = await self.store.stored_reply(rollout_id, call_id)
             if stored is not None:
                 return CallReply.model_validate(stored)
-            self._check_state(rollout)
+            await self._refuse_ended(rollout)
+        if deadline.cap(math.inf) < check.command_timeout_s + call_overhead_s(settings):
+            # Waiting for the sandbox took the time this call's command needs: cutting the
+            # command short would score our delay as the agent's timeout. Never run; the
+            # retry (a request with its own time) runs it whole.
+            raise CallNotRun(
+                "too little of this request's time is left to run the call within the "
+                "platform's bound after its sandbox was made; retry",
+                rollout_id=rollout_id,
+            )
         pending = PendingCall(
             rollout=rollout,
             resolved=resolved,
@@ -397,6 +496,8 @@ class RolloutService:
             call_id=call_id,
             received=received,
             started_at=started_at,
+            settings=settings,
+            deadline=deadline,
         )
         try:
             return await self._call_once(pending)
@@ -408,7 +509,7 @@ class RolloutService:
         """Run the call once, or give back what its other attempt did (a retry racing
         its original, or one whose first waiter died: the result is on its ticket)."""
         rollout, rollout_id, call_id = call.rollout, call.rollout.rollout_id, call.call_id
-        lock_ttl = self.dispatcher.timeout_s() + 60
+        lock_ttl = call_bound_s(call.settings) + 60
         deadline = time.monotonic() + lock_ttl
         reply_key = self.queue.reply_key()
         delay = 0.02
@@ -439,6 +540,8 @@ class RolloutService:
                     raise await self._lost(exc) from exc
             if time.monotonic() > deadline:
                 raise InfraError(f"call {call_id} never finished", rollout_id=rollout_id)
+            if call.deadline.remaining() <= 0:
+                raise CallPending(rollout_id)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)
         done: ToolCallDone | None = None
@@ -476,9 +579,11 @@ class RolloutService:
             ticket=ticket_key(self.settings.key_prefix, rollout.rollout_id, call.call_id),
             attempt=start.token,
             environment=resolved.environment.name,
+            environment_digest=resolved.environment.digest,
             handle=rollout.sandbox,
             tool=call.tool,
             arguments=call.arguments,
+            command_timeout_max_s=call.settings.command_timeout_max_s,
             enqueued_at=time.time(),
         )
         return await self.dispatcher.run(payload, reply_key=reply_key)
@@ -487,16 +592,22 @@ class RolloutService:
         await self.mark_infra_failed(exc.rollout_id, exc.cause, exc.message, exc.evidence)
         return exc
 
+    def _settings_for(self, source: RolloutSource) -> Settings:
+        """The settings a request's tools see: Agent RFT's commands are capped so that its
+        calls fit the platform's bound (rollouts/bounds.py)."""
+        return self._agent_rft_settings if source == RolloutSource.AGENT_RFT else self.settings
+
     def _check_call(
         self,
         resolved: ResolvedEnvironment,
+        settings: Settings,
         tool_name: str,
         arguments: Any,
         call_id: str,
         received: float,
-    ) -> CallReply | None:
+    ) -> CallCheck:
         """Agent mistakes caught before any state changes: no sandbox, no budget spent."""
-        budget = resolved.environment.effective_output_budget(self.settings)
+        budget = resolved.environment.effective_output_budget(settings)
         tool = resolved.tools.get(tool_name)
         if tool is None:
             known = ", ".join(sorted(resolved.tools))
@@ -506,21 +617,42 @@ class RolloutService:
                 budget=budget,
             )
         else:
+            tool_settings = resolved.tool_settings(settings)
             try:
-                tool.parse(arguments, resolved.tool_settings(self.settings))
-                return None
+                args = tool.parse(arguments, tool_settings)
+                return CallCheck(command_timeout_s=tool.command_timeout_s(args, tool_settings))
             except InvalidArguments as exc:
                 result = agent_error(exc.message, "invalid_arguments", budget=budget)
         # An unknown name is the agent's free text: never a label value.
         metrics.TOOL_CALLS.labels(tool_name if tool else "(unknown)", result.outcome).inc()
-        return _reply(call_id, 0, result, (time.monotonic() - received) * 1000)
+        return CallCheck(early=_reply(call_id, 0, result, (time.monotonic() - received) * 1000))
 
-    def _check_state(self, rollout: Rollout) -> None:
-        if rollout.state == RolloutState.INFRA_FAILED or rollout.infra_failure:
-            reason = (rollout.infra_failure or {}).get("message", "infrastructure failure")
-            raise InfraError(f"rollout failed earlier: {reason}", rollout_id=rollout.rollout_id)
+    async def _refuse_ended(self, rollout: Rollout) -> None:
+        """Refuse a call to a rollout that is over: a 503 naming the cause when it failed
+        or when we ended it before its grade (it must be discarded, never scored); a 409
+        when the trainer itself ended it (graded, or closed through the rollout API)."""
+        await self._refuse_failed(rollout, "rollout failed earlier")
         if rollout.state in (RolloutState.GRADED, RolloutState.CLOSED):
             raise Rejected(409, f"rollout {rollout.rollout_id} is {rollout.state}", code="ended")
+
+    async def _refuse_failed(self, rollout: Rollout, context: str) -> None:
+        """Raise the rollout's :class:`InfraError` if it failed, or if the orchestrator
+        ended it before a score was stored (which fails it now, sticky, with the cause
+        of its end: the trainer was still working on it and must discard it)."""
+        failure = rollout.infra_failure
+        if failure is None and rollout.ended_by is not None and rollout.score is None:
+            ended = rollout.ended_by
+            cause, message = str(ended.get("cause")), str(ended.get("message"))
+            await self.mark_infra_failed(rollout.rollout_id, cause, message, {"ended_by": ended})
+            failure = {"cause": cause, "message": message}
+        if failure is None and rollout.state != RolloutState.INFRA_FAILED:
+            return
+        failure = failure or {}
+        raise InfraError(
+            f"{context}: {failure.get('message', 'infrastructure failure')}; it must not be scored",
+            rollout_id=rollout.rollout_id,
+            code=str(failure.get("cause") or Cause.INFRA_ERROR),
+        )
 
     async def _settle(
         self, call: PendingCall, seq: int, token: str, done: ToolCallDone
@@ -530,11 +662,8 @@ class RolloutService:
         rollout, rollout_id, call_id = call.rollout, call.rollout.rollout_id, call.call_id
         if done.result is None:
             await self.store.end_call(rollout_id, call_id, token, reply=None, step=None)
-            await self.mark_infra_failed(
-                rollout_id, "tool_call_failed", done.infra_error or "unknown", done.evidence
-            )
             message = done.infra_error or "tool call failed"
-            raise InfraError(message, rollout_id=rollout_id, evidence=done.evidence)
+            raise await self.fail(rollout_id, done.cause, message, done.evidence)
         result = done.result
         ran = rollout.sandbox is not None and (done.queue_ms or done.exec_ms)
         queue_ms = round(done.queue_ms, 2) if ran else None
@@ -566,6 +695,13 @@ class RolloutService:
             metrics.TOOL_CALL_SECONDS.labels("exec").observe(exec_ms / 1000)
         return CallReply.model_validate(stored) if stored is not None else reply
 
+    async def fail(
+        self, rollout_id: str, cause: str, message: str, evidence: dict[str, Any]
+    ) -> InfraError:
+        """:meth:`mark_infra_failed`, then the error to raise for it."""
+        await self.mark_infra_failed(rollout_id, cause, message, evidence)
+        return InfraError(message, rollout_id=rollout_id, evidence=evidence, code=cause)
+
     async def mark_infra_failed(
         self, rollout_id: str, cause: str, message: str, evidence: dict[str, Any]
     ) -> None:
@@ -579,18 +715,23 @@ class RolloutService:
 
     @in_rollout_context
     async def grade(
-        self, rollout_id: str, answer: str, item: dict[str, Any] | None, *, source: str
+        self,
+        rollout_id: str,
+        answer: str,
+        item: dict[str, Any] | None,
+        *,
+        source: RolloutSource,
     ) -> GradeReply:
         """Grade once; a retry (even a concurrent one) gets the score stored first. An
         infra-failed rollout is a 503. A rejected grade (422) stores nothing."""
         rollout = await self.store.get(rollout_id)
         if rollout is None:
-            if source != "agent_rft" or item is None:
+            if source != RolloutSource.AGENT_RFT or item is None:
                 raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
             # A rollout may end without a single tool call: grade it on an empty trajectory,
             # and keep a record only once the grade succeeded.
             resolved = await self.aresolve(item)
-            graded = await self._run_grader(resolved, rollout_id, answer, item, [])
+            graded = await self._run_grader(self._grader(resolved), rollout_id, answer, item, [])
             record = _new_record(
                 rollout_id,
                 source,
@@ -606,20 +747,20 @@ class RolloutService:
                 return graded
             rollout = await self.store.get(rollout_id)
             assert rollout is not None
-        rollout = await self._wait_ready(rollout)
+        rollout = await self._wait_ready(rollout, Deadline.for_source(self.settings, source))
         bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
-        if rollout.state == RolloutState.INFRA_FAILED or rollout.infra_failure:
-            reason = (rollout.infra_failure or {}).get("message", "infrastructure failure")
-            raise InfraError(
-                f"rollout failed: {reason}; it must not be scored", rollout_id=rollout_id
-            )
+        await self._refuse_failed(rollout, "rollout failed")
         if rollout.score is not None:
             return GradeReply(score=rollout.score, details=rollout.grade_details or {})
-        await self._probe_before_grading(rollout)
-        resolved = self.environment_of(rollout)
+        grader = self._grader(self.environment_of(rollout))
+        if grader.needs_sandbox:
+            # Only a grader that reads the sandbox needs it alive; one that scores the
+            # answer against the row and the trajectory (file_f1, numeric_match) does not,
+            # so a sandbox that is slow, or dead after its last call, changes nothing.
+            await self._probe_before_grading(rollout)
         trajectory = await self.store.trajectory(rollout_id)
         graded = await self._run_grader(
-            resolved, rollout_id, answer, item if item is not None else rollout.item, trajectory
+            grader, rollout_id, answer, item if item is not None else rollout.item, trajectory
         )
         fields: dict[str, Any] = {
             "score": graded.score,
@@ -641,55 +782,55 @@ class RolloutService:
         return GradeReply(score=updated.score, details=updated.grade_details or {})
 
     async def _probe_before_grading(self, rollout: Rollout) -> None:
-        """A sandbox that died behind the agent's back (not by its own doing) makes the
-        trajectory suspect: the rollout is infra_failed rather than scored."""
+        """For a grader that needs the sandbox: a sandbox that died behind the agent's
+        back (not by its own doing) makes the score unsound, so the rollout is
+        infra_failed rather than scored. A slow sandbox is a live one."""
         handle = rollout.sandbox
         if handle is None or rollout.closed_at is not None:
             return
         try:
-            probe = await self._probe(handle, timeout_s=15)
+            probe = await self._probe(handle)
         except QueueTimeout as exc:
-            await self.mark_infra_failed(
-                rollout.rollout_id, "probe_failed", f"the sandbox could not be probed: {exc}", {}
-            )
-            raise InfraError(
+            raise await self.fail(
+                rollout.rollout_id,
+                Cause.PROBE_FAILED,
                 f"the sandbox could not be checked before grading: {exc}",
-                rollout_id=rollout.rollout_id,
+                {},
             ) from exc
         if (probe.alive and probe.agent_ok) or probe.agent_caused:
             return
         evidence = {"probe": probe.model_dump(mode="json")}
         message = f"the sandbox is not healthy: {probe.detail or probe.state}"
-        await self.mark_infra_failed(rollout.rollout_id, "sandbox_dead", message, evidence)
-        raise InfraError(
-            f"{message}; the rollout must not be scored",
-            rollout_id=rollout.rollout_id,
-            evidence=evidence,
-        )
+        raise await self.fail(rollout.rollout_id, Cause.SANDBOX_DEAD, message, evidence)
+
+    def _grader(self, resolved: ResolvedEnvironment) -> Grader:
+        """The rollout's grader; a misconfigured one is a 503 (checked at start, so only a
+        pinned environment from an older configuration can get here)."""
+        config = resolved.environment.grader
+        try:
+            return get_grader(config.name, config.options)
+        except GraderConfigError as exc:
+            metrics.GRADER_ERRORS.inc()
+            raise GraderFailed(f"grader misconfigured: {exc}") from exc
 
     async def _run_grader(
         self,
-        resolved: ResolvedEnvironment,
+        grader: Grader,
         rollout_id: str,
         answer: str,
         row: dict[str, Any],
         trajectory: list[TrajectoryStep],
     ) -> GradeReply:
-        config = resolved.environment.grader
         try:
-            grader = get_grader(config.name, config.options)
             graded = await asyncio.to_thread(grader.grade, answer, row, trajectory)
         except ItemError as exc:
             raise Rejected(
                 422, f"the dataset row cannot be graded: {exc}", code="invalid_item"
             ) from exc
-        except GraderConfigError as exc:
-            metrics.GRADER_ERRORS.inc()
-            raise GraderFailed(f"grader misconfigured: {exc}") from exc
         except Exception as exc:  # any grader bug is a 503, never a 0
             metrics.GRADER_ERRORS.inc()
             log.exception("grade.failed", rollout_id=rollout_id)
-            raise GraderFailed(f"grader {config.name} failed: {exc!r}") from exc
+            raise GraderFailed(f"grader {grader.name} failed: {exc!r}") from exc
         return GradeReply(
             score=graded.score, details={**graded.details, "tool_calls": len(trajectory)}
         )
@@ -697,8 +838,20 @@ class RolloutService:
     # -- ending ------------------------------------------------------------------------------
 
     @in_rollout_context
-    async def close(self, rollout_id: str, reason: str, *, wait: bool = True) -> Rollout:
-        """Destroy the sandbox and close the record (an infra-failed rollout stays so)."""
+    async def close(
+        self,
+        rollout_id: str,
+        reason: str,
+        *,
+        wait: bool = True,
+        ended_by: Cause | None = None,
+        why: str = "",
+    ) -> Rollout:
+        """Destroy the sandbox and close the record (an infra-failed rollout stays so).
+
+        ``ended_by``: the orchestrator ends the rollout on its own (``why`` says what
+        happened, for the trainer): a call or grade that comes later finds it failed with
+        that cause, so the trainer discards it instead of scoring it."""
         rollout = await self.store.get(rollout_id)
         if rollout is None:
             raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
@@ -724,6 +877,12 @@ class RolloutService:
             await self.admission.release(rollout.sandbox.host)
         state = rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED
         fields: dict[str, Any] = {"state": state, "closed_at": time.time()}
+        if ended_by is not None and rollout.score is None:
+            fields["ended_by"] = {
+                "cause": ended_by,
+                "message": f"the orchestrator ended this rollout before its grade: {why}",
+                "at": time.time(),
+            }
         if rollout.outcome is None:
             # Ended without a grade and without a fault (idle, lifetime, closed by the
             # trainer): nothing went wrong on our side.
@@ -741,7 +900,7 @@ class RolloutService:
 
 def _new_record(
     rollout_id: str,
-    source: str,
+    source: RolloutSource,
     resolved: ResolvedEnvironment,
     item: dict[str, Any],
     *,
@@ -755,6 +914,8 @@ def _new_record(
         environment=resolved.environment.name,
         codebase=resolved.codebase,
         image=resolved.image,
+        environment_digest=resolved.environment.digest,
+        environment_config=resolved.environment.snapshot,
         state=state,
         item=item,
         created_at=now,
@@ -774,6 +935,12 @@ def _reply(call_id: str, seq: int, result: ToolResult, duration_ms: float) -> Ca
         truncated=result.truncated,
         error_kind=result.error_kind,
     )
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Consume a shielded task's exception: its request may have stopped waiting."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _message(exc: Exception) -> str:

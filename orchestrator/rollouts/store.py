@@ -28,7 +28,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator.outcomes import Outcome
-from orchestrator.rollouts.models import RolloutState, TrajectoryStep
+from orchestrator.rollouts.models import RolloutSource, RolloutState, TrajectoryStep
 from orchestrator.rollouts.tickets import (
     CANCEL,
     MARK_LOST,
@@ -48,7 +48,7 @@ class Rollout(BaseModel):
     """The record of one rollout."""
 
     rollout_id: str
-    source: str = Field(description="agent_rft or api")
+    source: RolloutSource = Field(description="Which API the rollout came through.")
     environment: str
     codebase: str | None = None
     image: str
@@ -69,6 +69,18 @@ class Rollout(BaseModel):
     )
     calls_in_flight: int = Field(0, description="Running calls: a busy rollout is not idle.")
     pool_hit: bool | None = Field(None, description="Its sandbox came warm from a pool.")
+    environment_digest: str | None = Field(
+        None, description="The environment pinned at the start (EnvironmentConfig.digest)."
+    )
+    environment_config: str | None = Field(
+        None, description="The pinned environment's snapshot (EnvironmentConfig.snapshot)."
+    )
+    ended_by: dict[str, Any] | None = Field(
+        None,
+        description="Set when the orchestrator ended the rollout before its grade (idle, "
+        "past its lifetime, its environment removed): cause, message, at. A later call or "
+        "grade marks it infra_failed with that cause: it is discarded, never scored.",
+    )
 
 
 class InfraFailureEntry(BaseModel):
@@ -84,7 +96,7 @@ class InfraFailureEntry(BaseModel):
     at: float
 
 
-_JSON_FIELDS = {"sandbox", "item", "grade_details", "infra_failure"}
+_JSON_FIELDS = {"sandbox", "item", "grade_details", "infra_failure", "ended_by"}
 
 
 def _encode(rollout: Rollout) -> dict[str, str]:
@@ -215,7 +227,7 @@ def _failure_entry(rollout: Rollout, failure: dict[str, Any]) -> InfraFailureEnt
     evidence = json.dumps(failure.get("evidence") or {}, separators=(",", ":"), default=str)
     return InfraFailureEntry(
         rollout_id=rollout.rollout_id,
-        trace_id=rollout.rollout_id if rollout.source == "agent_rft" else None,
+        trace_id=rollout.rollout_id if rollout.source == RolloutSource.AGENT_RFT else None,
         environment=rollout.environment,
         host=rollout.sandbox.host if rollout.sandbox is not None else rollout.host,
         cause=str(failure.get("cause", "")),

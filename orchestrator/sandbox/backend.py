@@ -192,6 +192,11 @@ class ProbeResult(BaseModel):
     state: str = Field(description="Backend state, e.g. running, exited, paused, missing.")
     agent_ok: bool
     latency_ms: float | None = None
+    slow: bool = Field(
+        False,
+        description="Alive and answering, but a trivial command did not finish in time: the "
+        "host (or the agent's own processes) is busy. Healthy: slow is not dead.",
+    )
     detail: str = ""
     exit_code: int | None = Field(None, description="Exit status of a sandbox that stopped.")
     oom_killed: bool = Field(False, description="The backend saw the sandbox OOM-killed.")

@@ -56,7 +56,6 @@ AGENT_CAPABILITIES = ["SETUID", "SETGID", "SETPCAP", "KILL"]
 PING_TIMEOUT_S = 5.0
 INSPECT_EVERY_S = 0.5
 # How long a probe whose agent did not answer waits for a dying sandbox to be seen exited.
-PROBE_SETTLE_S = 3.0
 SANDBOX_ID_HEX = 12
 # What a call to the daemon raises when it fails: the SDK's own errors, and those of the
 # HTTP library under it when the daemon cannot be reached at all.
@@ -305,7 +304,7 @@ class DockerBackend(agent.AgentBackend):
         except SandboxUnavailable as exc:
             # Only on failure, so calls never pay for it: say what state the sandbox is in
             # (a paused one accepts connections and never answers).
-            raise SandboxUnavailable(f"{exc}; {self._state_evidence(handle)}") from exc
+            raise type(exc)(f"{exc}; {self._state_evidence(handle)}") from exc
 
     def _state_evidence(self, handle: SandboxHandle) -> str:
         try:
@@ -326,20 +325,27 @@ class DockerBackend(agent.AgentBackend):
         state = _state_name(info)
         if state != "running":
             return self._stopped_probe(handle, info, state)
-        started = time.monotonic()
+        probed = self._probe_agent(handle, state)
+        if probed is not None:
+            return probed
+        # A sandbox being killed (its memory limit under gVisor) drops the agent's
+        # connection a moment before Docker sees it exit: wait for that moment, so the
+        # evidence is the exit and its cause rather than "running but not answering".
+        info = self._settled(handle)
+        if _state_name(info) not in ("running", "paused"):
+            return self._stopped_probe(handle, info, _state_name(info))
+        return ProbeResult(
+            alive=_state_name(info) == "running",
+            state=_state_name(info),
+            agent_ok=False,
+            detail=f"the exec agent is gone or silent: {self._state_evidence(handle)}",
+        )
+
+    def _still_running(self, handle: SandboxHandle) -> bool:
         try:
-            # cwd "/": the agent may have made /workspace unusable; that is not ill health.
-            result = self.exec(handle, "true", timeout_s=5, output_budget_bytes=256, cwd="/")
-        except SandboxError as exc:
-            # A sandbox being killed (its memory limit under gVisor) drops the agent's
-            # connection a moment before Docker sees it exit: wait for that moment, so the
-            # evidence is the exit and its cause rather than "running but not answering".
-            info = self._settled(handle)
-            if _state_name(info) not in ("running", "paused"):
-                return self._stopped_probe(handle, info, _state_name(info))
-            return ProbeResult(alive=True, state=state, agent_ok=False, detail=str(exc))
-        latency = round((time.monotonic() - started) * 1000, 2)
-        return agent.probe_from_exec(result, state, latency)
+            return self._container_state(handle) == "running"
+        except SandboxError:
+            return False
 
     def _stopped_probe(
         self, handle: SandboxHandle, info: dict[str, Any] | None, state: str
@@ -367,7 +373,7 @@ class DockerBackend(agent.AgentBackend):
 
     def _settled(self, handle: SandboxHandle) -> dict[str, Any] | None:
         """The container's inspect data once it stops, or as it is after PROBE_SETTLE_S."""
-        deadline = time.monotonic() + PROBE_SETTLE_S
+        deadline = time.monotonic() + agent.PROBE_SETTLE_S
         while True:
             info = self._inspect(handle)
             if _state_name(info) != "running" or time.monotonic() >= deadline:

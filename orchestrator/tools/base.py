@@ -226,6 +226,11 @@ class Tool(ABC, Generic[ArgsT]):
     ) -> ToolResult:
         """Do the work for validated arguments."""
 
+    def command_timeout_s(self, args: ArgsT, settings: Settings) -> float:
+        """The longest the work of a call with ``args`` may take in the sandbox: what the
+        call's time bound is made of (rollouts/bounds.py)."""
+        return settings.command_timeout_s
+
     def parameters_schema(self, settings: Settings, *, strict: bool = False) -> dict[str, Any]:
         """The JSON Schema of the arguments, clean for a model to read.
 

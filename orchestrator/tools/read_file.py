@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
+from orchestrator.sandbox.agent.client import READ_FILE_TIMEOUT_S
 from orchestrator.sandbox.backend import (
     FileReadError,
     ReadFileResult,
@@ -214,6 +215,9 @@ class ReadFileTool(Tool[ReadFileArgs]):
     )
     args_model = ReadFileArgs
     usage = 'read_file {"path": string, "start_line"?: integer >= 1, "end_line"?: integer}'
+
+    def command_timeout_s(self, args: ReadFileArgs, settings: Settings) -> float:
+        return READ_FILE_TIMEOUT_S
 
     def execute(
         self,

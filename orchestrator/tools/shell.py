@@ -342,6 +342,9 @@ class ShellTool(Tool[ShellArgs]):
     args_model = ShellArgs
     usage = 'shell {"command": string, "timeout_s"?: number of seconds}'
 
+    def command_timeout_s(self, args: ShellArgs, settings: Settings) -> float:
+        return args.effective_timeout_s(settings)
+
     def execute(
         self, backend: SandboxBackend, handle: SandboxHandle, args: ShellArgs, settings: Settings
     ) -> ToolResult:

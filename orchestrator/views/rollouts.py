@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 
+from orchestrator.rollouts.models import RolloutSource
 from orchestrator.rollouts.store import Rollout, RolloutStore
 from orchestrator.views.models import RolloutDetail, RolloutSummary
 
-AGENT_RFT = "agent_rft"
 _PAGE = 500
 
 
@@ -20,7 +20,7 @@ def summarize(rollout: Rollout, calls: int, now: float) -> RolloutSummary:
     """The listing's view of one record."""
     return RolloutSummary(
         rollout_id=rollout.rollout_id,
-        trace_id=rollout.rollout_id if rollout.source == AGENT_RFT else None,
+        trace_id=rollout.rollout_id if rollout.source == RolloutSource.AGENT_RFT else None,
         source=rollout.source,
         environment=rollout.environment,
         codebase=rollout.codebase,

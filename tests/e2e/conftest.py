@@ -6,6 +6,7 @@ The stack gets its own deployment name, so its Redis keys, queues and sandboxes 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -209,45 +210,63 @@ def reaper_environments_yaml(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="session")
-def reaper_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """A second, separate stack (own deployment, worker, API port, Redis keys) that also
-    runs beat: the reaper every second, with environments whose idle timeout and grace
-    after grading are a few seconds. Shares the first stack's codebase image."""
-    root = tmp_path_factory.mktemp("reaper-stack")
-    env_file = reaper_environments_yaml(root / "environments.yaml")
-    settings = stack.settings.model_copy(
+@contextlib.contextmanager
+def side_stack(
+    stack: Stack,
+    root: Path,
+    *,
+    name: str,
+    environments_file: Path,
+    env: dict[str, str] | None = None,
+    **settings: Any,
+) -> Iterator[Stack]:
+    """A separate stack beside ``stack`` (own deployment, worker, beat, API port, Redis
+    keys), on ``environments_file``, sharing ``stack``'s codebase image and state dir
+    (sandbox socket paths must stay short; they are per sandbox id, so deployments never
+    collide there). ``env``: more ORCH_* variables; ``settings``: the same, as fields."""
+    side = stack.settings.model_copy(
         update={
-            "deployment": stack.settings.deployment + "-r",
+            "deployment": f"{stack.settings.deployment}-{name}",
             "api_port": free_port(),
             "worker_metrics_port": free_port(),
-            "host_id": f"h2-{uuid.uuid4().hex[:6]}",
-            # The first stack's state dir: sandbox socket paths must stay short, and
-            # they are per sandbox id, so the two deployments never collide there.
-            "environments_file": env_file,
+            "host_id": f"{name}-{uuid.uuid4().hex[:6]}",
+            "environments_file": environments_file,
             "reaper_interval_s": 1.0,
             "heartbeat_interval_s": 1.0,
+            **settings,
         }
     )
-    env = {
-        **stack_env(settings),
-        "ORCH_ENVIRONMENTS_FILE": str(env_file),
-        "ORCH_REAPER_INTERVAL_S": "1",
-    }
-    second = Stack(
-        settings=settings,
-        env=env,
-        base_url=f"http://127.0.0.1:{settings.api_port}",
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    started = Stack(
+        settings=side,
+        env={
+            **stack_env(side),
+            "ORCH_ENVIRONMENTS_FILE": str(environments_file),
+            "ORCH_REAPER_INTERVAL_S": "1",
+            **(env or {}),
+        },
+        base_url=f"http://127.0.0.1:{side.api_port}",
         codebase=stack.codebase,
-        logs=tmp_path_factory.mktemp("reaper-logs"),
+        logs=logs,
     )
     from orchestrator.cli.serve import api_command, beat_command, worker_command
 
     try:
-        second.start("worker", worker_command(settings))
-        second.start("beat", beat_command(settings))
-        second.start("api", api_command(settings))
-        second.wait_ready()
-        yield second
+        started.start("worker", worker_command(side))
+        started.start("beat", beat_command(side))
+        started.start("api", api_command(side))
+        started.wait_ready()
+        yield started
     finally:
-        second.shut_down()
+        started.shut_down()
+
+
+@pytest.fixture(scope="session")
+def reaper_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A second, separate stack that also runs beat: the reaper every second, with
+    environments whose idle timeout and grace after grading are a few seconds."""
+    root = tmp_path_factory.mktemp("reaper-stack")
+    env_file = reaper_environments_yaml(root / "environments.yaml")
+    with side_stack(stack, root, name="r", environments_file=env_file) as second:
+        yield second

@@ -66,6 +66,9 @@ def test_sandbox_reaped_after_grace(reaper_stack: Stack, item: dict[str, Any]) -
 
 
 def test_idle_rollout_reaped(reaper_stack: Stack, item: dict[str, Any]) -> None:
+    """The reaper ends a rollout idle past its timeout and destroys its sandbox; the model
+    was only thinking, so its next call is a 503 naming why (never a 409 the platform would
+    show the model), the rollout is failed, and its grade is a 503: discarded, not scored."""
     trace = new_trace()
     with reaper_stack.client() as client:
         first = client.post(
@@ -81,11 +84,31 @@ def test_idle_rollout_reaped(reaper_stack: Stack, item: dict[str, Any]) -> None:
             timeout_s=15,
             what="the idle rollout to be reaped",
         )
+        assert client.get(f"/v1/rollouts/{trace}").json()["ended_by"]["cause"] == "idle_reaped"
         late = client.post(
             "/agent-rft/tools", json=function_call(trace, item, "shell", {"command": "ls"})
         )
-        assert late.status_code == 409
-        assert error_code(late) == "ended"
+        assert late.status_code == 503, late.text
+        assert late.headers["Retry-After"]
+        assert late.json()["error"]["type"] == "infra_error"
+        assert error_code(late) == "idle_reaped"
+        graded = client.post(
+            "/agent-rft/grade",
+            json={
+                "sample": {"output_text": "src/requests/api.py"},
+                "item": item,
+                "trace_id": trace,
+            },
+        )
+        assert graded.status_code == 503, graded.text
+        assert error_code(graded) == "idle_reaped"
+        view = client.get(f"/v1/rollouts/{trace}").json()
+        assert (view["state"], view["outcome"], view["score"]) == (
+            "infra_failed",
+            "infra_error",
+            None,
+        )
+        assert view["infra_failure"]["cause"] == "idle_reaped"
 
 
 def test_running_call_is_not_idle(reaper_stack: Stack, item: dict[str, Any]) -> None:

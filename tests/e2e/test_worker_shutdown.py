@@ -90,7 +90,7 @@ def test_a_call_past_the_shutdown_grace_is_an_infra_error(
         runner.join(timeout=30)
         assert results, "the call did not hang"
         assert results[0].status_code == 503, results[0].text
-        assert error_code(results[0]) == "infra_error"
+        assert error_code(results[0]) == "worker_stopped"
         rollout = client.get(f"/v1/rollouts/{trace}").json()
         assert rollout["state"] == "infra_failed", rollout
         stack.procs["worker"].wait(timeout=30)

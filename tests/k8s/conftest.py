@@ -23,6 +23,7 @@ from orchestrator.environments.examples import REQUESTS_CODEBASE, ensure_request
 from orchestrator.local import free_port
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
+from tests import agent_caused
 from tests.e2e.conftest import TOKEN, Stack, flush_redis, reaper_environments_yaml, stack_env
 from tests.k8s.fake_cluster import FakeCluster
 
@@ -61,11 +62,14 @@ def requests_image(settings: Settings, base_image: str) -> str:
 
 POOLED = "pooled-planning"
 """An environment with one warm pod of the `requests` codebase."""
+ACTS = "agent-acts"
+"""The agent-caused table's environment (tests/agent_caused.py's limits)."""
 
 
 def _environments(path: Path) -> Path:
     """The default environments with an idle timeout and a grace after grading of a few
-    seconds (the reaper ends rollouts within a test's patience), plus ``POOLED``."""
+    seconds (the reaper ends rollouts within a test's patience), plus ``POOLED`` and
+    ``ACTS``."""
     reaper_environments_yaml(path)
     data = yaml.safe_load(path.read_text())
     data["environments"].append(
@@ -76,6 +80,15 @@ def _environments(path: Path) -> Path:
             "tools": ["shell", "read_file"],
             "grader": {"name": "file_f1"},
             "idle_timeout_s": 30,
+        }
+    )
+    data["environments"].append(
+        {
+            "name": ACTS,
+            "codebase": REQUESTS_CODEBASE,
+            "tools": ["shell"],
+            "limits": agent_caused.LIMITS,
+            "grader": {"name": "file_f1"},
         }
     )
     path.write_text(yaml.safe_dump(data, sort_keys=False))

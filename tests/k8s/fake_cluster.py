@@ -20,7 +20,11 @@ Fake, and said so:
 - no registry: an image missing from the local daemon fails as a pull does (``ErrImagePull``,
   then ``ImagePullBackOff``);
 - no admission, defaulting or schema validation beyond what is named above; no NetworkPolicy,
-  CNI, RuntimeClass handlers (only ``runc``), evictions, or ``activeDeadlineSeconds``;
+  CNI, RuntimeClass handlers (only ``runc``), node-pressure evictions, or
+  ``activeDeadlineSeconds``; the one eviction there is: a disk-backed emptyDir past its
+  ``sizeLimit`` evicts its pod, as the kubelet's eviction manager does (checked every
+  ``PROBE_PERIOD_S``, not every 10 s); the kubelet's ``podPidsLimit`` (``pod_pids_limit``)
+  caps each pod's processes;
 - the pod network: a real pod has a network namespace of its own; here the main container
   shares the host's (Docker's host networking), so every connection to a pod stays on
   loopback, where tests may send traffic (never to a bridge address, which CI may not route).
@@ -47,6 +51,7 @@ import contextlib
 import copy
 import itertools
 import json
+import os
 import re
 import shutil
 import socket
@@ -360,8 +365,10 @@ class FakeCluster:
         docker_deployment: str,
         namespaces: tuple[str, ...] = ("orchestrator-sandboxes",),
         runtime_classes: tuple[str, ...] = (),
+        pod_pids_limit: int = 1024,
     ) -> None:
         self.docker = docker_client
+        self.pod_pids_limit = pod_pids_limit
         self.docker_deployment = docker_deployment
         self.runtime_classes = set(runtime_classes)
         self.token = uuid.uuid4().hex
@@ -666,6 +673,16 @@ def _remove_labelled(client: docker.DockerClient, selector: list[str]) -> None:
             volume.remove(force=True)
 
 
+def _disk_usage(root: Path) -> int:
+    """Bytes of disk the files under ``root`` take (as the kubelet's ``du``)."""
+    total = 0
+    for directory, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(directory, name)).st_blocks * 512
+    return total
+
+
 def _oom_kills(container_id: str) -> int:
     """The OOM-kill counter of a container's memory cgroup (v1 or v2, cgroupfs or systemd
     driver); 0 when none is found."""
@@ -712,6 +729,8 @@ class _Kubelet:
         }
         # Volume name -> (Docker source, mount type, read-only).
         self.volumes: dict[str, tuple[str, MountKind, bool]] = {}
+        # Disk-backed emptyDirs with a sizeLimit: name -> (host directory, bytes allowed).
+        self.disk_limits: dict[str, tuple[Path, int]] = {}
         self.started = timestamp()
         self.address: str | None = None  # the pod IP on loopback, while the pod holds it
 
@@ -870,9 +889,13 @@ class _Kubelet:
             for item in items:
                 path = target / item["path"]
                 path.write_bytes(base64.b64decode(data[item["key"]]))
-                path.chmod(item.get("mode", source.get("defaultMode", 0o644)))
+                mode = item.get("mode", source.get("defaultMode", 0o644))
                 if fs_group is not None:
+                    # As the kubelet does for a read-only volume under an fsGroup: the group
+                    # may read (pkg/volume SetVolumeOwnership's read-only mask).
+                    mode |= 0o440
                     shutil.chown(path, 0, fs_group)
+                path.chmod(mode)
             target.chmod(0o755)
             self.volumes[volume["name"]] = (str(target), "bind", True)
         return True
@@ -948,6 +971,8 @@ class _Kubelet:
                 if fs_group is not None:
                     shutil.chown(root, 0, fs_group)
                 root.chmod(0o2777 if fs_group is not None else 0o777)
+                if source.get("sizeLimit"):
+                    self.disk_limits[volume["name"]] = (root, int(quantity(source["sizeLimit"])))
             self.volumes[volume["name"]] = (made.name, "volume", False)
 
     def container_options(self, container: Obj) -> Obj:
@@ -964,6 +989,7 @@ class _Kubelet:
             "group_add": [str(pod_security["fsGroup"])] if "fsGroup" in pod_security else None,
             "read_only": bool(security.get("readOnlyRootFilesystem")),
             "cap_drop": (security.get("capabilities") or {}).get("drop"),
+            "cap_add": (security.get("capabilities") or {}).get("add"),
             "security_opt": (
                 ["no-new-privileges"] if security.get("allowPrivilegeEscalation") is False else None
             ),
@@ -971,6 +997,7 @@ class _Kubelet:
             # The kubelet gives containers no swap (NoSwap).
             "memswap_limit": int(quantity(limits["memory"])) if "memory" in limits else None,
             "nano_cpus": int(quantity(limits["cpu"]) * 1e9) if "cpu" in limits else None,
+            "pids_limit": self.cluster.pod_pids_limit,
             "working_dir": container.get("workingDir"),
             "labels": self.labels,
             # The names dockershim gave a pod's containers.
@@ -1082,6 +1109,11 @@ class _Kubelet:
                 self.report_exit(container, made, started)
                 self.run_.deleted.wait()
                 return
+            over = self.over_disk_limit()
+            if over is not None:
+                self.evict(container, made, started, over)
+                self.run_.deleted.wait()
+                return
             ok = port is None or _connects(ip, port)
             failures = 0 if ok else failures + 1
             if ok != ready and (ok or failures >= threshold):
@@ -1118,6 +1150,39 @@ class _Kubelet:
             named = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
             return int(named[port])
         return None if port is None else int(port)
+
+    def over_disk_limit(self) -> str | None:
+        """The eviction message when an emptyDir holds more than its sizeLimit."""
+        for name, (root, limit) in self.disk_limits.items():
+            used = _disk_usage(root)
+            if used > limit:
+                source = next(v for v in self.spec["volumes"] if v["name"] == name)
+                wanted = source["emptyDir"]["sizeLimit"]
+                return f'Usage of EmptyDir volume "{name}" exceeds the limit "{wanted}". '
+        return None
+
+    def evict(self, container: Obj, made: Container, started: Obj, message: str) -> None:
+        """What the kubelet's eviction manager does to a pod past its own disk limit: kill
+        its containers, fail it as Evicted with the reason."""
+        self.release_address()
+        made.kill()
+        self.event("Evicted", message, "Warning")
+        ended = {
+            "terminated": {
+                "exitCode": 137,
+                "reason": "Error",
+                "startedAt": started["running"]["startedAt"],
+                "finishedAt": timestamp(),
+                "containerID": f"docker://{made.id}",
+            }
+        }
+        self.set_status(
+            phase="Failed",
+            reason="Evicted",
+            message=message,
+            conditions=self.conditions(initialized=True, ready=False, reason="PodFailed"),
+            containerStatuses=[self.container_status(container, ended, container_id=made.id)],
+        )
 
     def report_exit(self, container: Obj, made: Container, started: Obj) -> None:
         # Before the status says so: a test that saw the pod end may hand its IP out.

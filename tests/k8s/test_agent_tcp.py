@@ -1,6 +1,7 @@
-"""The real exec agent in its Kubernetes mode (TCP, per-sandbox token, commands as its own
-user), in a real container of the sandbox base image run as a pod would run it: uid 1000,
-read-only root, no capabilities, no new privileges. Reached by the TCP client as a worker
+"""The real exec agent in its Kubernetes mode (TCP, per-sandbox token), in a real container of
+the sandbox base image run as a pod runs it (pods.py): the agent as root with only SETUID,
+SETGID, SETPCAP and KILL, commands as uid 1000, read-only root, no new privileges, the
+Secret's files readable by root alone. Reached by the TCP client as a worker
 reaches a pod's IP, but on loopback: the container shares the host's network and the agent
 listens on an address of its own in 127.0.0.0/8 (tests send no traffic to bridge
 addresses). So the container is not network-isolated here, and no test relies on it."""
@@ -14,6 +15,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import docker
@@ -26,11 +28,12 @@ from orchestrator.sandbox import labels
 from orchestrator.sandbox.agent import EXEC_AGENT_PATH
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.agent.client import AgentProtocolError
-from orchestrator.sandbox.backend import FileReadError, SandboxUnavailable
+from orchestrator.sandbox.backend import FileReadError, SandboxSpec, SandboxUnavailable
 from orchestrator.sandbox.k8s import pods
 from tests.k8s import loopback
 
 AGENT_DIR = "/opt/orchestrator/agent"
+NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
 
 class Agent:
@@ -54,34 +57,38 @@ def tcp_agent(settings: Settings, base_image: str, client: docker.DockerClient) 
         loopback.held() as (ip, port),
         tempfile.TemporaryDirectory(prefix="orch-k8s-agent-") as scratch,
     ):
-        # As the pod's Secret volume: the agent's code and its token, read-only, readable
-        # by the sandbox's group (fsGroup 1000 on Kubernetes).
+        # As the pod's Secret volume: the agent's code and its token, read-only, root's
+        # alone (defaultMode 0400, no fsGroup).
         secret_dir = Path(scratch)
         (secret_dir / pods.AGENT_KEY).write_bytes(EXEC_AGENT_PATH.read_bytes())
         (secret_dir / pods.TOKEN_KEY).write_text(token)
         for entry in (secret_dir, *secret_dir.iterdir()):
-            os.chown(entry, 0, pods.SANDBOX_UID)
-            entry.chmod(0o750 if entry.is_dir() else 0o440)
+            os.chown(entry, 0, 0)
+            entry.chmod(0o755 if entry.is_dir() else 0o400)
+        rendered = pods.render_pod(
+            settings.model_copy(update={"k8s_agent_port": port}),
+            SandboxSpec(image=base_image),
+            pods.SandboxIdentity(
+                sandbox_id="sbx-tcpagent", host="h", created_at=NOW, expires_at=NOW
+            ),
+            disk_mb=64,
+            output_mb=64,
+        )
+        main = rendered.spec.containers[0] if rendered.spec else None
+        assert main is not None and main.command and main.securityContext
+        command = [c.replace("0.0.0.0", ip) for c in main.command]
+        capabilities = main.securityContext.capabilities
         container = client.containers.run(
             base_image,
-            command=[
-                "python3",
-                "-I",
-                "-S",
-                f"{AGENT_DIR}/{pods.AGENT_KEY}",
-                "--listen",
-                f"tcp:{ip}:{port}",
-                "--token-file",
-                f"{AGENT_DIR}/{pods.TOKEN_KEY}",
-                "--same-user",
-            ],
+            command=command,
             detach=True,
             network_mode="host",
             name=f"orch-{settings.deployment}-k8s-agent-{secrets.token_hex(3)}",
             labels={labels.MANAGED: "true", labels.DEPLOYMENT: settings.deployment},
-            user=f"{pods.SANDBOX_UID}:{pods.SANDBOX_UID}",
+            user=f"{main.securityContext.runAsUser}:{main.securityContext.runAsGroup}",
             read_only=True,
-            cap_drop=["ALL"],
+            cap_drop=capabilities.drop if capabilities else None,
+            cap_add=capabilities.add if capabilities else None,
             security_opt=["no-new-privileges"],
             init=True,  # the pod's shared process namespace: its pause process reaps
             mem_limit="512m",
@@ -109,7 +116,7 @@ def tcp_agent(settings: Settings, base_image: str, client: docker.DockerClient) 
             container.remove(force=True, v=True)
 
 
-def test_right_token_runs_a_command_as_the_agents_own_user(tcp_agent: Agent) -> None:
+def test_right_token_runs_a_command_as_uid_1000(tcp_agent: Agent) -> None:
     request = agent.exec_request("id -u; id -G; touch /etc/x 2>&1; echo done", 10, 4096, "/")
     result = agent.exec_result(tcp_agent.call(request))
     assert result.exit_code == 0
@@ -181,3 +188,21 @@ def test_port_checks_do_not_disturb_the_agent(tcp_agent: Agent) -> None:
         with socket.create_connection((tcp_agent.ip, tcp_agent.port), timeout=10):
             pass
     assert "version" in tcp_agent.call(agent.PING_REQUEST)
+
+
+def test_commands_cannot_touch_the_agent_or_read_its_token(tcp_agent: Agent) -> None:
+    """Whatever a command does to its own sandbox, the agent survives it: the rollout is
+    scored, never discarded (docs/failure-model.md's agent-caused table)."""
+    hostile = (
+        "cat /opt/orchestrator/agent/token 2>&1 | head -c 200; "
+        "kill -9 $(pgrep -f exec_agent) 2>&1 | head -c 200; "
+        "kill -STOP $(pgrep -f exec_agent) 2>&1 | head -c 200; "
+        "kill -9 -1"
+    )
+    result = agent.exec_result(tcp_agent.call(agent.exec_request(hostile, 10, 4096, "/")))
+    out = result.stdout.head + result.stderr.head
+    assert "Permission denied" in out and "Operation not permitted" in out, out
+    assert tcp_agent.token not in out
+    assert "version" in tcp_agent.call(agent.PING_REQUEST)
+    again = agent.exec_result(tcp_agent.call(agent.exec_request("echo alive", 10, 64, "/")))
+    assert again.stdout.head == "alive\n"

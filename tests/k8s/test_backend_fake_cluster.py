@@ -168,13 +168,17 @@ def test_the_pod_is_what_the_backend_rendered_and_owns_its_secret(
     )
     ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
     assert pod["status"]["phase"] == "Running" and ready["Ready"] == "True"
-    # The kubelet ran the container as the pod says: uid 1000, read-only, no capabilities.
+    # The kubelet ran the container as the pod says: the agent as root with only what it
+    # needs to run commands as uid 1000 and kill them, read-only, no new privileges.
     container = cluster.main_container(sandbox.native_id)
     container.reload()
     attrs = container.attrs
     host = attrs["HostConfig"]
-    assert attrs["Config"]["User"] == "1000:1000"
+    assert attrs["Config"]["User"] == "0:0"
     assert host["ReadonlyRootfs"] and host["CapDrop"] == ["ALL"]
+    assert sorted(host["CapAdd"]) == ["KILL", "SETGID", "SETPCAP", "SETUID"]
+    whoami = k8s.exec(sandbox, "id -u; id -G", timeout_s=10, output_budget_bytes=256)
+    assert whoami.stdout.head.split() == ["1000", "1000"]
     assert "no-new-privileges" in host["SecurityOpt"]
     assert host["Memory"] == 512 * 2**20
     # The fake's one liberty with the pod network: the host's, on a loopback address.

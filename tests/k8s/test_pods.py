@@ -68,6 +68,15 @@ HARDENED = {
     "capabilities": {"drop": ["ALL"]},
     "seccompProfile": {"type": "RuntimeDefault"},
 }
+# The agent: root with just what it needs to run commands as another uid and kill them,
+# as on Docker, so no command can kill, stop or replace it.
+AGENT = {
+    **HARDENED,
+    "runAsNonRoot": False,
+    "runAsUser": 0,
+    "runAsGroup": 0,
+    "capabilities": {"drop": ["ALL"], "add": ["SETUID", "SETGID", "SETPCAP", "KILL"]},
+}
 
 
 @pytest.mark.parametrize(
@@ -96,15 +105,11 @@ def test_pod_is_hardened() -> None:
     assert spec["shareProcessNamespace"] is True
     assert spec["terminationGracePeriodSeconds"] <= 2
     assert "hostNetwork" not in spec and "hostPID" not in spec and "hostIPC" not in spec
-    assert spec["securityContext"] == {
-        "runAsNonRoot": True,
-        "runAsUser": 1000,
-        "runAsGroup": 1000,
-        "fsGroup": 1000,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
-    for name in ("sandbox", "workspace-seed"):
-        assert container(data, name)["securityContext"] == HARDENED
+    # No pod-wide user (the pause process keeps its own) and no fsGroup (it would let the
+    # commands' group read the Secret).
+    assert spec["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    assert container(data, "workspace-seed")["securityContext"] == HARDENED
+    assert container(data, "sandbox")["securityContext"] == AGENT
     # Sandboxes on a lost node go soon, not after the default five minutes.
     tolerated = {t["key"]: t["tolerationSeconds"] for t in spec["tolerations"]}
     assert tolerated == {
@@ -155,14 +160,14 @@ def test_requests_equal_limits(
     }
 
 
-def test_agent_listens_on_tcp_with_the_token_as_its_own_user() -> None:
+def test_agent_listens_on_tcp_with_the_token_and_runs_commands_as_another_uid() -> None:
     data = validated(render(SandboxSpec(image="img"), k8s_settings(k8s_agent_port=7444)))
     sandbox = container(data, "sandbox")
     command = sandbox["command"]
     assert command[:4] == ["python3", "-I", "-S", "/opt/orchestrator/agent/exec_agent.py"]
     assert command[command.index("--listen") + 1] == "tcp:0.0.0.0:7444"
     assert command[command.index("--token-file") + 1] == "/opt/orchestrator/agent/token"
-    assert "--same-user" in command and "--uid" not in command
+    assert command[command.index("--uid") + 1] == command[command.index("--gid") + 1] == "1000"
     assert sandbox["ports"] == [{"name": "agent", "containerPort": 7444, "protocol": "TCP"}]
     assert sandbox["readinessProbe"]["tcpSocket"] == {"port": "agent"}
     assert "livenessProbe" not in sandbox
@@ -172,7 +177,7 @@ def test_agent_listens_on_tcp_with_the_token_as_its_own_user() -> None:
     volumes = {v["name"]: v for v in data["spec"]["volumes"]}
     assert volumes["agent"]["secret"] == {
         "secretName": "orch-prod-1-sbx-0123456789ab",
-        "defaultMode": 0o440,
+        "defaultMode": 0o400,
         "items": [
             {"key": "exec_agent.py", "path": "exec_agent.py"},
             {"key": "token", "path": "token"},

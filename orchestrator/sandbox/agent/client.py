@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import time
 from abc import abstractmethod
 from typing import Any
 
@@ -22,13 +24,38 @@ from orchestrator.sandbox.backend import (
 # Slack on top of a command's own timeout: the agent enforces the timeout itself, then
 # kills the process group and replies; waiting longer than this means the agent is stuck.
 REPLY_SLACK_S = 10.0
+# How long a read_file may take in the agent: bounded by its byte cap, not by a command.
+READ_FILE_TIMEOUT_S = 20.0
 # A pod's agent that does not accept a connection within this is not there (over TCP a
 # vanished pod IP may drop packets instead of refusing).
 CONNECT_TIMEOUT_S = 5.0
+# A probe of a running sandbox waits this long for its agent's answer before it calls the
+# agent silent, retrying with growing timeouts: on a host at load average 47 on 2 cores a
+# 5 s `true` timed out although the sandbox was fine. Slow is not dead.
+PROBE_BUDGET_S = 30.0
+# ...and this long when the host is overloaded (load average per core above
+# PROBE_LOADED_PER_CPU), where an answer can take longer still.
+PROBE_LOADED_BUDGET_S = 60.0
+PROBE_LOADED_PER_CPU = 4.0
+PROBE_FIRST_TRY_S = 5.0
+# After an agent stopped answering, how long a probe watches the sandbox for its end, so
+# the evidence is the end and its cause rather than "running but silent".
+PROBE_SETTLE_S = 3.0
+PROBE_MAX_S = PROBE_LOADED_BUDGET_S + PROBE_SETTLE_S
+"""The longest one probe takes, whatever it finds."""
 
 
 class AgentProtocolError(SandboxError):
     """The agent answered something that is not a valid reply."""
+
+
+class AgentNotListening(SandboxUnavailable):
+    """Nothing accepts the agent's connection (no socket, refused): the agent is gone."""
+
+
+class AgentSilent(SandboxUnavailable):
+    """The agent accepted the connection (or its address swallowed it) but did not answer
+    in time: a paused or lost sandbox, or only an overloaded host."""
 
 
 class AgentUnauthorized(AgentProtocolError):
@@ -48,9 +75,9 @@ def call_unix(socket_path: str, request: dict[str, Any], timeout_s: float) -> di
         try:
             sock.connect(socket_path)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
-            raise SandboxUnavailable(f"exec agent not listening ({exc.strerror})") from exc
+            raise AgentNotListening(f"exec agent not listening ({exc.strerror})") from exc
         except TimeoutError as exc:
-            raise SandboxUnavailable(f"exec agent did not answer within {timeout_s:.1f} s") from exc
+            raise AgentSilent(f"exec agent did not answer within {timeout_s:.1f} s") from exc
         except OSError as exc:
             raise SandboxUnavailable(f"exec agent connection failed: {exc}") from exc
         raw = _exchange(sock, request, timeout_s)
@@ -68,9 +95,9 @@ def call_tcp(
     try:
         sock = socket.create_connection((host, port), timeout=min(timeout_s, CONNECT_TIMEOUT_S))
     except TimeoutError as exc:
-        raise SandboxUnavailable(f"exec agent at {host}:{port} did not accept in time") from exc
+        raise AgentSilent(f"exec agent at {host}:{port} did not accept in time") from exc
     except OSError as exc:
-        raise SandboxUnavailable(f"exec agent at {host}:{port} not listening ({exc})") from exc
+        raise AgentNotListening(f"exec agent at {host}:{port} not listening ({exc})") from exc
     sock.settimeout(timeout_s)
     try:
         raw = _exchange(sock, {**request, "token": token}, timeout_s)
@@ -92,7 +119,7 @@ def _exchange(sock: socket.socket, request: dict[str, Any], timeout_s: float) ->
             if chunk.endswith(b"\n"):
                 break
     except TimeoutError as exc:
-        raise SandboxUnavailable(f"exec agent did not answer within {timeout_s:.1f} s") from exc
+        raise AgentSilent(f"exec agent did not answer within {timeout_s:.1f} s") from exc
     except OSError as exc:
         raise SandboxUnavailable(f"exec agent connection failed: {exc}") from exc
     return b"".join(chunks)
@@ -175,10 +202,17 @@ def read_file_result(result: dict[str, Any]) -> ReadFileResult:
 PING_REQUEST: dict[str, Any] = {"op": "ping"}
 
 
+def host_load() -> float:
+    """This host's 1-minute load average per core."""
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
+
+
 def probe_from_exec(result: ExecResult, state: str, latency_ms: float) -> ProbeResult:
     """A running sandbox's probe from the trivial command it ran: healthy; or unusable by
     the agent's own doing when ``true`` could not start for the agent's processes filling
-    the pids limit; or unhealthy (ours) for any other failure."""
+    the pids limit; healthy but slow when it ran out of time (the agent answered, so the
+    host or the agent's own processes are busy, nothing is broken); or unhealthy (ours)
+    for any other failure."""
     if "pids" in result.limits_hit:
         hit = result.limit("pids")
         return ProbeResult(
@@ -189,8 +223,17 @@ def probe_from_exec(result: ExecResult, state: str, latency_ms: float) -> ProbeR
             agent_caused="pids_limit",
             detail=f"`true` could not start: {hit.evidence if hit else 'pids limit'}",
         )
+    if result.timed_out:
+        return ProbeResult(
+            alive=True,
+            state=state,
+            agent_ok=True,
+            slow=True,
+            latency_ms=latency_ms,
+            detail=f"slow: `true` did not finish in time (host load {host_load():.1f} per core)",
+        )
     ok = result.exit_code == 0
-    detail = "" if ok else f"`true` gave exit {result.exit_code}, timed_out={result.timed_out}"
+    detail = "" if ok else f"`true` gave exit {result.exit_code}"
     return ProbeResult(alive=True, state=state, agent_ok=ok, latency_ms=latency_ms, detail=detail)
 
 
@@ -203,6 +246,55 @@ class AgentBackend(SandboxBackend):
         self, handle: SandboxHandle, request: dict[str, Any], timeout_s: float
     ) -> dict[str, Any]:
         """Send ``request`` to the agent of ``handle``; return its result."""
+
+    @abstractmethod
+    def _still_running(self, handle: SandboxHandle) -> bool:
+        """Whether the backend still reports the sandbox running (not stopped, paused or
+        gone): a probe retries a silent agent only while it is."""
+
+    def _probe_agent(self, handle: SandboxHandle, state: str) -> ProbeResult | None:
+        """The probe of a sandbox the backend reports running, through its agent; None when
+        the agent is gone or stays silent past the probe's budget (the caller then reads
+        how the sandbox ended). Slow is not dead: a silent agent is asked again, with
+        growing timeouts, for :data:`PROBE_BUDGET_S` (longer on an overloaded host) as long
+        as the sandbox still runs; an agent that answers is alive however slow its
+        commands are, and ``true`` then only says whether a command can start."""
+        started = time.monotonic()
+        budget = PROBE_LOADED_BUDGET_S if host_load() > PROBE_LOADED_PER_CPU else PROBE_BUDGET_S
+        attempt = PROBE_FIRST_TRY_S
+        while True:
+            remaining = budget - (time.monotonic() - started)
+            try:
+                self._call(handle, PING_REQUEST, max(1.0, min(attempt, remaining)))
+                break
+            except AgentSilent:
+                if remaining <= attempt or not self._still_running(handle):
+                    return None
+                attempt *= 2
+            except SandboxError:
+                return None  # not listening, or a broken answer: no agent to probe
+        remaining = max(PROBE_FIRST_TRY_S, budget - (time.monotonic() - started))
+        try:
+            # cwd "/": the agent may have made /workspace unusable; that is not ill health.
+            result = self.exec(
+                handle, "true", timeout_s=remaining, output_budget_bytes=256, cwd="/"
+            )
+        except AgentSilent:
+            result = None
+        except SandboxError as exc:
+            return ProbeResult(alive=True, state=state, agent_ok=False, detail=str(exc))
+        latency = round((time.monotonic() - started) * 1000, 2)
+        if result is None:  # it answered a ping a moment ago: busy, not dead
+            return ProbeResult(
+                alive=True,
+                state=state,
+                agent_ok=True,
+                slow=True,
+                latency_ms=latency,
+                detail=f"slow: the agent answers but `true` got no reply in {remaining:.0f} s "
+                f"(host load {host_load():.1f} per core)",
+            )
+        return probe_from_exec(result, state, latency)
 
     def exec(
         self,
@@ -227,4 +319,4 @@ class AgentBackend(SandboxBackend):
     ) -> ReadFileResult:
         request = read_file_request(path, start_line, end_line, max_bytes)
         # Reading is bounded by max_bytes, not by a command: a fixed allowance.
-        return read_file_result(self._call(handle, request, REPLY_SLACK_S + 20))
+        return read_file_result(self._call(handle, request, REPLY_SLACK_S + READ_FILE_TIMEOUT_S))

@@ -13,11 +13,10 @@ unprivileged user in a new session. A process of that user can neither signal a 
 process (no CAP_KILL), nor ptrace it, nor reach the socket directory (root-owned, 0700), nor
 write this file (read-only bind mount on a read-only root filesystem).
 
-Same-user mode (``--same-user``, Kubernetes): a pod under ``runAsNonRoot`` starts the agent
-as uid 1000 with no capabilities at all, so it cannot become anyone else; commands then run
-as the agent's own user. Other pods cannot call it without the sandbox's token (read from a
-file, compared in constant time), the sandbox's NetworkPolicy keeps every other network
-peer out, and whatever a command can do to the agent it could do by running a command.
+The same holds in a Kubernetes pod (the container runs the agent as root with just those
+capabilities). There it listens on TCP: other pods cannot call it without the sandbox's
+token (read from a root-only file, compared in constant time), and the sandbox's
+NetworkPolicy keeps every other network peer out.
 """
 
 from __future__ import annotations
@@ -462,8 +461,7 @@ class Limits:
 
 
 class Agent:
-    """Runs commands and reads files as ``uid``/``gid``; ``switch_user`` False (same-user
-    mode) runs them as the agent's own user, which must then be that user already."""
+    """Runs commands and reads files as ``uid``/``gid``, never as itself."""
 
     def __init__(
         self,
@@ -473,11 +471,9 @@ class Agent:
         preload: str | None,
         wrapper: str,
         limits: Limits,
-        switch_user: bool = True,
     ) -> None:
         self.uid = uid
         self.gid = gid
-        self.switch_user = switch_user
         self.wrapper = wrapper
         self.limits = limits
         self.env = {
@@ -511,9 +507,6 @@ class Agent:
         budget = int(req["budget"])  # type: ignore[call-overload]
         started = time.monotonic()
         before = self.limits.snapshot()
-        identity: dict[str, Any] = {}
-        if self.switch_user:
-            identity = {"user": self.uid, "group": self.gid, "extra_groups": []}
         try:
             proc = subprocess.Popen(
                 ["/bin/bash", "-c", *args],
@@ -524,7 +517,9 @@ class Agent:
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 close_fds=True,
-                **identity,
+                user=self.uid,
+                group=self.gid,
+                extra_groups=[],
             )
         except OSError as exc:
             # EAGAIN here is usually the sandbox's pids limit, hit by the agent's own
@@ -667,10 +662,9 @@ class Agent:
             code = 0
             try:
                 os.close(rfd)
-                if self.switch_user:
-                    os.setgroups([])
-                    os.setgid(self.gid)
-                    os.setuid(self.uid)
+                os.setgroups([])
+                os.setgid(self.gid)
+                os.setuid(self.uid)
                 reply = read_lines(req)
             except BaseException as exc:  # noqa: BLE001 - the child must always answer
                 reply = {"error": {"kind": "internal", "message": repr(exc)}}
@@ -864,12 +858,6 @@ def main() -> None:
     parser.add_argument(
         "--token-file", default=None, help="Requests must carry this file's token (TCP: required)"
     )
-    parser.add_argument(
-        "--same-user",
-        action="store_true",
-        help="Run commands as the agent's own (unprivileged) user instead of switching to "
-        "--uid/--gid: for sandboxes that start the agent unprivileged (Kubernetes pods)",
-    )
     parser.add_argument("--uid", type=int, default=1000)
     parser.add_argument("--gid", type=int, default=1000)
     parser.add_argument("--home", default="/home/agent")
@@ -895,20 +883,17 @@ def main() -> None:
     elif address.startswith("tcp:"):
         parser.error("--listen tcp: requires --token-file")
     uid, gid = args.uid, args.gid
-    if args.same_user:
-        # Nothing to drop: the agent holds no capability and cannot switch users.
-        uid, gid = os.getuid(), os.getgid()
-    else:
-        drop_bounding_set()
+    if os.getuid() == uid:
+        # Commands as the agent's own user could kill or stop it: whatever the agent did to
+        # its sandbox would then end it as if we had, and it would be discarded, not scored.
+        parser.error(f"the agent must not run as uid {uid}, the uid its commands run as")
+    drop_bounding_set()
     wrapper = shell_wrapper(args.limit_as_mb, args.limit_nproc)
     limits = Limits(args.limits, uid, args.limit_as_mb, args.limit_nproc)
-    agent = Agent(
-        uid, gid, args.home, args.preload, wrapper, limits, switch_user=not args.same_user
-    )
+    agent = Agent(uid, gid, args.home, args.preload, wrapper, limits)
     server = listen(address)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    mode = "as its own user" if args.same_user else f"as uid {uid}"
-    log(f"listening on {address} (pid {os.getpid()}), running commands {mode}")
+    log(f"listening on {address} (pid {os.getpid()}), running commands as uid {uid}")
     server.serve_forever(poll_interval=0.5)
 
 

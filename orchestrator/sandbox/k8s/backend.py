@@ -47,8 +47,6 @@ T = TypeVar("T")
 
 SANDBOX_ID_HEX = 12
 PING_TIMEOUT_S = 5.0
-# How long a probe whose agent did not answer watches a dying pod for its end.
-PROBE_SETTLE_S = 3.0
 EVIDENCE_EVENTS = 5
 RUNTIMES: tuple[Runtime, ...] = ("runc", "runsc", "kata")
 # What a call to the API server raises when it fails: refusals (ApiError is an
@@ -227,7 +225,8 @@ class KubernetesBackend(agent.AgentBackend):
             # reused): this sandbox's agent is as unreachable as if nothing answered.
             self._forget(handle.sandbox_id)
             # Only on failure, so calls never pay for it: what the pod's status says.
-            raise SandboxUnavailable(f"{exc}; {self._state_evidence(handle)}") from exc
+            kind = agent.AgentSilent if isinstance(exc, agent.AgentSilent) else SandboxUnavailable
+            raise kind(f"{exc}; {self._state_evidence(handle)}") from exc
 
     def _endpoint(self, handle: SandboxHandle) -> Endpoint:
         """The agent's address and token: remembered from create, else (another worker's
@@ -284,20 +283,30 @@ class KubernetesBackend(agent.AgentBackend):
         lost, pod gone, past its lifetime, agent not answering) is ours."""
         verdict = assess(self._get_pod(handle.native_id))
         if not verdict.alive:
+            # Its IP is free for other pods now: never dial the remembered one again.
+            self._forget(handle.sandbox_id)
             return _stopped_probe(verdict)
-        started = time.monotonic()
+        probed = self._probe_agent(handle, verdict.state)
+        if probed is not None:
+            return probed
+        # A pod being killed drops the agent's connection before its status says so:
+        # watch it for a moment, so the evidence is its end and the end's cause.
+        settled = self._settled(handle.native_id)
+        if not settled.alive:
+            self._forget(handle.sandbox_id)
+            return _stopped_probe(settled)
+        return ProbeResult(
+            alive=True,
+            state=settled.state,
+            agent_ok=False,
+            detail=f"the exec agent is gone or silent: {settled.state} {settled.detail}".rstrip(),
+        )
+
+    def _still_running(self, handle: SandboxHandle) -> bool:
         try:
-            # cwd "/": the agent may have made /workspace unusable; that is not ill health.
-            result = self.exec(handle, "true", timeout_s=5, output_budget_bytes=256, cwd="/")
-        except SandboxError as exc:
-            # A pod being killed drops the agent's connection before its status says so:
-            # watch it for a moment, so the evidence is its end and the end's cause.
-            settled = self._settled(handle.native_id)
-            if not settled.alive:
-                return _stopped_probe(settled)
-            return ProbeResult(alive=True, state=settled.state, agent_ok=False, detail=str(exc))
-        latency = round((time.monotonic() - started) * 1000, 2)
-        return agent.probe_from_exec(result, verdict.state, latency)
+            return assess(self._get_pod(handle.native_id)).alive
+        except SandboxError:
+            return False
 
     def _settled(self, name: str) -> PodVerdict:
         pod = self._get_pod(name)
@@ -310,7 +319,7 @@ class KubernetesBackend(agent.AgentBackend):
                 namespace=self.namespace,
                 name=name,
                 resource_version=pod.metadata.resourceVersion,
-                timeout_s=PROBE_SETTLE_S,
+                timeout_s=agent.PROBE_SETTLE_S,
             ):
                 verdict = assess(None if kind == "DELETED" else obj)
                 if not verdict.alive:

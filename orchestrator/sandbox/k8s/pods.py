@@ -3,13 +3,15 @@
 Pure: nothing here talks to a cluster, so every rendered object is tested as it is (and
 validated against the Kubernetes schemas) without one.
 
-The pod mirrors the Docker sandbox: the exec agent as the one container's process, no
-network (the NetworkPolicy of the Helm chart), a read-only root, /tmp and the home as
-size-limited memory-backed volumes (tmpfs on Docker), and /workspace as a volume of its own
-seeded from the image's /workspace by an init container. Unlike Docker, the agent starts
-unprivileged (runAsNonRoot) and runs commands as its own user; it listens on TCP and
-requires the sandbox's token, which lives in the sandbox's Secret together with the agent's
-code (so the agent always matches the worker that made the sandbox, whatever the image).
+The pod mirrors the Docker sandbox: the exec agent as the one container's process, root
+with only SETUID, SETGID, SETPCAP and KILL, running every command as uid 1000 (so nothing a
+command does can kill, stop or replace it); no network (the NetworkPolicy of the Helm
+chart), a read-only root, /tmp and the home as size-limited memory-backed volumes (tmpfs on
+Docker), and /workspace as a volume of its own seeded from the image's /workspace by an init
+container (uid 1000, no capabilities). The agent listens on TCP and requires the sandbox's
+token, which lives in the sandbox's Secret (readable by root alone) together with the
+agent's code (so the agent always matches the worker that made the sandbox, whatever the
+image).
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ from orchestrator.sandbox import labels
 from orchestrator.sandbox.backend import SandboxSpec
 
 SANDBOX_UID = 1000
+"""The uid commands run as (and the init container): never the agent's own."""
+AGENT_UID = 0
+AGENT_CAPABILITIES = ["SETUID", "SETGID", "SETPCAP", "KILL"]
+"""What the agent needs, as on Docker: to run commands as SANDBOX_UID, to empty its
+bounding set, and to kill a command's process group. Pod Security "baseline" allows each."""
 CONTAINER = "sandbox"
 SEED_CONTAINER = "workspace-seed"
 AGENT_DIR = "/opt/orchestrator/agent"
@@ -139,7 +146,7 @@ def stamp_of(meta: ObjectMeta | None) -> dict[str, str]:
 
 
 def agent_command(settings: Settings, spec: SandboxSpec, disk_mb: int, output_mb: int) -> list[str]:
-    """The exec agent's command line: TCP with the token, commands as its own user."""
+    """The exec agent's command line: TCP with the token, commands as SANDBOX_UID."""
     limits = spec.limits
     command = [
         "python3",
@@ -150,7 +157,10 @@ def agent_command(settings: Settings, spec: SandboxSpec, disk_mb: int, output_mb
         f"tcp:0.0.0.0:{settings.k8s_agent_port}",
         "--token-file",
         f"{AGENT_DIR}/{TOKEN_KEY}",
-        "--same-user",
+        "--uid",
+        str(SANDBOX_UID),
+        "--gid",
+        str(SANDBOX_UID),
         "--home",
         HOME,
         "--limits",
@@ -185,15 +195,18 @@ def _resources(spec: SandboxSpec, disk_mb: int) -> ResourceRequirements:
     return ResourceRequirements(requests=dict(amounts), limits=dict(amounts))
 
 
-def _security() -> SecurityContext:
+def _security(*, agent: bool) -> SecurityContext:
+    """The init container runs as SANDBOX_UID with nothing; the agent as root with just
+    AGENT_CAPABILITIES (no-new-privileges either way: commands can never regain them)."""
+    uid = AGENT_UID if agent else SANDBOX_UID
     return SecurityContext(
-        runAsNonRoot=True,
-        runAsUser=SANDBOX_UID,
-        runAsGroup=SANDBOX_UID,
+        runAsNonRoot=not agent,
+        runAsUser=uid,
+        runAsGroup=uid,
         readOnlyRootFilesystem=True,
         allowPrivilegeEscalation=False,
         privileged=False,
-        capabilities=Capabilities(drop=["ALL"]),
+        capabilities=Capabilities(drop=["ALL"], add=AGENT_CAPABILITIES if agent else None),
         seccompProfile=SeccompProfile(type="RuntimeDefault"),
     )
 
@@ -238,7 +251,7 @@ def render_pod(
             "+",
         ],
         resources=resources,
-        securityContext=_security(),
+        securityContext=_security(agent=False),
         volumeMounts=[VolumeMount(name="workspace", mountPath=SEED_MOUNT)],
     )
     sandbox = Container(
@@ -257,7 +270,7 @@ def render_pod(
             failureThreshold=3,
         ),
         resources=resources,
-        securityContext=_security(),
+        securityContext=_security(agent=True),
         volumeMounts=[
             workspace,
             VolumeMount(name="tmp", mountPath="/tmp"),
@@ -285,13 +298,13 @@ def render_pod(
                 if settings.k8s_image_pull_secret
                 else None
             ),
+            # No pod-wide user: the pause process (PID 1, sharing the process namespace)
+            # keeps its image's own (65535), so commands as SANDBOX_UID cannot signal it.
+            # No fsGroup either: emptyDirs are world-writable anyway, and an fsGroup would
+            # give its group read access to the Secret's files (the kubelet adds g+r), the
+            # group commands run in.
             securityContext=PodSecurityContext(
-                runAsNonRoot=True,
-                runAsUser=SANDBOX_UID,
-                runAsGroup=SANDBOX_UID,
-                # Group of the Secret's files, so the agent (uid 1000) reads its token.
-                fsGroup=SANDBOX_UID,
-                seccompProfile=SeccompProfile(type="RuntimeDefault"),
+                seccompProfile=SeccompProfile(type="RuntimeDefault")
             ),
             tolerations=[
                 Toleration(
@@ -323,7 +336,9 @@ def render_pod(
                     name="agent",
                     secret=SecretVolumeSource(
                         secretName=name,
-                        defaultMode=0o440,
+                        # Root's alone: commands (uid 1000, fsGroup's group) cannot read the
+                        # token that opens this sandbox's agent to the network.
+                        defaultMode=0o400,
                         items=[
                             KeyToPath(key=AGENT_KEY, path=AGENT_KEY),
                             KeyToPath(key=TOKEN_KEY, path=TOKEN_KEY),
