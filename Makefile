@@ -40,8 +40,11 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy orchestrator tests bench examples
 
+# Then, alone, the tests that load the whole machine (marker `solo`): run beside the rest
+# they would slow it down, and measure the load they make, not the suite's.
 pytest: venv
-	$(BIN)/pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/pytest -n 2 --dist loadgroup -m "not solo" $(PYTEST_ARGS)
+	$(BIN)/pytest -n 0 -m solo $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/python -m examples.demo

@@ -1,5 +1,5 @@
-"""Extra Docker daemons for tests, beside the machine's own (DESIGN.md: several Docker hosts
-on one machine).
+"""Extra Docker daemons for tests, beside the machine's own: several Docker hosts on one
+machine (docs/architecture.md, "Testing several hosts on one machine").
 
 Each daemon has its own socket, data root, exec root, pidfile and bridge, so tests may stop
 it, restart it or fill it without disturbing the machine's dockerd or any other test. Its

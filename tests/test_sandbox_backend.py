@@ -7,6 +7,7 @@ import contextlib
 import os
 import shlex
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -352,6 +353,39 @@ def test_probe_tells_running_paused_exited_and_missing_apart(
     assert missing.state == "missing" and not missing.alive and not missing.agent_ok
     with pytest.raises(SandboxUnavailable):
         run(backend, handle, "echo unreachable")
+
+
+def _agent_host_pid(client: docker.DockerClient, handle: SandboxHandle) -> int:
+    """The exec agent's pid on the host (the container's PID 1 is docker-init)."""
+    top = client.api.top(handle.native_id, ps_args="-eo pid,args")
+    found = [
+        int(pid)
+        for pid, args in top["Processes"]
+        if "exec_agent" in args and not args.startswith(("docker-init", "/sbin/docker-init"))
+    ]
+    return min(found)  # the agent itself; its commands' shells come later
+
+
+def test_a_starved_agent_is_slow_not_dead(
+    make_sandbox: Any, backend: DockerBackend, client: docker.DockerClient
+) -> None:
+    """An agent that gets no CPU for 18 s (stopped from the host: the extreme of a host at
+    load average 47) answers late; the probe asks again with growing timeouts while the
+    sandbox runs, instead of calling it dead when one 15 s wait ran out, as it did."""
+    handle = make_sandbox()
+    pid = _agent_host_pid(client, handle)
+    os.kill(pid, signal.SIGSTOP)
+    resumed = threading.Timer(18, os.kill, args=(pid, signal.SIGCONT))
+    resumed.start()
+    try:
+        started = time.monotonic()
+        probe = backend.probe(handle)
+        took = time.monotonic() - started
+    finally:
+        resumed.join()
+    assert probe.alive and probe.agent_ok and probe.agent_caused is None, probe
+    assert 17 < took < agent.PROBE_BUDGET_S, took
+    assert backend.probe(handle).latency_ms is not None
 
 
 def test_exec_on_a_killed_sandbox_is_an_infrastructure_error(

@@ -1,4 +1,4 @@
-"""Agent RFT's tool endpoint and endpoint grader (PROTOCOL.md).
+"""Agent RFT's tool endpoint and endpoint grader (docs/agent-rft.md).
 
 The rollout's identity is the body's ``trace_id``; its first tool call creates its sandbox.
 Agent mistakes are 200s whose ``output`` explains; infrastructure faults are 503s.

@@ -1,4 +1,4 @@
-"""HTTP request and response bodies. Unknown fields are ignored (PROTOCOL.md)."""
+"""HTTP request and response bodies. Unknown fields are ignored (docs/agent-rft.md)."""
 
 from __future__ import annotations
 

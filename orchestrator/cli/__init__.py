@@ -3,6 +3,7 @@
 import typer
 
 from orchestrator.cli import codebase, config_docs, image, rollouts, sandbox
+from orchestrator.cli.preflight import preflight
 from orchestrator.cli.rft_config import rft_config
 from orchestrator.cli.serve import beat, serve, up, worker
 from orchestrator.cli.smoke import smoke
@@ -22,4 +23,5 @@ app.command()(tools)
 app.command()(status)
 app.add_typer(rollouts.app, name="rollouts")
 app.command("rft-config")(rft_config)
+app.command()(preflight)
 app.add_typer(config_docs.app, name="config")

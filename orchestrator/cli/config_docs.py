@@ -21,6 +21,7 @@ from orchestrator.environments.models import (
     EnvironmentConfig,
     EnvironmentLimits,
     GraderConfig,
+    PromptTemplate,
 )
 
 app = typer.Typer(help="The deployment's configuration.", no_args_is_help=True)
@@ -167,6 +168,13 @@ def configuration_markdown() -> str:
             "`grader:` of an environment: a grader's name (or dotted path) and its options.",
             GraderConfig,
             "grader.",
+        ),
+        model_section(
+            "Prompt",
+            "`prompt:` of an environment: how `orchestrator rft-config --dataset` makes an "
+            "Agent RFT row's `messages` from its fields ({field}; see docs/agent-rft.md).",
+            PromptTemplate,
+            "prompt.",
         ),
         model_section(
             "Custom tools",

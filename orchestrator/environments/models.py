@@ -22,6 +22,7 @@ import json
 import posixpath
 import re
 import string
+from collections.abc import Mapping
 from functools import cached_property
 from typing import Annotated, Any
 
@@ -278,6 +279,64 @@ class EnvironmentLimits(BaseModel):
         )
 
 
+class PromptTemplate(BaseModel):
+    """How a dataset row becomes the conversation an Agent RFT row must carry
+    (``messages``, the last one from the user): ``orchestrator rft-config --dataset``
+    renders it for rows that have none. ``{field}`` is the row's field of that name (an
+    identifier; a list or an object is inserted as compact JSON); ``{{``/``}}`` are literal
+    braces."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    developer: str | None = Field(
+        None, min_length=1, description="The instructions, as a developer message (optional)."
+    )
+    user: str = Field(min_length=1, description="The task, as the user message.")
+
+    @field_validator("developer", "user")
+    @classmethod
+    def _placeholders_are_fields(cls, value: str | None) -> str | None:
+        if value is not None:
+            prompt_fields(value)
+        return value
+
+    def fields(self) -> set[str]:
+        """The row fields the template uses."""
+        return {f for text in (self.developer, self.user) if text for f in prompt_fields(text)}
+
+    def render(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
+        """The row's ``messages``. KeyError naming a field the row lacks."""
+        values = {name: _as_text(row[name]) for name in sorted(self.fields())}
+        messages = []
+        if self.developer:
+            messages.append({"role": "developer", "content": self.developer.format(**values)})
+        messages.append({"role": "user", "content": self.user.format(**values)})
+        return messages
+
+
+def prompt_fields(template: str) -> set[str]:
+    """The ``{field}`` names of a prompt template; ValueError on anything but plain names."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as exc:
+        raise ValueError(f"bad placeholder syntax: {exc}") from None
+    names = set()
+    for _, field, spec, conversion in parsed:
+        if field is None:
+            continue
+        if spec or conversion or not PARAM_NAME_RE.fullmatch(field):
+            raise ValueError(
+                f"placeholder {{{field}}}: a placeholder is {{name}}, name a field of the row "
+                "(letters, digits, '_'); write {{ and }} for literal braces"
+            )
+        names.add(field)
+    return names
+
+
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
+
+
 class GraderConfig(BaseModel):
     """Which grader scores a rollout (a name or path for ``grading.get_grader``) and its
     options. Only the shape is checked here; the grading module checks the rest."""
@@ -317,6 +376,11 @@ class EnvironmentConfig(BaseModel):
         None, ge=256, description="Bytes of one tool output; None: the deployment's."
     )
     grader: GraderConfig = Field(description="Which grader scores a rollout; see below.")
+    prompt: PromptTemplate | None = Field(
+        None,
+        description="How a dataset row becomes its Agent RFT conversation (messages); "
+        "rft-config renders it for rows without messages. See below.",
+    )
     idle_timeout_s: int = Field(
         1200,
         ge=1,
@@ -370,7 +434,14 @@ class EnvironmentConfig(BaseModel):
                 "set at most one of image and codebase (neither: the dataset row's codebase "
                 "field chooses it)"
             )
-        if self.max_lifetime_s is not None and self.idle_timeout_s > self.max_lifetime_s:
+        # Only when both are given: a short lifetime under the default idle timeout is
+        # fine (the lifetime ends the rollout first).
+        explicit = "idle_timeout_s" in self.model_fields_set
+        if (
+            explicit
+            and self.max_lifetime_s is not None
+            and self.idle_timeout_s > self.max_lifetime_s
+        ):
             raise ValueError("idle_timeout_s must not exceed max_lifetime_s")
         return self
 

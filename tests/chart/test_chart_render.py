@@ -293,3 +293,38 @@ def test_kubernetes_doc_names_only_real_settings() -> None:
     named = {m.removeprefix("ORCH_").lower() for m in re.findall(r"ORCH_[A-Z0-9_]+", doc)}
     assert named
     assert named <= set(Settings.model_fields), named - set(Settings.model_fields)
+
+
+def test_the_headerless_grader_secret_reaches_the_api_only(helm: Helm) -> None:
+    """graderUrlSecret.enabled: a kept random secret in the chart's Secret, given to the API
+    alone as ORCH_GRADER_URL_SECRET, long enough for the real Settings; NOTES say how to
+    read it. Off by default: no such variable anywhere."""
+
+    def grader_env(objects: list[dict[str, Any]]) -> dict[str, Any]:
+        found = {}
+        for obj in objects:
+            if obj["kind"] not in ("Deployment", "StatefulSet"):
+                continue
+            for container in obj["spec"]["template"]["spec"]["containers"]:
+                for var in container.get("env", []):
+                    if var["name"] == "ORCH_GRADER_URL_SECRET":
+                        found[obj["metadata"]["name"]] = var["valueFrom"]["secretKeyRef"]
+        return found
+
+    assert grader_env(helm.render()) == {}
+    objects = helm.render("--set", "graderUrlSecret.enabled=true")
+    refs = grader_env(objects)
+    assert set(refs) == {f"{FULLNAME}-api"}, refs
+    secret = next(
+        o
+        for o in objects
+        if o["kind"] == "Secret" and o["metadata"]["name"] == refs[f"{FULLNAME}-api"]["name"]
+    )
+    value = secret["stringData"][refs[f"{FULLNAME}-api"]["key"]]
+    assert Settings(grader_url_secret=value).grader_url_secret == value
+    notes = helm.notes("--set", "graderUrlSecret.enabled=true")
+    assert "/agent-rft/grade/SECRET" in notes and "{.data.grader-url-secret}" in notes
+    own = helm.render(
+        "--set", "graderUrlSecret.enabled=true", "--set", "graderUrlSecret.existingSecret=mine"
+    )
+    assert grader_env(own)[f"{FULLNAME}-api"]["name"] == "mine"

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -13,6 +16,7 @@ import httpx
 from orchestrator.config import Settings
 from orchestrator.grading import get_grader
 from orchestrator.sandbox.docker import DockerBackend
+from tests.e2e.conftest import TOKEN, Stack
 
 REPLY_KEYS = {"type", "call_id", "id", "output"}
 
@@ -98,3 +102,48 @@ def wait_for(
             return
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
+
+
+def orchestrator(stack: Stack, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``orchestrator ARGS`` as a user runs it beside ``stack`` (its settings)."""
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        env={**stack.env, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def make_job(stack: Stack, tmp_path: Path, *extra: str) -> tuple[Path, Path]:
+    """``rft-config`` for ``stack``'s URL and token on a one-row dataset of its codebase:
+    the job body's file and the rows' file."""
+    source = tmp_path / "rows.jsonl"
+    source.write_text(
+        json.dumps(
+            {
+                "codebase": stack.codebase,
+                "request": "Make Session.request honour a default timeout.",
+                "gold_files": ["src/requests/sessions.py"],
+            }
+        )
+        + "\n"
+    )
+    rows, job = tmp_path / "rft.jsonl", tmp_path / "job.json"
+    made = orchestrator(
+        stack,
+        "rft-config",
+        "--base-url",
+        stack.base_url,
+        "--token-env",
+        "ORCH_TEST_TOKEN",
+        "--dataset",
+        str(source),
+        "--out",
+        str(rows),
+        *extra,
+        ORCH_TEST_TOKEN=TOKEN,
+    )
+    assert made.returncode == 0, made.stderr
+    job.write_text(made.stdout)
+    return job, rows

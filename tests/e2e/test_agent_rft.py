@@ -1,5 +1,5 @@
 """Agent RFT end to end: a scripted agent drives real rollouts on a real codebase through
-``/agent-rft/tools`` and ``/agent-rft/grade`` (PROTOCOL.md), against the real API, worker,
+``/agent-rft/tools`` and ``/agent-rft/grade`` (docs/agent-rft.md), against the real API, worker,
 Redis and sandboxes of the session's ``stack``."""
 
 from __future__ import annotations

@@ -33,7 +33,9 @@ from tests.e2e.helpers import (
     assert_no_rollout,
     error_code,
     function_call,
+    make_job,
     new_trace,
+    orchestrator,
     sandboxes_of,
     wait_for,
 )
@@ -319,6 +321,20 @@ def test_the_grader_answers_on_its_secret_path_without_a_header(integrity: Stack
         )
         assert tools.status_code == 401
         assert GRADER_SECRET not in bare.get("/openapi.json").text
+
+
+def test_a_job_whose_grader_has_no_header_passes_its_preflight(
+    integrity: Stack, tmp_path: Path
+) -> None:
+    """rft-config --grader-auth path writes the secret grader URL with no headers, and the
+    preflight grades through it (the platform's grader would send no header either)."""
+    job, rows = make_job(integrity, tmp_path, "--grader-auth", "path", "--environment", IDLE)
+    grader = json.loads(job.read_text())["method"]["reinforcement"]["grader"]
+    assert grader["url"] == f"{integrity.base_url}/agent-rft/grade/{GRADER_SECRET}"
+    assert "headers" not in grader or grader["headers"] == {}
+    ran = orchestrator(integrity, "preflight", "--job", str(job), "--dataset", str(rows))
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "grader: a grade answers a numeric score" in ran.stdout
 
 
 def test_agent_rft_commands_are_capped_to_fit_the_bound(integrity: Stack) -> None:

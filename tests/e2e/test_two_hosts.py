@@ -1,8 +1,8 @@
 """Two worker hosts, each with its own dockerd: every call of a rollout reaches the daemon
-that holds its sandbox (DESIGN.md: per-host queues).
+that holds its sandbox (docs/architecture.md: per-host queues).
 
 A second dockerd (tests/daemons.py) runs beside the first with its own socket, data and exec
-roots and its own bridge, as DESIGN.md describes; its data root persists under the state
+roots and its own bridge, as docs/architecture.md describes; its data root persists under the state
 directory of the machine so the base image is loaded into it only once.
 """
 

@@ -1,4 +1,4 @@
-"""A trainer emulator: Agent RFT's side of the wire, as PROTOCOL.md describes it.
+"""A trainer emulator: Agent RFT's side of the wire, as docs/agent-rft.md describes it.
 
 It runs a batch of rollouts at once. Each rollout is a scripted agent: a few tool calls
 (``shell``, ``read_file``) with a little think time between them, then a grade call with

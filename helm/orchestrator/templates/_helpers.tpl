@@ -123,6 +123,13 @@ reference. The API token only goes to the API. */}}
     secretKeyRef:
       name: {{ include "orchestrator.apiTokensSecretName" .ctx }}
       key: {{ .ctx.Values.apiTokens.existingSecretKey }}
+{{- if .ctx.Values.graderUrlSecret.enabled }}
+- name: ORCH_GRADER_URL_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ default (include "orchestrator.secretName" .ctx) .ctx.Values.graderUrlSecret.existingSecret }}
+      key: {{ .ctx.Values.graderUrlSecret.existingSecretKey }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
