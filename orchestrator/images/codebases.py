@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
+import docker
 from docker.errors import APIError, ImageNotFound
 from pydantic import BaseModel, ConfigDict
 
@@ -253,8 +254,23 @@ def remove_codebase(settings: Settings, name: str) -> None:
     except ImageNotFound as exc:
         raise UnknownCodebase(f"unknown codebase {name!r}") from exc
     except APIError as exc:
+        # Pruning the image's untagged parents races with another removal sharing them (the
+        # builder's cache makes identical steps one layer): the daemon answers 500
+        # "unrecognized image ID" for a parent already gone, after our tag went. Gone is
+        # what was asked for.
+        if not _still_tagged(client, info.image):
+            log.info("codebase removed", codebase=name, image_id=info.image_id, note=str(exc))
+            return
         raise CodebaseError(f"could not remove codebase {name!r}: {exc.explanation}") from exc
     log.info("codebase removed", codebase=name, image_id=info.image_id)
+
+
+def _still_tagged(client: docker.DockerClient, ref: str) -> bool:
+    try:
+        client.images.get(ref)
+    except ImageNotFound:
+        return False
+    return True
 
 
 # --- git -----------------------------------------------------------------------------------
