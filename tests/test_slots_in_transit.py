@@ -5,6 +5,7 @@ record counts them, so the reaper's recount never gives their slots away."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -122,6 +123,38 @@ def test_a_crashed_holders_slot_stops_counting(unit: Settings) -> None:
             await async_redis.zadd(transit_key(unit), {f"{unit.host_id}|create:dead": 1.0})
             assert await admission.in_transit() == {}
             assert await async_redis.zcard(transit_key(unit)) == 0
+        finally:
+            await async_redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_new_rollouts_slot_is_in_transit_until_its_record_names_the_host(
+    unit: Settings,
+) -> None:
+    """A cold start's slot is taken and counted in transit in one step, and leaves the
+    transit set when the record counts it (settled) or the slot is given back: a recount
+    in between (it reads records) kept the slot and a full host took one rollout too many
+    (seen in a fresh-clone run of tests/e2e/test_reward_integrity.py)."""
+
+    async def scenario() -> None:
+        async_redis = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
+        admission = Admission(unit, QueueClient(unit, celery_app(), async_redis))
+        beat = {"host": unit.host_id, "schedulable": True, "capacity": 2}
+        await async_redis.sadd(unit.hosts_key, unit.host_id)
+        await async_redis.set(unit.heartbeat_key(), json.dumps(beat), ex=30)
+        try:
+            assert await admission.try_take("ro_one") == unit.host_id
+            assert await admission.try_take("ro_two") == unit.host_id
+            assert await admission.try_take("ro_three") is None  # full
+            assert await admission.in_transit() == {unit.host_id: 2}
+            # The reaper's recount now (no record yet) keeps both slots.
+            await admission.set_loads(await admission.in_transit())
+            assert await admission.try_take("ro_three") is None
+            await admission.settled(unit.host_id, "ro_one")
+            await admission.release(unit.host_id, "ro_two")
+            assert await admission.in_transit() == {}
+            assert await admission.try_take("ro_three") == unit.host_id
         finally:
             await async_redis.aclose()
 

@@ -38,6 +38,24 @@ redis.call('HINCRBY', KEYS[1], best, 1)
 return best
 """
 
+# The same for a new rollout's cold sandbox, in one step with counting the slot in transit
+# (until its record, which the recount reads, names the host): a recount between the two
+# gave the slot away, and a host at capacity took one rollout too many.
+# KEYS: load hash, slots in transit. ARGV: holder tag, until when, host/capacity pairs.
+TAKE_SLOT_HELD = """
+local best, best_load = nil, nil
+for i = 3, #ARGV, 2 do
+  local load = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  if load < tonumber(ARGV[i + 1]) and (best_load == nil or load < best_load) then
+    best, best_load = ARGV[i], load
+  end
+end
+if best == nil then return false end
+redis.call('HINCRBY', KEYS[1], best, 1)
+redis.call('ZADD', KEYS[2], ARGV[2], best .. '|' .. ARGV[1])
+return best
+"""
+
 # KEYS: waiting set. ARGV: now, deadline, waiter id, queue bound. Returns 1 when the waiter
 # is in the queue; the set's scores are deadlines, so a crashed waiter ages out.
 _ENTER = """
@@ -98,14 +116,15 @@ class Admission:
         self.settings = settings
         self.queue = queue
         self.redis = queue.redis
-        self._take = self.redis.register_script(TAKE_SLOT)
+        self._take = self.redis.register_script(TAKE_SLOT_HELD)
         self._enter = self.redis.register_script(_ENTER)
 
     def _load_key(self) -> str:
         return load_key(self.settings)
 
-    async def try_take(self) -> str | None:
-        """A slot on a schedulable host now, or None."""
+    async def try_take(self, holder: str) -> str | None:
+        """A slot on a schedulable host now, or None; counted in transit for ``holder``
+        until :meth:`settled` (its record names the host) or :meth:`release`."""
         pairs: list[Any] = []
         hosts = [h for h in await self.queue.live_hosts() if h.get("schedulable")]
         random.shuffle(hosts)  # a tie goes to any of them: a burst spreads out
@@ -114,20 +133,26 @@ class Admission:
             pairs += [beat["host"], capacity]
         if not pairs:
             return None
-        host = await self._take(keys=[self._load_key()], args=pairs)
+        until = time.time() + TRANSIT_MAX_S
+        host = await self._take(
+            keys=[self._load_key(), transit_key(self.settings)],
+            args=[_holder_tag(holder), until, *pairs],
+        )
         return str(host) if host else None
 
     async def take(
         self,
+        holder: str,
         *,
         give_up: Callable[[], Awaitable[bool]] | None = None,
         wait_s: float | None = None,
     ) -> str:
-        """A slot, waiting in the bounded queue if every host is full, for at most
-        ``wait_s`` (default and upper bound: ``admission_wait_s``). ``give_up`` is
-        asked while waiting (another request created the rollout meanwhile): then
-        :class:`AtCapacity` is not raised, ``""`` is returned."""
-        host = await self.try_take()
+        """A slot for ``holder`` (see :meth:`try_take`), waiting in the bounded queue if
+        every host is full, for at most ``wait_s`` (default and upper bound:
+        ``admission_wait_s``). ``give_up`` is asked while waiting (another request created
+        the rollout meanwhile): then :class:`AtCapacity` is not raised, ``""`` is
+        returned."""
+        host = await self.try_take(holder)
         if host is not None:
             return host
         limit = self.settings.admission_wait_s
@@ -151,7 +176,7 @@ class Admission:
             while time.monotonic() < deadline:
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))  # noqa: S311 - jitter
                 delay = min(delay * 1.5, 0.5)
-                host = await self.try_take()
+                host = await self.try_take(holder)
                 if host is not None:
                     return host
                 if give_up is not None and await give_up():
@@ -163,9 +188,20 @@ class Admission:
             f"every host stayed at capacity for {wait_s:.0f} s", retry_after_s=self._retry_after()
         )
 
-    async def release(self, host: str) -> None:
-        """Give a slot back (the sandbox was destroyed, or never made)."""
-        await self.redis.hincrby(self._load_key(), host, -1)
+    async def release(self, host: str, holder: str | None = None) -> None:
+        """Give a slot back (the sandbox was destroyed, or never made); ``holder``: the one
+        :meth:`take` counted in transit, which the slot leaves too."""
+        if holder is None:
+            await self.redis.hincrby(self._load_key(), host, -1)
+            return
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hincrby(self._load_key(), host, -1)
+            pipe.zrem(transit_key(self.settings), transit_member(host, _holder_tag(holder)))
+            await pipe.execute()
+
+    async def settled(self, host: str, holder: str) -> None:
+        """``holder``'s slot is counted by its record now: no longer in transit."""
+        await self.redis.zrem(transit_key(self.settings), transit_member(host, _holder_tag(holder)))
 
     async def in_transit(self) -> dict[str, int]:
         """Slots held per host by sandboxes in transit (see :func:`transit_key`)."""
@@ -187,3 +223,7 @@ class Admission:
 
     def _retry_after(self) -> int:
         return max(1, int(self.settings.admission_retry_after_s))
+
+
+def _holder_tag(holder: str) -> str:
+    return f"start:{holder}"

@@ -237,15 +237,24 @@ class RolloutService:
                 state=RolloutState.CREATING,
                 host=acquired.host if acquired else None,
             )
-            if acquired is None or not await self.store.create(record):
+            created = False
+            if acquired is not None:
+                try:
+                    created = await self.store.create(record)
+                except BaseException:  # Redis failed us: the slot must not stay taken
+                    await self._give_back(acquired, rollout_id)
+                    raise
+            if acquired is None or not created:
                 if acquired is not None:
-                    await self._give_back(acquired)
+                    await self._give_back(acquired, rollout_id)
                 if exclusive:
                     raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
                 current = await self.store.get(rollout_id)
                 if current is None:
                     raise InfraError("the rollout vanished while it started", rollout_id=rollout_id)
                 return await self._wait_ready(current, deadline, reserve_s)
+            if acquired.handle is None:  # the record names the host: it counts the slot now
+                await self.admission.settled(acquired.host, rollout_id)
         finally:
             await self.store.redis.delete(starting)
         # Shielded: a request out of time leaves, the sandbox goes on being made for its
@@ -285,7 +294,7 @@ class RolloutService:
             return await self.store.get(rollout_id) is not None
 
         wait_s = deadline.cap(self.settings.admission_wait_s, reserve=reserve_s)
-        host = await self.admission.take(give_up=rollout_exists, wait_s=wait_s)
+        host = await self.admission.take(rollout_id, give_up=rollout_exists, wait_s=wait_s)
         return Acquired(host=host, handle=None, started=started) if host else None
 
     async def _usable(self, handle: SandboxHandle, resolved: ResolvedEnvironment) -> bool:
@@ -319,12 +328,12 @@ class RolloutService:
         )
         await self.admission.release(handle.host)
 
-    async def _give_back(self, acquired: Acquired) -> None:
+    async def _give_back(self, acquired: Acquired, rollout_id: str) -> None:
         """Undo :meth:`_acquire` (the rollout was created by someone else meanwhile)."""
         if acquired.handle is not None:
             await self._discard(acquired.handle, "claimed by a rollout that lost its race")
         else:
-            await self.admission.release(acquired.host)
+            await self.admission.release(acquired.host, rollout_id)
 
     async def _start_sandbox(
         self, record: Rollout, resolved: ResolvedEnvironment, acquired: Acquired
