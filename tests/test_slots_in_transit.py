@@ -74,8 +74,9 @@ def test_a_pool_creation_is_in_transit_until_delivered(unit: Settings) -> None:
         pool = PoolTarget(name="pooled:-", size=2, spec=SandboxSpec(image="x"))
         try:
             assert await admission.in_transit() == {}
-            creating = filler.hold_in_transit("create:one")
-            failing = filler.hold_in_transit("create:two")
+            creating = filler.take_slot("create:one")
+            failing = filler.take_slot("create:two")
+            assert creating is not None and failing is not None
             assert await admission.in_transit() == {unit.host_id: 2}
             # Delivered: the ready list counts it now, not the transit set.
             filler.deliver(pool, _handle(unit, "sbx-one"), creating)

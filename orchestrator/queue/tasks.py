@@ -326,10 +326,10 @@ def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
 
 def _fill_one(pool: PoolTarget) -> bool:
     filler = worker.pool_filler()
-    if not worker.take_own_slot():
+    transit = filler.take_slot(f"create:{uuid.uuid4().hex}")
+    if transit is None:
         filler.deliver(pool, None)
         return False
-    transit = filler.hold_in_transit(f"create:{uuid.uuid4().hex}")
     try:
         handle = worker.backend().create(pool.spec)
     except SandboxError as exc:

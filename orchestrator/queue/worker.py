@@ -24,7 +24,7 @@ from orchestrator.environments.loader import (
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Cause
 from orchestrator.queue.payloads import ToolCall, ToolCallDone
-from orchestrator.rollouts.admission import TAKE_SLOT, load_key
+from orchestrator.rollouts.admission import load_key
 from orchestrator.rollouts.pools import PoolFiller
 from orchestrator.rollouts.tickets import WorkerTickets
 from orchestrator.sandbox.factory import HostBackend, make_backend
@@ -107,19 +107,6 @@ def creations() -> ThreadPoolExecutor:
 @lru_cache(maxsize=1)
 def pool_filler() -> PoolFiller:
     return PoolFiller(get_settings(), redis_client())
-
-
-@lru_cache(maxsize=1)
-def _slot_script() -> Any:
-    return redis_client().register_script(TAKE_SLOT)
-
-
-def take_own_slot() -> bool:
-    """A slot of this host's capacity for a new sandbox (rollouts/admission.py)."""
-    settings = get_settings()
-    key = load_key(settings)
-    taken = _slot_script()(keys=[key], args=[settings.host_id, settings.host_max_sandboxes])
-    return bool(taken)
 
 
 def release_slot(host_id: str) -> None:

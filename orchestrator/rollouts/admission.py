@@ -23,26 +23,14 @@ from orchestrator.config import Settings
 from orchestrator.observability import metrics
 from orchestrator.queue.client import QueueClient
 
-# KEYS: load hash. ARGV: host, capacity, host, capacity, ... (in the order to prefer on a
-# tie). Returns the host whose slot was taken, or false when all are full.
+# Takes a slot on the least loaded host under its capacity and counts it in transit for its
+# holder, in one step: until the record of the new rollout, or the pool's ready list, counts
+# it, the reaper's recount (which reads those) must not give the slot away. (Taken first
+# and marked after, a recount in between once admitted one rollout too many to a full
+# host.) KEYS: load hash, slots in transit. ARGV: transit member's tag, until when to count
+# it, then host, capacity, host, capacity, ... in the order to prefer on a tie. Returns the
+# host whose slot was taken, or false when all are full.
 TAKE_SLOT = """
-local best, best_load = nil, nil
-for i = 1, #ARGV, 2 do
-  local load = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
-  if load < tonumber(ARGV[i + 1]) and (best_load == nil or load < best_load) then
-    best, best_load = ARGV[i], load
-  end
-end
-if best == nil then return false end
-redis.call('HINCRBY', KEYS[1], best, 1)
-return best
-"""
-
-# The same for a new rollout's cold sandbox, in one step with counting the slot in transit
-# (until its record, which the recount reads, names the host): a recount between the two
-# gave the slot away, and a host at capacity took one rollout too many.
-# KEYS: load hash, slots in transit. ARGV: holder tag, until when, host/capacity pairs.
-TAKE_SLOT_HELD = """
 local best, best_load = nil, nil
 for i = 3, #ARGV, 2 do
   local load = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
@@ -116,7 +104,7 @@ class Admission:
         self.settings = settings
         self.queue = queue
         self.redis = queue.redis
-        self._take = self.redis.register_script(TAKE_SLOT_HELD)
+        self._take = self.redis.register_script(TAKE_SLOT)
         self._enter = self.redis.register_script(_ENTER)
 
     def _load_key(self) -> str:

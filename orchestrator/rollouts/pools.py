@@ -27,7 +27,13 @@ import redis
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
 from orchestrator.environments.models import EnvironmentConfig
-from orchestrator.rollouts.admission import TRANSIT_MAX_S, transit_key, transit_member
+from orchestrator.rollouts.admission import (
+    TAKE_SLOT,
+    TRANSIT_MAX_S,
+    load_key,
+    transit_key,
+    transit_member,
+)
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 
 POOL_LABEL = "pool"
@@ -126,19 +132,23 @@ class PoolFiller:
         self.client = client
         self._reserve = client.register_script(_RESERVE)
         self._deliver = client.register_script(_DELIVER)
+        self._take_slot = client.register_script(TAKE_SLOT)
 
     def reserve(self, pool: PoolTarget, wanted: int) -> int:
         """How many sandboxes this filler may create for ``pool`` now."""
         keys = [pool_key(self.settings, pool.name, "ready"), self._pending(pool)]
         return int(self._reserve(keys=keys, args=[pool.size, wanted]))
 
-    def hold_in_transit(self, tag: str) -> str:
-        """Count a slot this host just took for a pool creation as in transit (the
-        reaper's recount sees it before the sandbox reaches the ready list); returns the
-        member to give :meth:`deliver`."""
-        member = transit_member(self.settings.host_id, tag)
-        self.client.zadd(transit_key(self.settings), {member: time.time() + TRANSIT_MAX_S})
-        return member
+    def take_slot(self, tag: str) -> str | None:
+        """A slot of this host's capacity for a pool creation, counted in transit in the
+        same step (the reaper's recount sees it before the sandbox reaches the ready
+        list); the transit member to give :meth:`deliver`, None when the host is full."""
+        host, capacity = self.settings.host_id, self.settings.host_max_sandboxes
+        taken = self._take_slot(
+            keys=[load_key(self.settings), transit_key(self.settings)],
+            args=[tag, time.time() + TRANSIT_MAX_S, host, capacity],
+        )
+        return transit_member(host, tag) if taken else None
 
     def deliver(self, pool: PoolTarget, handle: SandboxHandle | None, transit: str = "") -> None:
         """Put a new sandbox in the pool (None: its creation failed, free the reservation),
