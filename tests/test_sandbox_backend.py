@@ -26,7 +26,7 @@ from orchestrator.sandbox import labels
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.backend import (
     ExecResult,
-    FileReadError,
+    FileError,
     SandboxError,
     SandboxHandle,
     SandboxLimits,
@@ -397,7 +397,7 @@ def test_exec_on_a_killed_sandbox_is_an_infrastructure_error(
     with pytest.raises(SandboxError) as caught:
         run(backend, handle, "echo unreachable")
     assert isinstance(caught.value, SandboxUnavailable)
-    assert not isinstance(caught.value, FileReadError)
+    assert not isinstance(caught.value, FileError)
 
 
 def test_exec_on_a_handle_of_another_host_is_refused(
@@ -622,7 +622,7 @@ def test_read_file_errors_are_the_agents(
         f"{name}/closed/f": "permission",
     }
     for path, kind in cases.items():
-        with pytest.raises(FileReadError) as caught:
+        with pytest.raises(FileError) as caught:
             result = backend.read_file(shared_sandbox, path, max_bytes=1000)
             pytest.fail(f"{path}: expected {kind}, read {result}")
         assert caught.value.kind == kind, (path, caught.value.kind, caught.value.message)
@@ -646,7 +646,7 @@ def test_read_file_of_a_fifo_is_the_agents_error(make_sandbox: Any, backend: Doc
     # The agent's protocol directly, with a short wait instead of the backend's 30 s.
     sock = str(backend.sockets_dir / handle.sandbox_id / "agent.sock")
     request = agent.read_file_request("pipe", 1, None, 1000)
-    with pytest.raises(FileReadError):
+    with pytest.raises(FileError):
         agent.read_file_result(agent.call_unix(sock, request, 3.0))
 
 
@@ -781,7 +781,7 @@ def test_pids_filled_by_the_agent_is_the_agents_doing(
     assert "could not start the command" in err(result)
     hit = result.limit("pids")
     assert hit is not None and hit.limit == 32 and hit.unit == "processes"
-    with pytest.raises(FileReadError) as caught:
+    with pytest.raises(FileError) as caught:
         backend.read_file(handle, "anything", max_bytes=100)
     assert caught.value.kind == "pids_limit"
     probe = backend.probe(handle)

@@ -20,7 +20,9 @@ from orchestrator.sandbox.agent.exec_agent import Capture
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
     ExecResult,
-    FileReadError,
+    FileAction,
+    FileError,
+    FileOpResult,
     LimitHit,
     ProbeResult,
     ReadFileResult,
@@ -126,6 +128,8 @@ class FakeBackend(SandboxBackend):
         timeout_s: float,
         output_budget_bytes: int,
         cwd: str = "/workspace",
+        env: dict[str, str] | None = None,
+        exec_id: str | None = None,
     ) -> ExecResult:
         self.calls.append(
             ("exec", {"command": command, "timeout_s": timeout_s, "budget": output_budget_bytes})
@@ -133,6 +137,22 @@ class FakeBackend(SandboxBackend):
         if self.error:
             raise self.error
         return self.exec_result
+
+    def signal_exec(self, handle: SandboxHandle, exec_id: str, *, kill: bool = True) -> bool:
+        raise NotImplementedError  # the E2B surface's: no tool calls it
+
+    def file_op(
+        self,
+        handle: SandboxHandle,
+        action: FileAction,
+        path: str,
+        *,
+        target: str | None = None,
+        depth: int = 1,
+        data: bytes | None = None,
+        max_bytes: int = 0,
+    ) -> FileOpResult:
+        raise NotImplementedError  # the E2B surface's: no tool calls it
 
     def read_file(
         self,
@@ -151,7 +171,7 @@ class FakeBackend(SandboxBackend):
             raise self.error
         key = path.removeprefix("/workspace/")
         if key not in self.files:
-            raise FileReadError("not_found", f"{path}: no such file")
+            raise FileError("not_found", f"{path}: no such file")
         data = self.files[key].encode()
         # Only \n ends a line, as in the exec agent (bytes.splitlines would split on \r).
         lines = [line + b"\n" for line in data.split(b"\n")]
@@ -889,7 +909,7 @@ def test_read_file_cleans_control_chars_keeping_numbering() -> None:
     "kind", ["not_found", "is_directory", "binary", "outside_workspace", "permission", "invalid"]
 )
 def test_read_file_errors_are_agent_errors(kind: Any) -> None:
-    backend = FakeBackend(error=FileReadError(kind, f"x.bin: {kind} message"))
+    backend = FakeBackend(error=FileError(kind, f"x.bin: {kind} message"))
     result = run("read_file", {"path": "x.bin"}, backend)
     assert result.outcome == Outcome.AGENT_ERROR
     assert result.error_kind == kind

@@ -10,10 +10,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator import __version__
 from orchestrator.api import agent_rft, errors, health, rollouts
-from orchestrator.api.auth import loggable_path, request_allowed
+from orchestrator.api.auth import e2b_sandbox, loggable_path, request_allowed
 from orchestrator.api.deps import AppState
 from orchestrator.api.middleware import HttpMetrics
 from orchestrator.config import Settings, get_settings
+from orchestrator.e2b import control as e2b_control
+from orchestrator.e2b import envd as e2b_envd
+from orchestrator.e2b.sandboxes import E2BSandboxes
 from orchestrator.environments.loader import load_environments
 from orchestrator.grading import get_grader
 from orchestrator.observability.logging import configure_logging, get_logger
@@ -38,29 +41,36 @@ class RequestGuard:
         self.app = app
         self.settings = settings
         self.limit = settings.max_request_bytes
+        self.file_limit = (settings.e2b_file_max_mb << 20) + (1 << 20)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", []))
-        if not request_allowed(
-            self.settings, scope["path"], headers.get(b"authorization", b"").decode("latin-1")
-        ):
+        path = scope["path"]
+        if not request_allowed(self.settings, path, headers):
             await self._answer(
                 send,
+                path,
                 401,
                 "unauthorized",
-                "missing or wrong bearer token",
+                "missing or wrong credentials (a bearer token; E2B: X-API-KEY, or the "
+                "sandbox's X-Access-Token)",
                 {"WWW-Authenticate": "Bearer"},
             )
             return
+        # A file written through the E2B API is its own body, up to e2b_file_max_mb.
+        limit = self.file_limit if path == "/files" else self.limit
         declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._answer(send, 413, "too_large", f"the body is over {self.limit} bytes")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._answer(send, path, 413, "too_large", f"the body is over {limit} bytes")
             return
-        if scope.get("method") in ("POST", "PUT", "PATCH") and b"json" not in headers.get(
-            b"content-type", b""
+        # The E2B sandbox plane's bodies are multipart, octets or Connect envelopes.
+        if (
+            scope.get("method") in ("POST", "PUT", "PATCH")
+            and not e2b_sandbox(path)
+            and b"json" not in headers.get(b"content-type", b"")
         ):
             kept = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             # In place: the HTTP metrics around this read the matched route from the scope.
@@ -73,9 +83,9 @@ class RequestGuard:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
+                if seen > limit:
                     # FastAPI lets an HTTPException out of body parsing as it is.
-                    raise HTTPException(413, f"the body is over {self.limit} bytes")
+                    raise HTTPException(413, f"the body is over {limit} bytes")
             return message
 
         async def tracking(message: Message) -> None:
@@ -93,6 +103,7 @@ class RequestGuard:
                 raise
             await self._answer(
                 send,
+                path,
                 503,
                 "internal_error",
                 f"{type(exc).__name__}: {exc}",
@@ -103,6 +114,7 @@ class RequestGuard:
     async def _answer(
         self,
         send: Send,
+        path: str,
         status: int,
         code: str,
         message: str,
@@ -110,7 +122,7 @@ class RequestGuard:
         *,
         outcome: Outcome = Outcome.REJECTED,
     ) -> None:
-        response = errors.error_response(status, outcome, code, message, headers=headers)
+        response = errors.error_response(status, outcome, code, message, headers=headers, path=path)
         await response({"type": "http"}, _empty_receive, send)
 
 
@@ -135,11 +147,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = RolloutStore(settings.redis_url, settings.key_prefix)
         queue = QueueClient(settings, make_celery(settings), store.redis)
+        rollouts = RolloutService(settings, store, environments, queue)
         app.state.orchestrator = AppState(
             settings=settings,
             store=store,
             queue=queue,
-            service=RolloutService(settings, store, environments, queue),
+            service=rollouts,
+            e2b=E2BSandboxes(rollouts),
         )
         # The deployment's state gauges, read from Redis at each scrape of /metrics.
         app.state.metrics_state = StateCollector(settings, environments)
@@ -160,6 +174,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(agent_rft.router)
     app.include_router(agent_rft.secret_grader)
     app.include_router(rollouts.router)
+    app.include_router(e2b_control.router)
+    app.include_router(e2b_envd.router)
     app.add_middleware(RequestGuard, settings=settings)
     app.add_middleware(HttpMetrics)  # outermost: it counts the guard's refusals too
     return app

@@ -44,14 +44,33 @@ def loggable_path(path: str) -> str:
     return path
 
 
-def request_allowed(settings: Settings, path: str, authorization: str) -> bool:
+E2B_CONTROL_PREFIXES = ("/sandboxes", "/v2/sandboxes")
+"""The E2B control plane (docs/e2b.md): the SDK authenticates with ``X-API-KEY``."""
+E2B_SANDBOX_PATHS = ("/health", "/files", "/process.Process/", "/filesystem.Filesystem/")
+"""The E2B sandbox plane: each request names its sandbox (``E2b-Sandbox-Id``) and carries
+that sandbox's access token (``X-Access-Token``), which its route checks against the
+sandbox's record."""
+
+
+def e2b_control(path: str) -> bool:
+    return any(path == p or path.startswith(p + "/") for p in E2B_CONTROL_PREFIXES)
+
+
+def e2b_sandbox(path: str) -> bool:
+    return path in ("/health", "/files") or path.startswith(E2B_SANDBOX_PATHS[2:])
+
+
+def request_allowed(settings: Settings, path: str, headers: dict[bytes, bytes]) -> bool:
     """The one rule of who may make a request: an open path, the grader's secret path,
-    or a valid bearer token."""
-    return (
-        path in OPEN_PATHS
-        or secret_ok(settings.grader_url_secret, path)
-        or token_ok(settings.tokens, authorization)
-    )
+    a valid bearer token; on the E2B planes, the SDK's own credentials."""
+    if path in OPEN_PATHS or secret_ok(settings.grader_url_secret, path):
+        return True
+    if e2b_control(path):
+        key = headers.get(b"x-api-key", b"").decode("latin-1")
+        return bool(key) and token_ok(settings.tokens, f"Bearer {key}")
+    if e2b_sandbox(path):
+        return b"e2b-sandbox-id" in headers and b"x-access-token" in headers
+    return token_ok(settings.tokens, headers.get(b"authorization", b"").decode("latin-1"))
 
 
 async def require_secret(request: Request) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from orchestrator.config import Settings
+from orchestrator.e2b.sandboxes import E2BSandboxes
 from orchestrator.queue.client import QueueClient
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.rollouts.store import RolloutStore
@@ -18,6 +19,7 @@ class AppState:
     store: RolloutStore
     queue: QueueClient
     service: RolloutService
+    e2b: E2BSandboxes
 
 
 def state(request: Request) -> AppState:

@@ -11,7 +11,9 @@ from fastapi.responses import JSONResponse
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orchestrator.api.auth import loggable_path
+from orchestrator.api.auth import e2b_control, e2b_sandbox, loggable_path
+from orchestrator.e2b.control import E2BError
+from orchestrator.e2b.control import error_response as e2b_error_response
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.admission import AtCapacity
@@ -30,11 +32,38 @@ def error_response(
     *,
     rollout_id: str | None = None,
     headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> JSONResponse:
+    """An error answer, in the dialect of the API ``path`` belongs to: ours
+    (``{"error": {type, code, message}}``), or on the E2B planes the E2B SDK's, which reads
+    nothing else (docs/e2b.md)."""
+    if e2b_control(path) or path in ("/files", "/health"):
+        return JSONResponse(
+            {"code": status, "message": message}, status_code=status, headers=headers
+        )
+    if e2b_sandbox(path):
+        fallback = "unavailable" if status >= 500 else "invalid_argument"
+        connect = CONNECT_CODES.get(status, fallback)
+        return JSONResponse(
+            {"code": connect, "message": message}, status_code=status, headers=headers
+        )
     body: dict[str, Any] = {"type": outcome.value, "code": code, "message": message}
     if rollout_id is not None:
         body["rollout_id"] = rollout_id
     return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+CONNECT_CODES = {
+    400: "invalid_argument",
+    401: "unauthenticated",
+    403: "permission_denied",
+    404: "not_found",
+    413: "resource_exhausted",
+    422: "invalid_argument",
+    429: "resource_exhausted",
+    501: "unimplemented",
+}
+"""HTTP statuses as Connect codes, for errors answered before an E2B sandbox route runs."""
 
 
 def _condense(errors: list[Any]) -> str:
@@ -47,13 +76,18 @@ def _condense(errors: list[Any]) -> str:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = list(exc.errors())
+        path = request.url.path
         if any(e.get("type") == "json_invalid" for e in errors):
             return error_response(
-                400, Outcome.REJECTED, "malformed_json", "the body is not valid JSON"
+                400, Outcome.REJECTED, "malformed_json", "the body is not valid JSON", path=path
             )
-        return error_response(422, Outcome.REJECTED, "invalid_request", _condense(errors))
+        # The E2B SDK parses a 400 (its generated client knows no 422).
+        status = 400 if e2b_control(path) else 422
+        return error_response(
+            status, Outcome.REJECTED, "invalid_request", _condense(errors), path=path
+        )
 
     @app.exception_handler(Rejected)
     async def _rejected(_: Request, exc: Rejected) -> JSONResponse:
@@ -108,8 +142,12 @@ def install(app: FastAPI) -> None:
             headers={"Retry-After": RETRY_AFTER_S},
         )
 
+    @app.exception_handler(E2BError)
+    async def _e2b(_: Request, exc: E2BError) -> JSONResponse:
+        return e2b_error_response(exc)
+
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {
             401: "unauthorized",
             404: "not_found",
@@ -122,4 +160,5 @@ def install(app: FastAPI) -> None:
             code,
             str(exc.detail),
             headers=getattr(exc, "headers", None),
+            path=request.url.path,
         )

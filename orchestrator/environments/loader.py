@@ -50,6 +50,7 @@ from orchestrator.images.codebases import (
 )
 from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle, SandboxSpec
 from orchestrator.tools.base import Tool, ToolResult, agent_error
+from orchestrator.tools.command import CLIENT_TOOLS
 from orchestrator.tools.registry import function_tool_schema, get_tool
 
 DEFAULT_FILE = "default.yaml"
@@ -222,6 +223,14 @@ class ResolvedEnvironment:
     def tool_settings(self, settings: Settings) -> Settings:
         """``settings`` as the tools of this environment see them (its output budget)."""
         return self.environment.tool_settings(settings)
+
+    def tool(self, name: str, *, clients: bool = False) -> Tool[Any] | None:
+        """The tool called ``name``: one of the environment's, or with ``clients`` one of
+        the tools clients that drive the sandbox themselves use (tools/command.py)."""
+        found = self.tools.get(name)
+        if found is None and clients:
+            found = CLIENT_TOOLS.get(name)
+        return found
 
     def tool_schemas(
         self, settings: Settings | None = None, *, strict: bool = False

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.outcomes import Cause
-from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
+from orchestrator.sandbox.backend import (
+    FileAction,
+    FileErrorKind,
+    FileOpResult,
+    SandboxHandle,
+    SandboxSpec,
+)
 from orchestrator.tools.base import ToolResult
 
 
@@ -63,3 +69,40 @@ class DestroySandbox(BaseModel):
 
 class ProbeSandbox(BaseModel):
     handle: SandboxHandle
+
+
+class FileOpRequest(BaseModel):
+    """A filesystem operation in a sandbox, for a client that drives it (the E2B API)."""
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+
+    handle: SandboxHandle
+    action: FileAction
+    path: str
+    target: str | None = None
+    depth: int = Field(1, ge=1, le=64)
+    data: bytes | None = Field(None, description="write: the bytes (base64 on the wire).")
+    max_bytes: int = Field(0, ge=0)
+
+
+class FileOpReply(BaseModel):
+    """Its result; or the path's problem (the client's); or an infrastructure fault."""
+
+    result: FileOpResult | None = None
+    file_error: FileErrorKind | None = None
+    message: str = ""
+    infra_error: str | None = None
+    evidence: dict[str, Any] = Field(default_factory=dict)
+
+
+class SignalExec(BaseModel):
+    """Signal a running command of a sandbox by its exec id (the E2B API's kill)."""
+
+    handle: SandboxHandle
+    exec_id: str
+    kill: bool = True
+
+
+class SignalReply(BaseModel):
+    found: bool = False
+    infra_error: str | None = None

@@ -29,14 +29,18 @@ from orchestrator.queue.app import celery_app
 from orchestrator.queue.payloads import (
     CreateSandbox,
     DestroySandbox,
+    FileOpReply,
+    FileOpRequest,
     ProbeSandbox,
     SandboxCreated,
+    SignalExec,
+    SignalReply,
     ToolCall,
     ToolCallDone,
 )
 from orchestrator.rollouts.bounds import with_command_cap
 from orchestrator.rollouts.pools import PoolTarget, targets
-from orchestrator.sandbox.backend import ProbeResult, SandboxError, SandboxHandle
+from orchestrator.sandbox.backend import FileError, ProbeResult, SandboxError, SandboxHandle
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.tools.base import ToolResult, agent_error
 
@@ -190,7 +194,10 @@ _PROBE_AFTER = {"timeout", "memory_limit", "pids_limit", "disk_limit"}
 def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
     queue_ms = max(0.0, (started - call.enqueued_at) * 1000)
     resolved = worker.environment_of(call)
-    tool = resolved.tools[call.tool]
+    # The API let only an E2B client call a client tool (rollouts/service.py).
+    tool = resolved.tool(call.tool, clients=True)
+    if tool is None:
+        raise LookupError(f"environment {resolved.environment.name!r} has no tool {call.tool!r}")
     tool_settings = resolved.tool_settings(
         with_command_cap(get_settings(), call.command_timeout_max_s)
     )
@@ -260,6 +267,49 @@ def probe_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     request = ProbeSandbox.model_validate(payload)
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         return _probe(request.handle).model_dump(mode="json")
+
+
+@shared_task(name="orchestrator.file_op")
+@replies
+def file_op(payload: dict[str, Any]) -> dict[str, Any]:
+    """A filesystem operation in a sandbox, for a client that drives it (the E2B API). A
+    backend failure comes back with a probe of the sandbox as evidence."""
+    request = FileOpRequest.model_validate(payload)
+    with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
+        try:
+            result = worker.backend().file_op(
+                request.handle,
+                request.action,
+                request.path,
+                target=request.target,
+                depth=request.depth,
+                data=request.data,
+                max_bytes=request.max_bytes,
+            )
+            reply = FileOpReply(result=result)
+        except FileError as exc:
+            reply = FileOpReply(file_error=exc.kind, message=exc.message)
+        except SandboxError as exc:
+            probe = _probe(request.handle)
+            reply = FileOpReply(
+                infra_error=f"{type(exc).__name__}: {exc}",
+                evidence={"probe": probe.model_dump(mode="json")},
+            )
+        return reply.model_dump(mode="json")
+
+
+@shared_task(name="orchestrator.signal_exec")
+@replies
+def signal_exec(payload: dict[str, Any]) -> dict[str, Any]:
+    """Kill (or SIGTERM) a sandbox's running command by its exec id."""
+    request = SignalExec.model_validate(payload)
+    with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
+        try:
+            found = worker.backend().signal_exec(request.handle, request.exec_id, kill=request.kill)
+            reply = SignalReply(found=found)
+        except SandboxError as exc:
+            reply = SignalReply(infra_error=f"{type(exc).__name__}: {exc}")
+        return reply.model_dump(mode="json")
 
 
 @shared_task(name="orchestrator.destroy_sandbox")

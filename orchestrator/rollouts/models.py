@@ -18,6 +18,8 @@ class RolloutSource(StrEnum):
     """Agent RFT's tool and grader endpoints: the first call of a trace starts it."""
     API = "api"
     """The rollout API (``/v1/rollouts``): an explicit create."""
+    E2B = "e2b"
+    """The E2B-compatible API (docs/e2b.md): a sandbox its client drives itself."""
 
 
 class RolloutState(StrEnum):

@@ -45,6 +45,8 @@ class EndReason(StrEnum):
     INFRA_FAILED = "infra_failed"
     STUCK_CREATING = "stuck_creating"
     UNCONFIGURED = "unconfigured"
+    CLIENT_TIMEOUT = "client_timeout"
+    """An E2B sandbox past the timeout its client set (docs/e2b.md)."""
 
 
 # The reaper's own ends of a rollout not graded yet: the trainer may still be working on
@@ -89,6 +91,11 @@ def reason_to_end(rollout: Rollout, service: RolloutService, now: float) -> End 
     if rollout.state == RolloutState.CREATING:
         limit = service.settings.sandbox_create_timeout_s * 2
         return End(EndReason.STUCK_CREATING) if now - rollout.created_at > limit else None
+    if rollout.e2b is not None:
+        # An E2B sandbox lives until its client's timeout (which set_timeout moves), as on
+        # E2B: its client, not an idle rule, says when it is done.
+        end_at = float(rollout.e2b.get("end_at") or 0)
+        return End(EndReason.CLIENT_TIMEOUT) if now > end_at else None
     if rollout.calls_in_flight <= 0 and now - rollout.last_activity > config.idle_timeout_s:
         return End(
             EndReason.IDLE,

@@ -192,6 +192,7 @@ class RolloutService:
         resolved: ResolvedEnvironment | None = None,
         deadline: Deadline | None = None,
         reserve_s: float = 0.0,
+        fields: dict[str, Any] | None = None,
     ) -> Rollout:
         """Return the rollout, creating it and its sandbox if it is new.
 
@@ -200,7 +201,8 @@ class RolloutService:
         existing id a 409 instead. ``resolved``: the row, already resolved by the caller.
         ``deadline``: the request's bound, of which ``reserve_s`` is kept for the call
         that follows; a sandbox not ready by then is a 503 (:class:`StillStarting`) while
-        it goes on being made for the request's retry.
+        it goes on being made for the request's retry. ``fields``: more of the record, set
+        when it is created (the E2B API's state).
         """
         deadline = deadline or Deadline(None)
         if resolved is None:
@@ -236,6 +238,7 @@ class RolloutService:
                 item,
                 state=RolloutState.CREATING,
                 host=acquired.host if acquired else None,
+                **(fields or {}),
             )
             created = False
             if acquired is not None:
@@ -457,13 +460,17 @@ class RolloutService:
         call_id = call_id or f"auto_{time.time_ns()}"
         deadline = Deadline.for_source(self.settings, source)
         settings = self._settings_for(source)
+        # Only a client that drives its sandbox itself may run a client tool: never a model.
+        clients = source == RolloutSource.E2B
         existing = await self.store.get(rollout_id)
         if existing is None:
             if item is None:
                 raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
             # A new rollout (Agent RFT): agent mistakes are answered before anything exists.
             resolved = await self.aresolve(item)
-            check = self._check_call(resolved, settings, tool_name, arguments, call_id, received)
+            check = self._check_call(
+                resolved, settings, tool_name, arguments, call_id, received, clients=clients
+            )
             if check.early is not None:
                 return check.early
             rollout = await self.start(
@@ -476,7 +483,9 @@ class RolloutService:
             )
         else:
             resolved = self.environment_of(existing)
-            check = self._check_call(resolved, settings, tool_name, arguments, call_id, received)
+            check = self._check_call(
+                resolved, settings, tool_name, arguments, call_id, received, clients=clients
+            )
             if check.early is not None:
                 return check.early
             reserve = check.command_timeout_s + call_overhead_s(settings)
@@ -614,10 +623,12 @@ class RolloutService:
         arguments: Any,
         call_id: str,
         received: float,
+        *,
+        clients: bool,
     ) -> CallCheck:
         """Agent mistakes caught before any state changes: no sandbox, no budget spent."""
         budget = resolved.environment.effective_output_budget(settings)
-        tool = resolved.tools.get(tool_name)
+        tool = resolved.tool(tool_name, clients=clients)
         if tool is None:
             known = ", ".join(sorted(resolved.tools))
             result = agent_error(

@@ -75,6 +75,9 @@ class Rollout(BaseModel):
     environment_config: str | None = Field(
         None, description="The pinned environment's snapshot (EnvironmentConfig.snapshot)."
     )
+    e2b: dict[str, Any] | None = Field(
+        None, description="An E2B sandbox's state (orchestrator/e2b/models.py E2BState)."
+    )
     ended_by: dict[str, Any] | None = Field(
         None,
         description="Set when the orchestrator ended the rollout before its grade (idle, "
@@ -96,7 +99,7 @@ class InfraFailureEntry(BaseModel):
     at: float
 
 
-_JSON_FIELDS = {"sandbox", "item", "grade_details", "infra_failure", "ended_by"}
+_JSON_FIELDS = {"sandbox", "item", "grade_details", "infra_failure", "ended_by", "e2b"}
 
 
 def _encode(rollout: Rollout) -> dict[str, str]:

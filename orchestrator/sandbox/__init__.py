@@ -2,7 +2,7 @@
 
 from orchestrator.sandbox.backend import (
     ExecResult,
-    FileReadError,
+    FileError,
     HostHealth,
     LimitHit,
     LimitKind,
@@ -19,7 +19,7 @@ from orchestrator.sandbox.backend import (
 
 __all__ = [
     "ExecResult",
-    "FileReadError",
+    "FileError",
     "HostHealth",
     "LimitHit",
     "LimitKind",

@@ -3,7 +3,7 @@
 Backends know nothing about rollouts' rewards or HTTP; they create isolated sandboxes, run
 commands in them through the in-sandbox exec agent, and destroy them. Errors they raise say
 whose fault a failure is: :class:`SandboxError` and its subclasses are infrastructure faults,
-:class:`FileReadError` is the agent's own mistake.
+:class:`FileError` is the agent's own mistake.
 """
 
 from __future__ import annotations
@@ -244,9 +244,13 @@ class BackendUnavailable(SandboxError):
 FileErrorKind = Literal[
     "not_found",
     "is_directory",
+    "not_directory",
+    "exists",
     "binary",
     "outside_workspace",
     "permission",
+    "too_large",
+    "no_space",
     "invalid",
     "pids_limit",
 ]
@@ -254,13 +258,45 @@ FileErrorKind = Literal[
 sandbox's process limit."""
 
 
-class FileReadError(Exception):
-    """``read_file`` failed because of the path the agent asked for."""
+class FileError(Exception):
+    """A file operation (``read_file``, :meth:`SandboxBackend.file_op`) failed because of
+    the path asked for: the caller's mistake, never ours."""
 
     def __init__(self, kind: FileErrorKind, message: str) -> None:
         super().__init__(message)
         self.kind: FileErrorKind = kind
         self.message = message
+
+
+FileAction = Literal["stat", "list", "mkdir", "remove", "move", "read", "write"]
+
+
+class FileEntry(BaseModel):
+    """One file or directory as the sandbox's user sees it."""
+
+    name: str
+    type: Literal["file", "dir"]
+    path: str
+    size: int
+    mode: int
+    permissions: str
+    owner: str
+    group: str
+    modified: datetime
+    symlink: bool = False
+    symlink_target: str | None = None
+
+
+class FileOpResult(BaseModel):
+    """What :meth:`SandboxBackend.file_op` returns (the fields its action fills)."""
+
+    # Bytes cross queues as JSON: base64, not text (a file is any bytes).
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+
+    entry: FileEntry | None = None
+    entries: list[FileEntry] = Field(default_factory=list)
+    created: bool | None = Field(None, description="mkdir: false when it existed already.")
+    data: bytes | None = Field(None, description="read: the file's bytes.")
 
 
 class SandboxBackend(ABC):
@@ -281,10 +317,36 @@ class SandboxBackend(ABC):
         timeout_s: float,
         output_budget_bytes: int,
         cwd: str = "/workspace",
+        env: dict[str, str] | None = None,
+        exec_id: str | None = None,
     ) -> ExecResult:
         """Run ``command`` as the unprivileged user: a string is a bash command line, a list
         is an argv run as is (arguments never pass through a shell parser). The timeout is
-        enforced in the sandbox by killing the command's whole process group."""
+        enforced in the sandbox by killing the command's whole process group. ``env``: more
+        environment variables; ``exec_id``: a name :meth:`signal_exec` can reach it by."""
+
+    @abstractmethod
+    def signal_exec(self, handle: SandboxHandle, exec_id: str, *, kill: bool = True) -> bool:
+        """Kill (or, ``kill`` False, SIGTERM) the running command named ``exec_id``; False
+        when none runs by that name."""
+
+    @abstractmethod
+    def file_op(
+        self,
+        handle: SandboxHandle,
+        action: FileAction,
+        path: str,
+        *,
+        target: str | None = None,
+        depth: int = 1,
+        data: bytes | None = None,
+        max_bytes: int = 0,
+    ) -> FileOpResult:
+        """A filesystem operation as the unprivileged user, anywhere it may go (relative
+        paths are under /workspace): stat, list (to ``depth``), mkdir (with parents),
+        remove (recursively; nothing there is fine), move to ``target``, read (at most
+        ``max_bytes``), write ``data`` (parents made). :class:`FileError` for the path's
+        problems, :class:`SandboxError` for ours."""
 
     @abstractmethod
     def read_file(
@@ -298,7 +360,7 @@ class SandboxBackend(ABC):
     ) -> ReadFileResult:
         """Read lines of a file under /workspace as the unprivileged user.
 
-        Raises :class:`FileReadError` for the agent's mistakes (missing, binary, outside
+        Raises :class:`FileError` for the agent's mistakes (missing, binary, outside
         the workspace) and :class:`SandboxError` for ours.
         """
 

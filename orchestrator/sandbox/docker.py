@@ -300,11 +300,24 @@ class DockerBackend(agent.AgentBackend):
                 f"sandbox {handle.sandbox_id} lives on {handle.host}, not on {self.host}"
             )
         try:
-            return agent.call_unix(str(self._socket_path(handle.sandbox_id)), request, timeout_s)
+            return agent.call_unix(
+                str(self._socket_path(handle.sandbox_id)),
+                request,
+                timeout_s,
+                watch=lambda: self._why_not_answering(handle),
+            )
         except SandboxUnavailable as exc:
             # Only on failure, so calls never pay for it: say what state the sandbox is in
             # (a paused one accepts connections and never answers).
             raise type(exc)(f"{exc}; {self._state_evidence(handle)}") from exc
+
+    def _why_not_answering(self, handle: SandboxHandle) -> str | None:
+        """For a slow reply: the sandbox's state when it cannot answer at all."""
+        try:
+            state = self._container_state(handle)
+        except SandboxError:
+            return None  # the daemon is slow too: keep waiting for the agent
+        return None if state == "running" else f"sandbox state: {state}"
 
     def _state_evidence(self, handle: SandboxHandle) -> str:
         try:

@@ -13,7 +13,7 @@ file's). A footer line in brackets follows whenever less than the whole file is 
 
 An empty file shows ``(empty file)``. A start_line past the end is an ``agent_error`` (the
 model asked for lines that do not exist); so are the backend's
-:class:`~orchestrator.sandbox.backend.FileReadError` kinds, whose ``kind`` becomes the
+:class:`~orchestrator.sandbox.backend.FileError` kinds, whose ``kind`` becomes the
 result's ``error_kind``. The whole output is at most ``settings.output_budget_bytes`` bytes.
 """
 
@@ -29,7 +29,7 @@ from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.agent.client import READ_FILE_TIMEOUT_S
 from orchestrator.sandbox.backend import (
-    FileReadError,
+    FileError,
     ReadFileResult,
     SandboxBackend,
     SandboxHandle,
@@ -237,6 +237,6 @@ class ReadFileTool(Tool[ReadFileArgs]):
                 # Raw text beyond the budget could never be shown: do not ship it.
                 max_bytes=min(settings.read_file_max_bytes, budget),
             )
-        except FileReadError as exc:
+        except FileError as exc:
             return agent_error(exc.message, exc.kind, budget=budget)
         return format_read_result(result, start, budget, args.path)

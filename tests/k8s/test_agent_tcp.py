@@ -28,7 +28,7 @@ from orchestrator.sandbox import labels
 from orchestrator.sandbox.agent import EXEC_AGENT_PATH
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.agent.client import AgentProtocolError
-from orchestrator.sandbox.backend import FileReadError, SandboxSpec, SandboxUnavailable
+from orchestrator.sandbox.backend import FileError, SandboxSpec, SandboxUnavailable
 from orchestrator.sandbox.k8s import pods
 from tests.k8s import loopback
 
@@ -147,7 +147,7 @@ def test_read_file_works(tcp_agent: Agent) -> None:
         3,
         3,
     )
-    with pytest.raises(FileReadError) as missing:
+    with pytest.raises(FileError) as missing:
         agent.read_file_result(tcp_agent.call(agent.read_file_request("nope.txt", 1, None, 64)))
     assert missing.value.kind == "not_found"
 

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import socket
 import time
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from orchestrator.sandbox.backend import (
     ExecResult,
-    FileReadError,
+    FileAction,
+    FileError,
+    FileOpResult,
     ProbeResult,
     ReadFileResult,
     SandboxBackend,
@@ -67,7 +71,19 @@ class CommandSpawnFailed(SandboxError):
     """The agent could not start the command (fork failed, e.g. the pids limit is hit)."""
 
 
-def call_unix(socket_path: str, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+Watch = Callable[[], str | None]
+"""Asked while a reply is slow to come: why waiting is pointless (the sandbox is paused,
+stopped or gone: what its backend says), or None to go on waiting."""
+# A slow reply is looked into after these many seconds, then at twice the interval, up to
+# the last: a paused sandbox accepts the connection and never answers, and its call would
+# otherwise wait for its whole timeout (seen: 15 s for a `true` of 5 s).
+WATCH_FIRST_S = 1.0
+WATCH_MAX_S = 8.0
+
+
+def call_unix(
+    socket_path: str, request: dict[str, Any], timeout_s: float, watch: Watch | None = None
+) -> dict[str, Any]:
     """Send one request to the agent listening on ``socket_path``; return its result."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
@@ -80,14 +96,19 @@ def call_unix(socket_path: str, request: dict[str, Any], timeout_s: float) -> di
             raise AgentSilent(f"exec agent did not answer within {timeout_s:.1f} s") from exc
         except OSError as exc:
             raise SandboxUnavailable(f"exec agent connection failed: {exc}") from exc
-        raw = _exchange(sock, request, timeout_s)
+        raw = _exchange(sock, request, timeout_s, watch)
     finally:
         sock.close()
     return parse_reply(raw)
 
 
 def call_tcp(
-    host: str, port: int, token: str, request: dict[str, Any], timeout_s: float
+    host: str,
+    port: int,
+    token: str,
+    request: dict[str, Any],
+    timeout_s: float,
+    watch: Watch | None = None,
 ) -> dict[str, Any]:
     """Send one request, carrying the sandbox's ``token``, to the agent listening on TCP
     (a Kubernetes pod's IP); return its result. A refused token is an
@@ -100,19 +121,36 @@ def call_tcp(
         raise AgentNotListening(f"exec agent at {host}:{port} not listening ({exc})") from exc
     sock.settimeout(timeout_s)
     try:
-        raw = _exchange(sock, {**request, "token": token}, timeout_s)
+        raw = _exchange(sock, {**request, "token": token}, timeout_s, watch)
     finally:
         sock.close()
     return parse_reply(raw)
 
 
-def _exchange(sock: socket.socket, request: dict[str, Any], timeout_s: float) -> bytes:
-    """Write one JSON request line on a connected socket and read the reply line."""
+def _exchange(
+    sock: socket.socket, request: dict[str, Any], timeout_s: float, watch: Watch | None
+) -> bytes:
+    """Write one JSON request line on a connected socket and read the reply line; while
+    the reply is slow, ask ``watch`` whether to stop waiting."""
+    deadline = time.monotonic() + timeout_s
+    interval = WATCH_FIRST_S
     try:
         sock.sendall(json.dumps(request).encode() + b"\n")
         chunks: list[bytes] = []
         while True:
-            chunk = sock.recv(1 << 16)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if watch is not None:
+                sock.settimeout(min(left, interval))
+            try:
+                chunk = sock.recv(1 << 16)
+            except TimeoutError:
+                reason = watch() if watch is not None else None
+                if reason is not None:
+                    raise SandboxUnavailable(f"exec agent cannot answer: {reason}") from None
+                interval = min(interval * 2, WATCH_MAX_S)
+                continue
             if not chunk:
                 break
             chunks.append(chunk)
@@ -145,11 +183,20 @@ def parse_reply(raw: bytes) -> dict[str, Any]:
 
 
 def exec_request(
-    command: str | list[str], timeout_s: float, budget: int, cwd: str
+    command: str | list[str],
+    timeout_s: float,
+    budget: int,
+    cwd: str,
+    env: dict[str, str] | None = None,
+    exec_id: str | None = None,
 ) -> dict[str, Any]:
     """A shell command line (str), or an argv run without any shell parsing (list)."""
     request: dict[str, Any] = {"op": "exec", "timeout_s": timeout_s, "budget": budget, "cwd": cwd}
     request["argv" if isinstance(command, list) else "command"] = command
+    if env:
+        request["env"] = env
+    if exec_id is not None:
+        request["exec_id"] = exec_id
     return request
 
 
@@ -189,13 +236,26 @@ def read_file_request(
     }
 
 
+def file_op_result(result: dict[str, Any]) -> FileOpResult:
+    """The agent's ``files`` reply: its result, or the path's problem as a FileError."""
+    error = result.get("error")
+    if isinstance(error, dict):
+        kind = error.get("kind")
+        if kind == "internal":
+            raise AgentProtocolError(f"a file operation failed inside the agent: {error}")
+        raise FileError(kind, str(error.get("message")))  # type: ignore[arg-type]
+    if "data" in result:
+        result = {**result, "data": base64.b64decode(result["data"])}
+    return FileOpResult.model_validate(result)
+
+
 def read_file_result(result: dict[str, Any]) -> ReadFileResult:
     error = result.get("error")
     if isinstance(error, dict):
         kind = error.get("kind")
         if kind == "internal":
             raise AgentProtocolError(f"read_file failed inside the agent: {error.get('message')}")
-        raise FileReadError(kind, str(error.get("message")))  # type: ignore[arg-type]
+        raise FileError(kind, str(error.get("message")))  # type: ignore[arg-type]
     return ReadFileResult.model_validate(result)
 
 
@@ -304,9 +364,40 @@ class AgentBackend(SandboxBackend):
         timeout_s: float,
         output_budget_bytes: int,
         cwd: str = "/workspace",
+        env: dict[str, str] | None = None,
+        exec_id: str | None = None,
     ) -> ExecResult:
-        request = exec_request(command, timeout_s, output_budget_bytes, cwd)
+        request = exec_request(command, timeout_s, output_budget_bytes, cwd, env, exec_id)
         return exec_result(self._call(handle, request, timeout_s + REPLY_SLACK_S))
+
+    def signal_exec(self, handle: SandboxHandle, exec_id: str, *, kill: bool = True) -> bool:
+        request = {"op": "signal", "exec_id": exec_id, "signal": "kill" if kill else "term"}
+        return bool(self._call(handle, request, REPLY_SLACK_S)["found"])
+
+    def file_op(
+        self,
+        handle: SandboxHandle,
+        action: FileAction,
+        path: str,
+        *,
+        target: str | None = None,
+        depth: int = 1,
+        data: bytes | None = None,
+        max_bytes: int = 0,
+    ) -> FileOpResult:
+        request: dict[str, Any] = {"op": "files", "action": action, "path": path}
+        if target is not None:
+            request["target"] = target
+        if action == "list":
+            request["depth"] = depth
+        if data is not None:
+            request["data"] = base64.b64encode(data).decode()
+        if action == "read":
+            request["max_bytes"] = max_bytes
+        # Bounded by the bytes moved, not by a command: the read allowance, per 16 MB.
+        size = len(data or b"") + max_bytes
+        allowance = READ_FILE_TIMEOUT_S * (1 + size // (16 << 20))
+        return file_op_result(self._call(handle, request, REPLY_SLACK_S + allowance))
 
     def read_file(
         self,

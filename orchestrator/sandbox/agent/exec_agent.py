@@ -22,23 +22,31 @@ NetworkPolicy keeps every other network peer out.
 from __future__ import annotations
 
 import argparse
+import base64
 import collections
 import ctypes
 import errno
+import grp
 import hmac
 import json
 import os
+import pwd
+import re
 import selectors
+import shutil
 import signal
 import socketserver
 import stat
 import subprocess
 import sys
+import threading
 import time
+from datetime import datetime, timezone
 from typing import Any
 
-PROTOCOL_VERSION = 1
-MAX_REQUEST_BYTES = 1 << 20
+PROTOCOL_VERSION = 2
+# A request is one JSON line: a file written through the "files" op travels in it (base64).
+MAX_REQUEST_BYTES = 48 << 20
 READ_CHUNK = 65536
 # How long a finished command's background children may keep its pipes open before the
 # process group is killed: commands must not leave processes behind.
@@ -474,8 +482,12 @@ class Agent:
     ) -> None:
         self.uid = uid
         self.gid = gid
+        self.home = home
         self.wrapper = wrapper
         self.limits = limits
+        # Commands started with an exec_id, so a "signal" request can reach them.
+        self.running: dict[str, subprocess.Popen[bytes]] = {}
+        self.running_lock = threading.Lock()
         self.env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "HOME": home,
@@ -505,13 +517,18 @@ class Agent:
             args = [self.wrapper + RUN_SHELL, "bash", cwd, str(req["command"])]
         timeout = float(req["timeout_s"])  # type: ignore[arg-type]
         budget = int(req["budget"])  # type: ignore[call-overload]
+        env = self.env
+        extra = req.get("env")
+        if extra:
+            env = {**self.env, **checked_env(extra)}
+        exec_id = req.get("exec_id")
         started = time.monotonic()
         before = self.limits.snapshot()
         try:
             proc = subprocess.Popen(
                 ["/bin/bash", "-c", *args],
                 cwd="/",
-                env=self.env,
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -526,7 +543,15 @@ class Agent:
             # processes; spawn_failure says whether they fill it.
             return self.limits.spawn_failure(exc)
         captures = {proc.stdout: Capture(budget), proc.stderr: Capture(budget)}
-        killed_for, nproc_full = self._wait(proc, captures, started + timeout)
+        if isinstance(exec_id, str):
+            with self.running_lock:
+                self.running[exec_id] = proc
+        try:
+            killed_for, nproc_full = self._wait(proc, captures, started + timeout)
+        finally:
+            if isinstance(exec_id, str):
+                with self.running_lock:
+                    self.running.pop(exec_id, None)
         duration_ms = (time.monotonic() - started) * 1000
         returncode = proc.returncode
         sig = -returncode if returncode < 0 else None
@@ -640,9 +665,35 @@ class Agent:
             return "output", nproc_full
         return ("timeout" if running else None), nproc_full
 
+    def signal(self, req: dict[str, object]) -> dict[str, object]:
+        """Signal the running command started with ``exec_id``: ``kill`` its whole process
+        group and descendants (its exec then answers as killed), or ``term`` the group.
+        ``found`` is false when no such command runs (it ended, or never started)."""
+        with self.running_lock:
+            proc = self.running.get(str(req["exec_id"]))
+        if proc is None or proc.poll() is not None:
+            return {"found": False}
+        if req.get("signal") == "term":
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except OSError:
+                return {"found": False}
+        else:
+            kill_tree(proc.pid)
+        return {"found": True}
+
     def read_file(self, req: dict[str, object]) -> dict[str, object]:
         """Read in a forked child that has become the unprivileged user, so read_file can
         see exactly what the agent's own shell could, and nothing more."""
+        return self._as_user(req, read_lines)
+
+    def files(self, req: dict[str, object]) -> dict[str, object]:
+        """A filesystem operation (:func:`file_op`) as the unprivileged user, anywhere it
+        may go: what an E2B client's ``files`` API does."""
+        return self._as_user(req, lambda r: file_op(r, self.home))
+
+    def _as_user(self, req: dict[str, object], work: Any) -> dict[str, object]:
+        """``work(req)`` in a forked child that has become the unprivileged user."""
         rfd, wfd = os.pipe()
         try:
             pid = os.fork()
@@ -665,7 +716,7 @@ class Agent:
                 os.setgroups([])
                 os.setgid(self.gid)
                 os.setuid(self.uid)
-                reply = read_lines(req)
+                reply = work(req)
             except BaseException as exc:  # noqa: BLE001 - the child must always answer
                 reply = {"error": {"kind": "internal", "message": repr(exc)}}
                 code = 1
@@ -688,6 +739,156 @@ class Agent:
 
 def file_error(kind: str, message: str) -> dict[str, object]:
     return {"error": {"kind": kind, "message": message}}
+
+
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def checked_env(extra: object) -> dict[str, str]:
+    """A command's own environment variables: names a shell can hold, no NUL anywhere."""
+    if not isinstance(extra, dict):
+        raise ValueError("env must be an object of strings")
+    for name, value in extra.items():
+        if not (isinstance(name, str) and ENV_NAME.match(name)):
+            raise ValueError(f"env: {name!r} is not a variable name")
+        if not isinstance(value, str) or "\0" in value:
+            raise ValueError(f"env: {name} must be a string without NUL")
+    return dict(extra)
+
+
+def entry_info(path: str) -> dict[str, object]:
+    """What ``stat`` says of ``path`` (not following a final symlink), for the client."""
+    st = os.lstat(path)
+    is_link = stat.S_ISLNK(st.st_mode)
+    if is_link:
+        try:
+            target_st = os.stat(path)
+            kind = "dir" if stat.S_ISDIR(target_st.st_mode) else "file"
+        except OSError:
+            kind = "file"
+    else:
+        kind = "dir" if stat.S_ISDIR(st.st_mode) else "file"
+    try:
+        owner = pwd.getpwuid(st.st_uid).pw_name
+    except KeyError:
+        owner = str(st.st_uid)
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    # datetime.UTC is 3.11's: the agent runs on the image's python3, 3.9 and later.
+    modified = datetime.fromtimestamp(st.st_mtime, tz=timezone.utc)  # noqa: UP017
+    info: dict[str, object] = {
+        "name": os.path.basename(path.rstrip("/")) or "/",
+        "type": kind,
+        "path": path,
+        "size": st.st_size,
+        "mode": stat.S_IMODE(st.st_mode),
+        "permissions": stat.filemode(st.st_mode),
+        "owner": owner,
+        "group": group,
+        "modified": modified.strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        "symlink": is_link,
+    }
+    if is_link:
+        info["symlink_target"] = os.readlink(path)
+    return info
+
+
+def file_op(req: dict[str, object], home: str) -> dict[str, object]:
+    """One filesystem operation: ``stat``, ``list`` (to ``depth``), ``mkdir`` (with its
+    parents; ``created`` false when it was a directory already), ``remove`` (whatever is
+    there, recursively; nothing there is fine), ``move``, ``read`` (at most ``max_bytes``,
+    base64) or ``write`` (base64; parents made, the file replaced). Relative paths are
+    under /workspace, ``~`` is the home. Errors: not_found, is_directory, not_directory,
+    exists, permission, too_large, invalid."""
+    action = str(req["action"])
+
+    def resolve(raw: object) -> str:
+        text = str(raw)
+        if "\0" in text or not text:
+            raise ValueError("a path is a non-empty string without NUL")
+        if text == "~" or text.startswith("~/"):
+            text = home + text[1:]
+        return os.path.normpath(os.path.join(WORKSPACE, text))
+
+    path = resolve(req["path"])
+    try:
+        if action == "stat":
+            return {"entry": entry_info(path)}
+        if action == "list":
+            if not os.path.isdir(path):
+                if os.path.lexists(path):
+                    return file_error("not_directory", f"{path} is not a directory")
+                return file_error("not_found", f"{path} does not exist")
+            depth = max(1, int(req.get("depth") or 1))  # type: ignore[call-overload]
+            entries = []
+            level = [path]
+            for _ in range(depth):
+                below = []
+                for directory in level:
+                    for name in sorted(os.listdir(directory)):
+                        full = os.path.join(directory, name)
+                        entries.append(entry_info(full))
+                        if os.path.isdir(full) and not os.path.islink(full):
+                            below.append(full)
+                level = below
+            return {"entries": entries}
+        if action == "mkdir":
+            if os.path.isdir(path):
+                return {"created": False, "entry": entry_info(path)}
+            if os.path.lexists(path):
+                return file_error("exists", f"{path} exists and is not a directory")
+            os.makedirs(path)
+            return {"created": True, "entry": entry_info(path)}
+        if action == "remove":
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                os.unlink(path)
+            return {}
+        if action == "move":
+            target = resolve(req["target"])
+            os.makedirs(os.path.dirname(target) or "/", exist_ok=True)
+            os.replace(path, target)
+            return {"entry": entry_info(target)}
+        if action == "read":
+            max_bytes = int(req["max_bytes"])  # type: ignore[call-overload]
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            with os.fdopen(fd, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                if stat.S_ISDIR(mode):
+                    return file_error("is_directory", f"{path} is a directory")
+                if not stat.S_ISREG(mode):
+                    return file_error("invalid", f"{path} is not a regular file")
+                os.set_blocking(f.fileno(), True)
+                data = f.read(max_bytes + 1)
+            if len(data) > max_bytes:
+                return file_error("too_large", f"{path} is larger than {max_bytes} bytes")
+            return {"data": base64.b64encode(data).decode(), "size": len(data)}
+        if action == "write":
+            data = base64.b64decode(str(req["data"]), validate=True)
+            if os.path.isdir(path):
+                return file_error("is_directory", f"{path} is a directory")
+            os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+            with open(path, "wb") as out:
+                out.write(data)
+            return {"entry": entry_info(path)}
+    except FileNotFoundError as exc:
+        return file_error("not_found", f"{exc.filename or path} does not exist")
+    except IsADirectoryError:
+        return file_error("is_directory", f"{path} is a directory")
+    except NotADirectoryError:
+        return file_error("not_directory", f"a parent of {path} is not a directory")
+    except FileExistsError:
+        return file_error("exists", f"{path} exists")
+    except PermissionError:
+        return file_error("permission", f"{path}: permission denied")
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            return file_error("no_space", f"{path}: no space left on device")
+        return file_error("invalid", f"{path}: {exc.strerror}")
+    raise ValueError(f"unknown files action {action!r}")
 
 
 def read_lines(req: dict[str, object]) -> dict[str, object]:
@@ -775,7 +976,13 @@ class Handler(socketserver.StreamRequestHandler):
                 self.wfile.write(json.dumps(reply).encode() + b"\n")
                 return
             op = req["op"]
-            method = {"ping": agent.ping, "exec": agent.exec, "read_file": agent.read_file}[op]
+            method = {
+                "ping": agent.ping,
+                "exec": agent.exec,
+                "read_file": agent.read_file,
+                "signal": agent.signal,
+                "files": agent.files,
+            }[op]
             reply = {"ok": True, "result": method(req)}
         except Exception as exc:  # noqa: BLE001 - every failure must reach the caller
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

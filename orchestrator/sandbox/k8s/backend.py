@@ -218,7 +218,12 @@ class KubernetesBackend(agent.AgentBackend):
         endpoint = self._endpoint(handle)
         try:
             return agent.call_tcp(
-                endpoint.ip, self.settings.k8s_agent_port, endpoint.token, request, timeout_s
+                endpoint.ip,
+                self.settings.k8s_agent_port,
+                endpoint.token,
+                request,
+                timeout_s,
+                watch=lambda: self._why_not_answering(handle),
             )
         except (SandboxUnavailable, agent.AgentUnauthorized) as exc:
             # A refused token means the pod IP now belongs to another sandbox (pod IPs are
@@ -264,6 +269,14 @@ class KubernetesBackend(agent.AgentBackend):
     def _forget(self, sandbox_id: str) -> None:
         with self._lock:
             self._endpoints.pop(sandbox_id, None)
+
+    def _why_not_answering(self, handle: SandboxHandle) -> str | None:
+        """For a slow reply: the pod's state when its agent cannot answer at all."""
+        try:
+            verdict = assess(self._get_pod(handle.native_id))
+        except SandboxError:
+            return None  # the API server is slow too: keep waiting for the agent
+        return None if verdict.alive else f"sandbox state: {verdict.state} {verdict.detail}"
 
     def _state_evidence(self, handle: SandboxHandle) -> str:
         try:

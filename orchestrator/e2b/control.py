@@ -1,0 +1,152 @@
+"""The E2B control plane (docs/e2b.md): the REST calls the SDK's ``Sandbox`` class makes to
+its API URL, authenticated by ``X-API-KEY`` (one of the deployment's tokens).
+
+The SDK's generated client is strict about shapes: a create answers 201, a kill or a timeout
+204, and every error ``{"code": <int>, "message": ...}`` (anything else crashes its
+parser). A kill of an unknown sandbox is a 404 (the SDK returns False).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+from urllib.parse import parse_qsl
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from orchestrator.api.auth import token_ok
+from orchestrator.api.deps import state
+from orchestrator.e2b.models import ConnectBody, NewSandbox, TimeoutBody, wire_json
+from orchestrator.e2b.sandboxes import BadRequest, E2BSandboxes, SandboxGone
+from orchestrator.rollouts.admission import AtCapacity
+from orchestrator.rollouts.errors import InfraError, Rejected
+
+
+class E2BError(Exception):
+    """An error answer of the control plane."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+def error_response(exc: E2BError) -> JSONResponse:
+    return JSONResponse(
+        {"code": exc.status, "message": exc.message}, status_code=exc.status, headers=exc.headers
+    )
+
+
+async def require_api_key(request: Request) -> None:
+    """The SDK's ``X-API-KEY`` must be one of the deployment's tokens (the guard checked it
+    before the body was read; this is the route's own check, as for bearer tokens)."""
+    key = request.headers.get("x-api-key", "")
+    if not token_ok(state(request).settings.tokens, f"Bearer {key}"):
+        raise E2BError(401, "missing or wrong X-API-KEY")
+
+
+def sandboxes(request: Request) -> E2BSandboxes:
+    found: E2BSandboxes = state(request).e2b
+    return found
+
+
+# Not in the OpenAPI document: its contract is E2B's (docs/e2b.md), its clients their SDK.
+router = APIRouter(include_in_schema=False, dependencies=[Depends(require_api_key)])
+Sandboxes = Annotated[E2BSandboxes, Depends(sandboxes)]
+
+
+def _translate(exc: Exception, sandbox_id: str | None = None) -> E2BError:
+    """What the SDK should hear for the service's errors."""
+    if isinstance(exc, SandboxGone):
+        return E2BError(404, f"sandbox {exc.sandbox_id} not found")
+    if isinstance(exc, BadRequest):
+        return E2BError(400, str(exc))
+    if isinstance(exc, Rejected):
+        return E2BError(exc.status if exc.status in (400, 404, 409) else 400, exc.message)
+    if isinstance(exc, AtCapacity):
+        return E2BError(429, exc.message, {"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, InfraError):
+        where = f"sandbox {sandbox_id} " if sandbox_id else ""
+        # A failed sandbox stays failed: asking again changes nothing (the SDK retries a
+        # 503 unless told not to); a call never run may be retried.
+        retry = "true" if exc.code == "not_run" else "false"
+        return E2BError(
+            503,
+            f"{where}failed for infrastructure reasons ({exc.code}): {exc.message}",
+            {"Retry-After": "1", "Should-Retry": retry},
+        )
+    raise exc
+
+
+@router.post("/sandboxes", status_code=201)
+@router.post("/v2/sandboxes", status_code=201)
+async def create_sandbox(body: NewSandbox, svc: Sandboxes) -> JSONResponse:
+    """``Sandbox.create(template=...)``."""
+    try:
+        made = await svc.create(body)
+    except (BadRequest, Rejected, AtCapacity, InfraError) as exc:
+        return error_response(_translate(exc))
+    return JSONResponse(wire_json(made), status_code=201)
+
+
+@router.get("/sandboxes")
+@router.get("/v2/sandboxes")
+async def list_sandboxes(
+    svc: Sandboxes,
+    metadata: str = "",
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    next_token: Annotated[str, Query(alias="nextToken")] = "",
+) -> JSONResponse:
+    """``Sandbox.list()``: the live sandboxes, paginated by ``x-next-token``."""
+    wanted = dict(parse_qsl(metadata, keep_blank_values=True))
+    after = int(next_token) if next_token.isdigit() else 0
+    page, following = await svc.listing(metadata=wanted, limit=limit, after=after)
+    headers = {"x-next-token": str(following)} if following is not None else {}
+    return JSONResponse([wire_json(d) for d in page], headers=headers)
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get_sandbox(sandbox_id: str, svc: Sandboxes) -> JSONResponse:
+    """``Sandbox.get_info()``."""
+    try:
+        return JSONResponse(wire_json(await svc.detail(sandbox_id)))
+    except (SandboxGone, InfraError) as exc:
+        return error_response(_translate(exc, sandbox_id))
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill_sandbox(sandbox_id: str, svc: Sandboxes) -> Response:
+    """``sandbox.kill()``: 204, or 404 when there is no such live sandbox."""
+    if not await svc.kill(sandbox_id):
+        return error_response(E2BError(404, f"sandbox {sandbox_id} not found"))
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(sandbox_id: str, body: TimeoutBody, svc: Sandboxes) -> Response:
+    """``sandbox.set_timeout(seconds)``: it is killed that long from now."""
+    try:
+        await svc.set_timeout(sandbox_id, body.timeout)
+    except (SandboxGone, BadRequest, InfraError) as exc:
+        return error_response(_translate(exc, sandbox_id))
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/connect")
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+async def connect_sandbox(sandbox_id: str, body: ConnectBody, svc: Sandboxes) -> JSONResponse:
+    """``Sandbox.connect(id)``: the same sandbox, for another client."""
+    try:
+        return JSONResponse(wire_json(await svc.connect(sandbox_id, body.timeout)))
+    except (SandboxGone, BadRequest, InfraError) as exc:
+        return error_response(_translate(exc, sandbox_id))
+
+
+@router.post("/sandboxes/{sandbox_id}/pause")
+@router.post("/sandboxes/{sandbox_id}/resume")
+async def pause_sandbox(sandbox_id: str) -> JSONResponse:
+    """Refused: a sandbox here is never paused (its host holds it until it ends)."""
+    return error_response(
+        E2BError(400, "pause and resume are not supported: a sandbox runs until it is killed")
+    )

@@ -1,0 +1,404 @@
+"""The E2B sandbox plane (what the SDK calls "envd", docs/e2b.md), on the API's own port:
+the SDK sends every sandbox's requests to its sandbox URL with the sandbox named by the
+``E2b-Sandbox-Id`` header and its access token in ``X-Access-Token``.
+
+- ``process.Process``: ``Start`` (a command: its start event at once, then its output and
+  its end), ``Connect`` (the same for a running command, by pid), ``List``,
+  ``SendSignal`` (kill); stdin, PTYs and ``Update`` are refused (``unimplemented``).
+- ``filesystem.Filesystem``: ``Stat``, ``ListDir``, ``MakeDir``, ``Remove``, ``Move``;
+  watchers are refused.
+- ``/files``: read (``GET``) and write (``POST``, multipart or octet-stream) whole files.
+- ``/health``: 204 while the sandbox lives.
+
+Errors say whose doing they are: a command's own failure is its exit status (the SDK
+raises ``CommandExitException``); a sandbox that ended (killed, past its timeout) is
+``unavailable`` "... was not found" (``SandboxNotRunningException``); a sandbox that failed
+for infrastructure reasons is ``unavailable`` naming the cause
+(``SandboxUnreachableException``), never a command's failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from orchestrator.api.deps import state
+from orchestrator.e2b import connect
+from orchestrator.e2b.connect import Code, ConnectError
+from orchestrator.e2b.models import (
+    SANDBOX_USER,
+    E2BState,
+    MoveRequest,
+    PathRequest,
+    SelectorRequest,
+    SendSignalRequest,
+    StartRequest,
+    data_event,
+    entry_json,
+    process_event,
+)
+from orchestrator.e2b.sandboxes import E2BSandboxes, FileProblem, SandboxGone
+from orchestrator.outcomes import Outcome
+from orchestrator.rollouts.errors import InfraError
+from orchestrator.rollouts.store import Rollout
+from orchestrator.tools.command import CommandOutput
+
+router = APIRouter(include_in_schema=False)
+# An idle stream gets a keepalive event this often (proxies drop silent connections).
+KEEPALIVE_S = 20.0
+# FileProblem kinds as Connect codes, and as /files HTTP statuses.
+_FILE_CODES = {
+    "not_found": Code.NOT_FOUND,
+    "exists": Code.ALREADY_EXISTS,
+    "permission": Code.PERMISSION_DENIED,
+    "too_large": Code.RESOURCE_EXHAUSTED,
+    "no_space": Code.RESOURCE_EXHAUSTED,
+}
+_FILE_STATUS = {"not_found": 404, "permission": 403, "too_large": 413, "no_space": 507}
+
+
+def sandboxes(request: Request) -> E2BSandboxes:
+    found: E2BSandboxes = state(request).e2b
+    return found
+
+
+Sandboxes = Annotated[E2BSandboxes, Depends(sandboxes)]
+
+
+def gone(exc: SandboxGone) -> ConnectError:
+    return ConnectError(Code.UNAVAILABLE, str(exc))
+
+
+def failed(exc: InfraError) -> ConnectError:
+    """A sandbox that failed for infrastructure reasons: the client can tell it from a
+    command's failure (its exit status) and from a sandbox it ended itself."""
+    return ConnectError(
+        Code.UNAVAILABLE,
+        f"sandbox {exc.rollout_id} failed for infrastructure reasons ({exc.code}): "
+        f"{exc.message}; not the command's doing",
+    )
+
+
+async def _sandbox(request: Request, svc: E2BSandboxes) -> tuple[Rollout, E2BState]:
+    sandbox_id = request.headers.get("e2b-sandbox-id", "")
+    token = request.headers.get("x-access-token", "")
+    try:
+        return await svc.authorized(sandbox_id, token)
+    except SandboxGone as exc:
+        raise gone(exc) from exc
+    except InfraError as exc:
+        raise failed(exc) from exc
+
+
+def _user(request: Request, name: str | None = None) -> None:
+    """Commands and files are the sandbox user's (uid 1000): another user is refused."""
+    if name is None:
+        header = request.headers.get("authorization", "")
+        if header.lower().startswith("basic "):
+            try:
+                name = base64.b64decode(header[6:]).decode().partition(":")[0]
+            except ValueError:
+                name = header
+    if name and name != SANDBOX_USER:
+        raise ConnectError(
+            Code.PERMISSION_DENIED,
+            f"user {name!r} is refused: every command and file here is the sandbox's "
+            f"unprivileged user's ({SANDBOX_USER!r}, uid 1000)",
+        )
+
+
+def _message(model: type[BaseModel], raw: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise ConnectError(Code.INVALID_ARGUMENT, f"bad message: {exc.errors()[0]['msg']}") from exc
+
+
+def _timeout_s(request: Request) -> float | None:
+    raw = request.headers.get("connect-timeout-ms", "")
+    return int(raw) / 1000 if raw.isdigit() and int(raw) > 0 else None
+
+
+# -- process.Process ---------------------------------------------------------------------------
+
+
+@router.post("/process.Process/{method}")
+async def process(method: str, request: Request, svc: Sandboxes) -> Response:
+    body = await request.body()
+    stream = method in ("Start", "Connect")
+    try:
+        raw = connect.read_envelope(body) if stream else connect.parse(body)
+        rollout, e2b = await _sandbox(request, svc)
+        if method == "Start":
+            return await _start(request, svc, rollout, e2b, _message(StartRequest, raw))
+        if method == "Connect":
+            selector = _message(SelectorRequest, raw).process
+            pid = await svc.find_process(rollout.rollout_id, selector.pid, selector.tag)
+            return _stream(_events(svc, rollout.rollout_id, pid))
+        if method == "List":
+            return JSONResponse(
+                {"processes": [_info(p) for p in await svc.processes(rollout.rollout_id)]}
+            )
+        if method == "SendSignal":
+            signal = _message(SendSignalRequest, raw)
+            pid = await svc.find_process(rollout.rollout_id, signal.process.pid, signal.process.tag)
+            kill = signal.signal not in ("SIGNAL_SIGTERM", 15)
+            if not await svc.signal(rollout, pid, kill=kill):
+                raise ConnectError(Code.NOT_FOUND, f"process {pid} not found")
+            return JSONResponse({})
+        raise ConnectError(
+            Code.UNIMPLEMENTED,
+            f"process.Process/{method} is not supported here (no stdin, no PTY)",
+        )
+    except ConnectError as exc:
+        if stream:  # a stream's error is its end-of-stream message
+            return _stream(_just(exc))
+        return exc.response()
+    except InfraError as exc:
+        return _stream(_just(failed(exc))) if stream else failed(exc).response()
+    except SandboxGone as exc:
+        return _stream(_just(gone(exc))) if stream else gone(exc).response()
+
+
+async def _start(
+    request: Request, svc: E2BSandboxes, rollout: Rollout, e2b: E2BState, start: StartRequest
+) -> Response:
+    _user(request)
+    if start.pty is not None:
+        raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not supported here")
+    if start.stdin:
+        raise ConnectError(Code.UNIMPLEMENTED, "stdin is not supported here: run with stdin=False")
+    config = start.process
+    started = await svc.start_process(
+        rollout,
+        e2b,
+        [config.cmd, *config.args],
+        envs=config.envs,
+        cwd=config.cwd,
+        timeout_s=_timeout_s(request),
+        tag=start.tag,
+    )
+    return _stream(_events(svc, rollout.rollout_id, started.pid))
+
+
+def _stream(events: AsyncIterator[bytes]) -> StreamingResponse:
+    # Exactly this content type: the SDK refuses a stream with any parameter on it.
+    return StreamingResponse(events, media_type=connect.STREAM_CONTENT_TYPE)
+
+
+async def _just(error: ConnectError) -> AsyncIterator[bytes]:
+    yield connect.end_stream(error)
+
+
+async def _events(svc: E2BSandboxes, rollout_id: str, pid: int) -> AsyncIterator[bytes]:
+    """A command's stream: its start event at once (a background command's handle waits
+    for it), keepalives while it runs, then its output and its end. The command runs to
+    its end whether or not this client stays: its result is the rollout's call result, so
+    a client that reattaches (``Connect``) gets it."""
+    yield connect.envelope(process_event("start", {"pid": pid}))
+    running = asyncio.ensure_future(svc.run(rollout_id, pid))
+    running.add_done_callback(_retrieve)
+    try:
+        while True:
+            done, _ = await asyncio.wait({running}, timeout=KEEPALIVE_S)
+            if done:
+                break
+            yield connect.envelope(process_event("keepalive", {}))
+        reply = running.result()
+    except InfraError as exc:
+        yield connect.end_stream(failed(exc))
+        return
+    except SandboxGone as exc:
+        yield connect.end_stream(gone(exc))
+        return
+    except ConnectError as exc:
+        yield connect.end_stream(exc)
+        return
+    if reply.outcome != Outcome.OK and reply.error_kind != "timeout":
+        # The arguments were refused (the agent_error of a model's call): no process ran.
+        yield connect.end_stream(ConnectError(Code.INVALID_ARGUMENT, reply.output))
+        return
+    output = CommandOutput.model_validate_json(reply.output)
+    if output.stdout:
+        yield connect.envelope(data_event("stdout", output.stdout))
+    if output.stderr:
+        yield connect.envelope(data_event("stderr", output.stderr))
+    if output.timed_out:
+        yield connect.end_stream(
+            ConnectError(Code.DEADLINE_EXCEEDED, "the command ran past its timeout and was killed")
+        )
+        return
+    yield connect.envelope(process_event("end", _end(output)))
+    yield connect.end_stream()
+
+
+def _end(output: CommandOutput) -> dict[str, Any]:
+    """The ``EndEvent`` as envd reports it: ``exit status N``, or ``signal: killed``."""
+    if output.exit_code is None or (output.signal is not None and output.exit_code > 128):
+        status = "signal: killed" if output.signal in (None, 9) else f"signal: {output.signal}"
+        return {"exitCode": -1, "status": status, "error": status}
+    end: dict[str, Any] = {"exited": True, "status": f"exit status {output.exit_code}"}
+    if output.exit_code:
+        end["exitCode"] = output.exit_code
+        end["error"] = f"exit status {output.exit_code}"
+    return end
+
+
+def _info(record: dict[str, Any]) -> dict[str, Any]:
+    argv = record["argv"]
+    info: dict[str, Any] = {
+        "config": {"cmd": argv[0], "args": argv[1:], "envs": record["envs"], "cwd": record["cwd"]},
+        "pid": record["pid"],
+    }
+    if record.get("tag"):
+        info["tag"] = record["tag"]
+    return info
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+# -- filesystem.Filesystem ---------------------------------------------------------------------
+
+
+@router.post("/filesystem.Filesystem/{method}")
+async def filesystem(method: str, request: Request, svc: Sandboxes) -> Response:
+    try:
+        raw = connect.parse(await request.body())
+        rollout, _ = await _sandbox(request, svc)
+        _user(request)
+        return JSONResponse(await _filesystem(svc, rollout, method, raw))
+    except ConnectError as exc:
+        return exc.response()
+    except InfraError as exc:
+        return failed(exc).response()
+    except SandboxGone as exc:
+        return gone(exc).response()
+    except FileProblem as exc:
+        return ConnectError(
+            _FILE_CODES.get(exc.kind, Code.INVALID_ARGUMENT), exc.message
+        ).response()
+
+
+async def _filesystem(
+    svc: E2BSandboxes, rollout: Rollout, method: str, raw: dict[str, Any]
+) -> dict[str, Any]:
+    if method == "Move":
+        move = _message(MoveRequest, raw)
+        moved = await svc.file_op(rollout, "move", move.source, target=move.destination)
+        assert moved.entry is not None
+        return {"entry": entry_json(moved.entry)}
+    actions: dict[str, Callable[[PathRequest], Awaitable[dict[str, Any]]]] = {}
+
+    async def stat(req: PathRequest) -> dict[str, Any]:
+        found = await svc.file_op(rollout, "stat", req.path)
+        assert found.entry is not None
+        return {"entry": entry_json(found.entry)}
+
+    async def listing(req: PathRequest) -> dict[str, Any]:
+        found = await svc.file_op(rollout, "list", req.path, depth=max(1, req.depth))
+        return {"entries": [entry_json(e) for e in found.entries]}
+
+    async def make_dir(req: PathRequest) -> dict[str, Any]:
+        made = await svc.file_op(rollout, "mkdir", req.path)
+        if made.created is False:
+            raise ConnectError(Code.ALREADY_EXISTS, f"directory {req.path} already exists")
+        assert made.entry is not None
+        return {"entry": entry_json(made.entry)}
+
+    async def remove(req: PathRequest) -> dict[str, Any]:
+        await svc.file_op(rollout, "remove", req.path)
+        return {}
+
+    actions = {"Stat": stat, "ListDir": listing, "MakeDir": make_dir, "Remove": remove}
+    if method not in actions:
+        raise ConnectError(
+            Code.UNIMPLEMENTED, f"filesystem.Filesystem/{method} is not supported here"
+        )
+    return await actions[method](_message(PathRequest, raw))
+
+
+# -- /files and /health ------------------------------------------------------------------------
+
+
+def _file_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+@router.get("/files")
+async def read_file(
+    request: Request,
+    svc: Sandboxes,
+    path: str,
+    username: Annotated[str | None, Query()] = None,
+) -> Response:
+    """``sandbox.files.read``: the file's bytes."""
+    try:
+        rollout, _ = await _sandbox(request, svc)
+        _user(request, username)
+        found = await svc.file_op(rollout, "read", path)
+    except FileProblem as exc:
+        return _file_error(_FILE_STATUS.get(exc.kind, 400), exc.message)
+    except ConnectError as exc:
+        return _file_error(502 if exc.code == Code.UNAVAILABLE else 400, exc.message)
+    except InfraError as exc:
+        return _file_error(502, failed(exc).message)
+    return Response(found.data or b"", media_type="application/octet-stream")
+
+
+@router.post("/files")
+async def write_file(
+    request: Request,
+    svc: Sandboxes,
+    path: str | None = None,
+    username: Annotated[str | None, Query()] = None,
+) -> Response:
+    """``sandbox.files.write``: multipart (one part named ``file`` per file, its filename
+    the path when no ``path`` is given) or the raw bytes (``application/octet-stream``)."""
+    try:
+        rollout, _ = await _sandbox(request, svc)
+        _user(request, username)
+        files: list[tuple[str, bytes]] = []
+        if request.headers.get("content-type", "").startswith("multipart/form-data"):
+            form = await request.form()
+            for part in form.getlist("file"):
+                if isinstance(part, str):
+                    continue
+                target = path or part.filename or ""
+                files.append((target, await part.read()))
+        else:
+            files.append((path or "", await request.body()))
+        written = []
+        for target, data in files:
+            if not target:
+                return _file_error(400, "a file to write needs a path")
+            made = await svc.file_op(rollout, "write", target, data=data)
+            assert made.entry is not None
+            written.append({"name": made.entry.name, "type": "file", "path": made.entry.path})
+    except FileProblem as exc:
+        return _file_error(_FILE_STATUS.get(exc.kind, 400), exc.message)
+    except ConnectError as exc:
+        return _file_error(502 if exc.code == Code.UNAVAILABLE else 400, exc.message)
+    except InfraError as exc:
+        return _file_error(502, failed(exc).message)
+    if not written:
+        return _file_error(400, "no file in the request")
+    return JSONResponse(written)
+
+
+@router.get("/health")
+async def health(request: Request, svc: Sandboxes) -> Response:
+    """``sandbox.is_running()``: 204 while it lives; 502 "was not found" once it ended."""
+    try:
+        await _sandbox(request, svc)
+    except ConnectError as exc:
+        return _file_error(502, exc.message)
+    return Response(status_code=204)

@@ -1,0 +1,167 @@
+"""The E2B wire's shapes: the control plane's JSON (camelCase, as the SDK's generated client
+reads it) and the sandbox plane's messages (proto3 JSON: lowerCamelCase, bytes as base64,
+enums by name, defaults omitted), and what a rollout keeps of its E2B sandbox."""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from orchestrator.sandbox.backend import FileEntry
+
+ENVD_VERSION = "0.6.7"
+"""The envd version reported: the SDK gates features on it (0.4.0 and later: it names no
+user unless asked; 0.6.4: every path of its files API)."""
+CLIENT_ID = "orchestrator"
+SANDBOX_USER = "user"
+"""The user name E2B clients know for the sandbox's unprivileged user (uid 1000 here)."""
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+
+# -- control plane ----------------------------------------------------------------------------
+
+
+class NewSandbox(_Wire):
+    """``POST /sandboxes`` and ``/v2/sandboxes``."""
+
+    template_id: str = Field("base", alias="templateID", min_length=1, max_length=200)
+    timeout: int | None = Field(None, ge=1, description="Seconds until it is killed.")
+    metadata: dict[str, str] = Field(default_factory=dict)
+    env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars")
+    auto_pause: bool = Field(False, alias="autoPause")
+
+
+class TimeoutBody(_Wire):
+    timeout: int = Field(ge=1)
+
+
+class ConnectBody(_Wire):
+    timeout: int | None = Field(None, ge=1)
+
+
+class SandboxOut(_Wire):
+    """A created or connected sandbox, as the SDK needs it to reach the sandbox."""
+
+    template_id: str = Field(alias="templateID")
+    sandbox_id: str = Field(alias="sandboxID")
+    client_id: str = Field(CLIENT_ID, alias="clientID")
+    envd_version: str = Field(ENVD_VERSION, alias="envdVersion")
+    envd_access_token: str = Field(alias="envdAccessToken")
+    domain: None = None
+
+
+class SandboxDetail(_Wire):
+    """``GET /sandboxes/{id}`` and the items of ``GET /v2/sandboxes``."""
+
+    template_id: str = Field(alias="templateID")
+    sandbox_id: str = Field(alias="sandboxID")
+    client_id: str = Field(CLIENT_ID, alias="clientID")
+    envd_version: str = Field(ENVD_VERSION, alias="envdVersion")
+    started_at: datetime = Field(alias="startedAt")
+    end_at: datetime = Field(alias="endAt")
+    cpu_count: int = Field(alias="cpuCount")
+    memory_mb: int = Field(alias="memoryMB")
+    disk_size_mb: int = Field(alias="diskSizeMB")
+    state: Literal["running", "paused"] = "running"
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class E2BState(BaseModel):
+    """What a rollout keeps of its E2B sandbox (the record's ``e2b`` field)."""
+
+    template: str
+    metadata: dict[str, str] = Field(default_factory=dict)
+    env_vars: dict[str, str] = Field(default_factory=dict)
+    access_token: str
+    end_at: float = Field(description="When the client's timeout kills it (epoch seconds).")
+
+
+def wire_json(model: BaseModel) -> dict[str, Any]:
+    """A control-plane answer, as the SDK reads it (by alias, no nulls but ``domain``)."""
+    data = model.model_dump(mode="json", by_alias=True)
+    return {k: v for k, v in data.items() if v is not None or k == "domain"}
+
+
+def epoch_to_datetime(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)
+
+
+# -- sandbox plane (envd) ---------------------------------------------------------------------
+
+
+class ProcessConfig(_Wire):
+    cmd: str = Field(min_length=1)
+    args: list[str] = Field(default_factory=list)
+    envs: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+
+
+class StartRequest(_Wire):
+    process: ProcessConfig
+    pty: dict[str, Any] | None = None
+    tag: str | None = None
+    stdin: bool | None = None
+
+
+class ProcessSelector(_Wire):
+    pid: int | None = None
+    tag: str | None = None
+
+
+class SelectorRequest(_Wire):
+    """``Connect``, ``CloseStdin`` and the like: which process."""
+
+    process: ProcessSelector = Field(default_factory=ProcessSelector)
+
+
+class SendSignalRequest(_Wire):
+    process: ProcessSelector = Field(default_factory=ProcessSelector)
+    signal: str | int = "SIGNAL_SIGKILL"
+
+
+class PathRequest(_Wire):
+    """``Stat``, ``MakeDir``, ``Remove``, ``ListDir`` (with ``depth``)."""
+
+    path: str = Field(min_length=1)
+    depth: int = 1
+
+
+class MoveRequest(_Wire):
+    source: str = Field(min_length=1)
+    destination: str = Field(min_length=1)
+
+
+def entry_json(entry: FileEntry) -> dict[str, Any]:
+    """A file's ``EntryInfo`` message."""
+    message: dict[str, Any] = {
+        "name": entry.name,
+        "type": "FILE_TYPE_DIRECTORY" if entry.type == "dir" else "FILE_TYPE_FILE",
+        "path": entry.path,
+        "size": str(entry.size),
+        "mode": entry.mode,
+        "permissions": entry.permissions,
+        "owner": entry.owner,
+        "group": entry.group,
+        "modifiedTime": entry.modified.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+    }
+    if entry.symlink:
+        message["isSymlink"] = True
+        message["type"] = "FILE_TYPE_SYMLINK"
+        if entry.symlink_target is not None:
+            message["symlinkTarget"] = entry.symlink_target
+    return message
+
+
+def process_event(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One ``StartResponse``/``ConnectResponse``: ``{"event": {kind: body}}``."""
+    return {"event": {kind: body}}
+
+
+def data_event(stream: Literal["stdout", "stderr"], text: str) -> dict[str, Any]:
+    return process_event("data", {stream: base64.b64encode(text.encode()).decode()})

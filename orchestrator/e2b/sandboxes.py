@@ -1,0 +1,390 @@
+"""What an E2B sandbox is here: an orchestrator rollout of source ``e2b`` (docs/e2b.md).
+
+Its sandbox is made the way every rollout's is (admission, warm pools, the host's creation
+lane); its commands are tool calls of the client tool ``sandbox.command`` (run tickets: at
+most once, results kept; the trajectory; metrics); the reaper ends it at its client's
+timeout; killing it closes the rollout. Its files go to the host's worker as file
+operations. A sandbox that failed for infrastructure reasons answers as such: never as a
+command's own failure.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.e2b.connect import Code, ConnectError
+from orchestrator.e2b.models import (
+    E2BState,
+    NewSandbox,
+    SandboxDetail,
+    SandboxOut,
+    epoch_to_datetime,
+)
+from orchestrator.environments.loader import ResolvedEnvironment
+from orchestrator.outcomes import Cause
+from orchestrator.queue.client import QueueTimeout
+from orchestrator.queue.payloads import FileOpReply, FileOpRequest, SignalExec, SignalReply
+from orchestrator.rollouts.errors import InfraError, Rejected
+from orchestrator.rollouts.models import RolloutSource, RolloutState
+from orchestrator.rollouts.service import CallReply, RolloutService
+from orchestrator.rollouts.store import Rollout
+from orchestrator.sandbox.agent.client import READ_FILE_TIMEOUT_S, REPLY_SLACK_S
+from orchestrator.sandbox.backend import FileAction, FileOpResult
+from orchestrator.tools.command import COMMAND_TOOL
+
+# A sandbox id is a DNS label (E2B's clients may put it in a host name): lowercase
+# letters and digits, "e2b" first.
+ID_PREFIX = "e2b"
+_ALIVE = {RolloutState.CREATING.value, RolloutState.ACTIVE.value}
+
+
+class SandboxGone(Exception):
+    """No such E2B sandbox, or it ended (killed, or past its timeout)."""
+
+    def __init__(self, sandbox_id: str) -> None:
+        super().__init__(f"sandbox {sandbox_id} was not found")
+        self.sandbox_id = sandbox_id
+
+
+class BadRequest(Exception):
+    """The client asked for something this server cannot do or refuses."""
+
+
+@dataclass(frozen=True)
+class Process:
+    """A command started through ``process.Process/Start``, by its pid."""
+
+    pid: int
+    call_id: str
+    exec_id: str
+    argv: list[str]
+    cwd: str
+    tag: str | None = None
+
+
+class E2BSandboxes:
+    """The E2B API's view of rollouts: the control plane's operations, and what the
+    sandbox plane needs of a sandbox (its record, its commands, its files)."""
+
+    def __init__(self, service: RolloutService) -> None:
+        self.service = service
+        self.settings = service.settings
+        self.store = service.store
+        self.redis = service.store.redis
+
+    # -- the control plane ----------------------------------------------------------------
+
+    async def create(self, body: NewSandbox) -> SandboxOut:
+        """A new sandbox from ``body.template``: an environment's name, a codebase's name
+        (on the default environment), or ``<environment>/<codebase>``."""
+        if body.auto_pause:
+            raise BadRequest("autoPause is not supported: sandboxes here are never paused")
+        environment, codebase = self._template(body.template_id)
+        resolved = await self._resolve(environment, codebase)
+        lifetime = resolved.environment.effective_lifetime_s(self.settings)
+        timeout = body.timeout or self.settings.e2b_default_timeout_s
+        if timeout > lifetime:
+            raise BadRequest(f"timeout {timeout} s exceeds this sandbox's maximum of {lifetime} s")
+        sandbox_id = ID_PREFIX + uuid.uuid4().hex[:20]
+        state = E2BState(
+            template=body.template_id,
+            metadata=body.metadata,
+            env_vars=body.env_vars,
+            access_token=secrets.token_urlsafe(32),
+            end_at=time.time() + timeout,
+        )
+        item = {"environment": environment} | ({"codebase": codebase} if codebase else {})
+        await self.service.start(
+            sandbox_id,
+            item,
+            source=RolloutSource.E2B,
+            environment=environment,
+            codebase=codebase,
+            exclusive=True,
+            resolved=resolved,
+            fields={"e2b": state.model_dump(mode="json")},
+        )
+        return self._out(sandbox_id, state)
+
+    async def connect(self, sandbox_id: str, timeout_s: int | None) -> SandboxOut:
+        rollout, state = await self.alive(sandbox_id)
+        if timeout_s is not None:
+            state = await self._set_end(rollout, state, timeout_s)
+        return self._out(sandbox_id, state)
+
+    async def detail(self, sandbox_id: str) -> SandboxDetail:
+        rollout, state = await self.alive(sandbox_id)
+        return self._detail(rollout, state)
+
+    async def listing(
+        self, *, metadata: dict[str, str], limit: int, after: int
+    ) -> tuple[list[SandboxDetail], int | None]:
+        """Live sandboxes whose metadata has ``metadata``, from position ``after`` of the
+        listing; the position of the next page, or None."""
+        found: list[SandboxDetail] = []
+        ids = await self.store.live_ids()
+        records = await self.store.get_many(ids)
+        alive = [
+            r
+            for r in records
+            if r is not None and r.e2b is not None and r.state in _ALIVE and r.closed_at is None
+        ]
+        alive.sort(key=lambda r: r.created_at)
+        for rollout in alive[after:]:
+            state = E2BState.model_validate(rollout.e2b)
+            if all(state.metadata.get(k) == v for k, v in metadata.items()):
+                found.append(self._detail(rollout, state))
+        page = found[:limit]
+        return page, (after + limit if len(found) > limit else None)
+
+    async def kill(self, sandbox_id: str) -> bool:
+        """Kill it (destroy its sandbox, close its rollout; a failed one too); False when
+        there is none."""
+        try:
+            await self.alive(sandbox_id)
+        except SandboxGone:
+            return False
+        except InfraError:
+            pass  # failed, not gone: its sandbox (what is left of it) goes now
+        await self.service.close(sandbox_id, "killed by its E2B client")
+        return True
+
+    async def set_timeout(self, sandbox_id: str, timeout_s: int) -> None:
+        rollout, state = await self.alive(sandbox_id)
+        await self._set_end(rollout, state, timeout_s)
+
+    # -- what the sandbox plane needs -----------------------------------------------------
+
+    async def alive(self, sandbox_id: str) -> tuple[Rollout, E2BState]:
+        """The sandbox's record and state while it lives; :class:`SandboxGone` when it does
+        not; the rollout's :class:`InfraError` when it failed for infrastructure reasons."""
+        rollout = await self.store.get(sandbox_id) if sandbox_id.startswith(ID_PREFIX) else None
+        if rollout is None or rollout.e2b is None:
+            raise SandboxGone(sandbox_id)
+        failure = rollout.infra_failure
+        if failure is not None or rollout.state == RolloutState.INFRA_FAILED:
+            failure = failure or {}
+            raise InfraError(
+                str(failure.get("message", "infrastructure failure")),
+                rollout_id=sandbox_id,
+                code=str(failure.get("cause") or Cause.INFRA_ERROR),
+            )
+        state = E2BState.model_validate(rollout.e2b)
+        if rollout.state not in _ALIVE or rollout.closed_at is not None:
+            raise SandboxGone(sandbox_id)
+        if time.time() > state.end_at:
+            raise SandboxGone(sandbox_id)
+        return rollout, state
+
+    async def authorized(self, sandbox_id: str, token: str) -> tuple[Rollout, E2BState]:
+        """:meth:`alive`, for a request that must carry the sandbox's access token."""
+        rollout, state = await self.alive(sandbox_id)
+        if not secrets.compare_digest(token.encode(), state.access_token.encode()):
+            raise ConnectError(Code.UNAUTHENTICATED, "wrong or missing X-Access-Token")
+        return rollout, state
+
+    async def start_process(
+        self, rollout: Rollout, state: E2BState, argv: list[str], *,
+        envs: dict[str, str], cwd: str | None, timeout_s: float | None, tag: str | None,
+    ) -> Process:  # fmt: skip
+        """Number a new command (its pid) and remember it; :meth:`run` runs it."""
+        left = state.end_at - time.time()
+        cap = min(left, self.settings.command_timeout_max_s)
+        timeout = min(timeout_s, cap) if timeout_s else cap
+        if timeout <= 0:
+            raise SandboxGone(rollout.rollout_id)
+        pid = int(await self.redis.incr(self._key(rollout.rollout_id, "pid")))
+        process = Process(
+            pid=pid,
+            call_id=f"e2b_{pid}_{uuid.uuid4().hex[:8]}",
+            exec_id=f"e2b-{pid}",
+            argv=argv,
+            cwd=cwd or "/workspace",
+            tag=tag,
+        )
+        record = {**process.__dict__, "envs": {**state.env_vars, **envs}, "timeout_s": timeout}
+        await self.redis.hset(
+            self._key(rollout.rollout_id, "processes"), str(pid), json.dumps(record)
+        )
+        return process
+
+    async def run(self, rollout_id: str, pid: int) -> CallReply:
+        """Run (or, for a client that reattaches, wait for) command ``pid``: one call of
+        the client tool, so a retry or a second waiter never runs it twice."""
+        record = await self._process_record(rollout_id, pid)
+        arguments = {
+            "argv": record["argv"],
+            "env": record["envs"],
+            "cwd": record["cwd"],
+            "timeout_s": record["timeout_s"],
+            "exec_id": record["exec_id"],
+        }
+        try:
+            return await self.service.call_tool(
+                rollout_id,
+                COMMAND_TOOL,
+                arguments,
+                call_id=record["call_id"],
+                source=RolloutSource.E2B,
+            )
+        finally:
+            await self.redis.hdel(self._key(rollout_id, "processes"), str(pid))
+
+    async def processes(self, rollout_id: str) -> list[dict[str, Any]]:
+        """The commands running now, by pid."""
+        raw = await self.redis.hgetall(self._key(rollout_id, "processes"))
+        return [json.loads(v) for v in raw.values()]
+
+    async def find_process(self, rollout_id: str, pid: int | None, tag: str | None) -> int:
+        for record in await self.processes(rollout_id):
+            if (pid is not None and record["pid"] == pid) or (tag and record.get("tag") == tag):
+                return int(record["pid"])
+        raise ConnectError(Code.NOT_FOUND, f"process {pid if pid is not None else tag} not found")
+
+    async def signal(self, rollout: Rollout, pid: int, *, kill: bool) -> bool:
+        """Signal command ``pid``; False when it is not running."""
+        record = await self.redis.hget(self._key(rollout.rollout_id, "processes"), str(pid))
+        if record is None or rollout.sandbox is None:
+            return False
+        payload = SignalExec(
+            handle=rollout.sandbox, exec_id=json.loads(record)["exec_id"], kill=kill
+        )
+        raw = await self._worker(
+            "orchestrator.signal_exec", rollout, payload.model_dump(mode="json")
+        )
+        reply = SignalReply.model_validate(raw)
+        if reply.infra_error is not None:
+            raise InfraError(reply.infra_error, rollout_id=rollout.rollout_id)
+        return reply.found
+
+    async def file_op(
+        self,
+        rollout: Rollout,
+        action: FileAction,
+        path: str,
+        *,
+        target: str | None = None,
+        depth: int = 1,
+        data: bytes | None = None,
+    ) -> FileOpResult:
+        """A filesystem operation on the sandbox's host; a failed sandbox fails its rollout
+        (with the probe as evidence) and raises :class:`InfraError`. The path's problems
+        raise :class:`FileProblem`."""
+        assert rollout.sandbox is not None
+        limit = self.settings.e2b_file_max_mb << 20
+        if data is not None and len(data) > limit:
+            raise FileProblem("too_large", f"{path}: more than {limit} bytes in one write")
+        request = FileOpRequest(
+            handle=rollout.sandbox,
+            action=action,
+            path=path,
+            target=target,
+            depth=depth,
+            data=data,
+            max_bytes=limit if action == "read" else 0,
+        )
+        raw = await self._worker("orchestrator.file_op", rollout, request.model_dump(mode="json"))
+        reply = FileOpReply.model_validate(raw)
+        if reply.infra_error is not None:
+            raise await self.service.fail(
+                rollout.rollout_id, Cause.TOOL_CALL_FAILED, reply.infra_error, reply.evidence
+            )
+        if reply.file_error is not None:
+            raise FileProblem(reply.file_error, reply.message)
+        assert reply.result is not None
+        return reply.result
+
+    # -- helpers -------------------------------------------------------------------------
+
+    async def _worker(self, task: str, rollout: Rollout, payload: dict[str, Any]) -> dict[str, Any]:
+        assert rollout.sandbox is not None
+        host = rollout.sandbox.host
+        try:
+            return await self.service.queue.call(
+                task,
+                payload,
+                queue=self.settings.host_queue(host),
+                timeout_s=self.settings.queue_wait_s + REPLY_SLACK_S + 2 * READ_FILE_TIMEOUT_S,
+                host_id=host,
+            )
+        except QueueTimeout as exc:
+            # Never run (or its answer lost with its worker): the sandbox may be fine.
+            raise InfraError(
+                f"no worker answered for sandbox {rollout.rollout_id}: {exc}; retry",
+                rollout_id=rollout.rollout_id,
+                code=Cause.NOT_RUN,
+            ) from exc
+
+    def _template(self, template: str) -> tuple[str, str | None]:
+        environments = self.service.environments
+        environment, _, codebase = template.partition("/")
+        if codebase:
+            return environment, codebase
+        if template in environments:
+            return template, None
+        return self.settings.default_environment, template
+
+    async def _resolve(self, environment: str, codebase: str | None) -> ResolvedEnvironment:
+        try:
+            return await self.service.aresolve({}, environment=environment, codebase=codebase)
+        except Rejected as exc:
+            raise BadRequest(
+                f"template {'/'.join(p for p in (environment, codebase) if p)!r}: {exc.message} "
+                "(a template is an environment's name, a codebase's, or environment/codebase)"
+            ) from exc
+
+    async def _set_end(self, rollout: Rollout, state: E2BState, timeout_s: int) -> E2BState:
+        resolved = self.service.environment_of(rollout)
+        lifetime = resolved.environment.effective_lifetime_s(self.settings)
+        end_at = time.time() + timeout_s
+        if end_at > rollout.created_at + lifetime:
+            raise BadRequest(
+                f"timeout {timeout_s} s would take sandbox {rollout.rollout_id} past its "
+                f"maximum lifetime of {lifetime} s"
+            )
+        state = state.model_copy(update={"end_at": end_at})
+        await self.store.update(rollout.rollout_id, e2b=state.model_dump(mode="json"))
+        return state
+
+    async def _process_record(self, rollout_id: str, pid: int) -> dict[str, Any]:
+        raw = await self.redis.hget(self._key(rollout_id, "processes"), str(pid))
+        if raw is None:
+            raise ConnectError(Code.NOT_FOUND, f"process {pid} not found")
+        found: dict[str, Any] = json.loads(raw)
+        return found
+
+    def _key(self, rollout_id: str, what: str) -> str:
+        return self.store.key("rollout", rollout_id, "e2b", what)
+
+    def _out(self, sandbox_id: str, state: E2BState) -> SandboxOut:
+        return SandboxOut(
+            template_id=state.template, sandbox_id=sandbox_id, envd_access_token=state.access_token
+        )
+
+    def _detail(self, rollout: Rollout, state: E2BState) -> SandboxDetail:
+        resolved = self.service.environment_of(rollout)
+        limits = resolved.environment.limits.resolve(self.settings)
+        return SandboxDetail(
+            template_id=state.template,
+            sandbox_id=rollout.rollout_id,
+            started_at=epoch_to_datetime(rollout.created_at),
+            end_at=epoch_to_datetime(state.end_at),
+            cpu_count=max(1, round(limits.cpus)),
+            memory_mb=limits.memory_mb,
+            disk_size_mb=limits.disk_mb_in(self.settings),
+            metadata=state.metadata,
+        )
+
+
+class FileProblem(Exception):
+    """A file operation failed because of the path: the client's own doing."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message

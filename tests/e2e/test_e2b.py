@@ -1,0 +1,300 @@
+"""The stock ``e2b`` SDK (pinned in the ``sdk-tests`` extra) against the real stack, on a
+deployment of its own (API, worker, beat), configured only as docs/e2b.md says: its API URL
+and its sandbox URL are the orchestrator's, its API key one of the deployment's tokens.
+
+Covered: create (a codebase or an environment as the template), commands (foreground with
+stdout, stderr, exit code, timeout, cwd, envs; background with wait and kill), files (read,
+write, list, exists, remove, make_dir), set_timeout, get_info, list, connect, kill; an E2B
+sandbox as an orchestrator rollout (listed, its commands as its trajectory, ended by the
+reaper at its timeout); and the failures a harness must tell from a command's own: a
+sandbox killed or paused from outside, a stopped worker.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker
+import pytest
+from e2b import (
+    CommandExitException,
+    FileNotFoundException,
+    Sandbox,
+    SandboxException,
+    SandboxNotRunningException,
+    SandboxQuery,
+    SandboxUnreachableException,
+    TimeoutException,
+)
+
+from orchestrator.cli.serve import worker_command
+from orchestrator.environments.loader import default_environments_text
+from tests.e2e.conftest import TOKEN, Stack, side_stack
+from tests.e2e.helpers import sandboxes_of, wait_for
+
+pytestmark = pytest.mark.xdist_group("e2b")
+
+
+@pytest.fixture(scope="module")
+def e2b_stack(
+    stack: Stack, tmp_path_factory: pytest.TempPathFactory, monkeypatch_module: pytest.MonkeyPatch
+) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("e2b-stack")
+    env_file = root / "environments.yaml"
+    env_file.write_text(default_environments_text())
+    with side_stack(stack, root, name="eb", environments_file=env_file) as started:
+        # As docs/e2b.md tells a user to: the SDK's own settings, nothing else.
+        monkeypatch_module.setenv("E2B_API_URL", started.base_url)
+        monkeypatch_module.setenv("E2B_SANDBOX_URL", started.base_url)
+        monkeypatch_module.setenv("E2B_API_KEY", TOKEN)
+        monkeypatch_module.setenv("NO_PROXY", "127.0.0.1,localhost")
+        yield started
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    patch = pytest.MonkeyPatch()
+    yield patch
+    patch.undo()
+
+
+@pytest.fixture()
+def sbx(e2b_stack: Stack) -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(template=e2b_stack.codebase, timeout=300)
+    try:
+        yield sandbox
+    finally:
+        sandbox.kill()
+
+
+def test_commands_run_in_the_codebase_with_cwd_envs_and_exit_codes(sbx: Sandbox) -> None:
+    listed = sbx.commands.run("ls src/requests | head -3; id -u")
+    assert listed.exit_code == 0 and listed.stderr == ""
+    assert listed.stdout.split()[-1] == "1000"  # the unprivileged user
+    assert len(listed.stdout.split()) == 4
+    there = sbx.commands.run("pwd; echo $GREETING", cwd="/tmp", envs={"GREETING": "hello"})
+    assert there.stdout.split() == ["/tmp", "hello"]
+    with pytest.raises(CommandExitException) as failed:
+        sbx.commands.run("echo out; echo err >&2; exit 3")
+    assert failed.value.exit_code == 3
+    assert failed.value.stdout == "out\n" and failed.value.stderr == "err\n"
+    with pytest.raises(TimeoutException):
+        sbx.commands.run("sleep 30", timeout=2)
+    assert sbx.commands.run("echo still fine").stdout == "still fine\n"
+
+
+def test_background_commands_wait_and_kill(sbx: Sandbox) -> None:
+    quick = sbx.commands.run("sleep 1; echo done", background=True)
+    assert quick.pid > 0
+    assert quick.wait().stdout == "done\n"
+    slow = sbx.commands.run("sleep 60", background=True, timeout=120)
+    assert any(p.pid == slow.pid for p in sbx.commands.list())
+    started = time.monotonic()
+    assert slow.kill() is True
+    with pytest.raises(CommandExitException) as killed:
+        slow.wait()
+    assert killed.value.exit_code == -1
+    assert time.monotonic() - started < 20
+    assert sbx.commands.kill(slow.pid) is False  # gone already
+
+
+def test_files(sbx: Sandbox) -> None:
+    payload = bytes(range(256)) * 40
+    info = sbx.files.write("notes/data.bin", payload)
+    assert info.path == "/workspace/notes/data.bin"
+    assert sbx.files.read("notes/data.bin", format="bytes") == payload
+    sbx.files.write("/tmp/hello.txt", "hi there\n")
+    assert sbx.files.read("/tmp/hello.txt") == "hi there\n"
+    assert sbx.commands.run("cat /tmp/hello.txt").stdout == "hi there\n"
+    assert sbx.files.exists("/tmp/hello.txt") and not sbx.files.exists("/tmp/nope")
+    names = {e.name for e in sbx.files.list("/workspace")}
+    assert {"src", "notes", "README.md"} <= names, names
+    assert sbx.files.make_dir("/tmp/a/b") is True
+    assert sbx.files.make_dir("/tmp/a/b") is False
+    moved = sbx.files.rename("/tmp/hello.txt", "/tmp/a/b/hello.txt")
+    assert moved.path == "/tmp/a/b/hello.txt"
+    assert sbx.files.get_info("/tmp/a/b/hello.txt").size == len("hi there\n")
+    sbx.files.remove("/tmp/a")
+    assert not sbx.files.exists("/tmp/a")
+    with pytest.raises(FileNotFoundException):
+        sbx.files.read("/no/such/file")
+
+
+def test_timeout_info_list_connect_and_kill(e2b_stack: Stack) -> None:
+    sandbox = Sandbox.create(template="base", timeout=120, metadata={"run": "e2b-test"})
+    try:
+        info = sandbox.get_info()
+        assert info.sandbox_id == sandbox.sandbox_id and info.template_id == "base"
+        assert info.metadata == {"run": "e2b-test"}
+        sandbox.set_timeout(600)
+        assert (Sandbox.get_info(sandbox.sandbox_id).end_at - info.end_at).total_seconds() > 400
+        listed = Sandbox.list(query=_query({"run": "e2b-test"})).next_items()
+        assert [s.sandbox_id for s in listed] == [sandbox.sandbox_id]
+        other = Sandbox.connect(sandbox.sandbox_id)
+        assert other.commands.run("ls /workspace | wc -l").stdout.strip() == "0"
+    finally:
+        assert sandbox.kill() is True
+    assert Sandbox.kill(sandbox.sandbox_id) is False
+    with pytest.raises(SandboxNotRunningException):
+        sandbox.commands.run("true")
+    assert not sandbox.is_running()
+
+
+def _query(metadata: dict[str, str]) -> SandboxQuery:
+    return SandboxQuery(metadata=metadata)
+
+
+def test_an_e2b_sandbox_is_a_rollout(e2b_stack: Stack) -> None:
+    """Listed with the orchestrator's own tools, its commands its trajectory; its sandbox
+    is an ordinary one (labelled with its id); the reaper ends it at its timeout."""
+    sandbox = Sandbox.create(template=e2b_stack.codebase, timeout=6)
+    sandbox.commands.run("echo first")
+    sandbox.commands.run("rg -l 'def request' src | head -1")
+    assert sandboxes_of(e2b_stack.settings, sandbox.sandbox_id)
+    shown = _orchestrator(e2b_stack, "rollouts", "show", sandbox.sandbox_id, "--json")
+    record = json.loads(shown)
+    assert record["summary"]["source"] == "e2b"
+    steps = record["trajectory"]
+    assert [s["tool"] for s in steps] == ["sandbox.command", "sandbox.command"]
+    assert "echo first" in json.dumps(steps[0]["arguments"])
+    listed = _orchestrator(e2b_stack, "rollouts", "ls", "--json")
+    assert sandbox.sandbox_id in listed
+    wait_for(
+        lambda: not sandboxes_of(e2b_stack.settings, sandbox.sandbox_id),
+        timeout_s=30,
+        what="the reaper to end the sandbox at its timeout",
+    )
+    with pytest.raises(SandboxNotRunningException):
+        sandbox.commands.run("true")
+
+
+def _orchestrator(stack: Stack, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+# -- failures a harness must tell from a command's own ------------------------------------------
+
+
+def test_a_sandbox_killed_from_outside_is_not_a_command_failure(sbx: Sandbox) -> None:
+    client = docker.from_env()
+    (container,) = client.containers.list(filters={"label": f"orchestrator.sandbox={_sid(sbx)}"})
+    container.kill()
+    with pytest.raises(SandboxUnreachableException) as unreachable:
+        sbx.commands.run("echo hello")
+    assert "infrastructure" in str(unreachable.value)
+    assert not isinstance(unreachable.value, CommandExitException)
+    # The sandbox stays failed: every later call says so too.
+    with pytest.raises(SandboxUnreachableException):
+        sbx.files.list("/workspace")
+
+
+def test_a_sandbox_paused_from_outside_is_not_a_command_failure(sbx: Sandbox) -> None:
+    client = docker.from_env()
+    (container,) = client.containers.list(filters={"label": f"orchestrator.sandbox={_sid(sbx)}"})
+    container.pause()
+    try:
+        with pytest.raises(SandboxUnreachableException) as unreachable:
+            sbx.commands.run("echo hello", timeout=3)
+        assert "paused" in str(unreachable.value)
+    finally:
+        container.unpause()
+
+
+def test_a_stopped_worker_is_not_a_command_failure(e2b_stack: Stack, sbx: Sandbox) -> None:
+    assert sbx.commands.run("echo before").stdout == "before\n"
+    e2b_stack.stop("worker", signal.SIGTERM)
+    try:
+        wait_for(lambda: not _heartbeat(e2b_stack), timeout_s=30, what="the worker to retire")
+        with pytest.raises(SandboxUnreachableException) as unreachable:
+            sbx.commands.run("echo during")
+        assert "retry" in str(unreachable.value)
+    finally:
+        e2b_stack.start("worker", worker_command(e2b_stack.settings))
+        e2b_stack.wait_ready()
+    # Nothing was lost: the sandbox lives on, the call was never run, it runs now.
+    assert sbx.commands.run("echo after").stdout == "after\n"
+
+
+def test_refused_with_a_clear_error(sbx: Sandbox) -> None:
+    with pytest.raises(SandboxException, match="refused"):
+        sbx.commands.run("id", user="root")
+    with pytest.raises(SandboxException, match="not supported"):
+        sbx.pause()
+
+
+def _sid(sbx: Sandbox) -> str:
+    """The orchestrator's sandbox id of an E2B sandbox (its rollout's sandbox)."""
+    import httpx
+
+    env = {"Authorization": f"Bearer {TOKEN}"}
+    base = sbx.connection_config.api_url
+    view = httpx.get(f"{base}/v1/rollouts/{sbx.sandbox_id}", headers=env, timeout=30).json()
+    sandbox_id: str = view["sandbox_id"]
+    return sandbox_id
+
+
+def _heartbeat(stack: Stack) -> bool:
+    import redis
+
+    client = redis.Redis.from_url(stack.settings.redis_url)
+    try:
+        return bool(client.exists(stack.settings.heartbeat_key()))
+    finally:
+        client.close()
+
+
+def test_docs_export_lines_are_what_the_tests_set() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "e2b.md").read_text()
+    for line in (
+        "export E2B_API_URL=http://127.0.0.1:8000",
+        "export E2B_SANDBOX_URL=http://127.0.0.1:8000",
+        'export E2B_API_KEY="$ORCH_API_TOKEN"',
+    ):
+        assert line in doc
+
+
+def test_bad_requests_get_clear_errors_in_the_sdks_dialect(e2b_stack: Stack, sbx: Sandbox) -> None:
+    """Refusals on both planes, in the shapes the SDK parses, and nothing made by them."""
+    import httpx
+
+    base = e2b_stack.base_url
+    with httpx.Client(base_url=base, timeout=30) as raw:
+        before = len(Sandbox.list().next_items())
+        no_key = raw.post("/v2/sandboxes", json={"templateID": "base"})
+        assert (no_key.status_code, no_key.json()["code"]) == (401, 401)
+        key = {"X-API-KEY": TOKEN}
+        for body, status in ((b"{not json", 400), (b'{"timeout": -5}', 400)):
+            bad = raw.post("/v2/sandboxes", content=body, headers=key)
+            assert bad.status_code == status and bad.json()["code"] == status, bad.text
+        unknown = raw.post("/v2/sandboxes", json={"templateID": "no-such-template"}, headers=key)
+        assert unknown.status_code == 400 and "no-such-template" in unknown.json()["message"]
+        assert raw.get("/sandboxes/e2bnosuchsandbox", headers=key).status_code == 404
+        assert len(Sandbox.list().next_items()) == before
+        envd = {"E2b-Sandbox-Id": sbx.sandbox_id, "Content-Type": "application/json"}
+        refused = raw.post("/filesystem.Filesystem/Stat", json={"path": "/"}, headers=envd)
+        assert (refused.status_code, refused.json()["code"]) == (401, "unauthenticated")
+        wrong = raw.post(
+            "/filesystem.Filesystem/Stat",
+            json={"path": "/"},
+            headers={**envd, "X-Access-Token": "guess"},
+        )
+        assert (wrong.status_code, wrong.json()["code"]) == (401, "unauthenticated")
+        gone = raw.get(
+            "/health", headers={"E2b-Sandbox-Id": "e2bnosuchsandbox", "X-Access-Token": "x"}
+        )
+        assert gone.status_code == 502 and "was not found" in gone.json()["message"]
