@@ -12,10 +12,12 @@ from orchestrator.cli.config_docs import DOC_PATH, REGENERATE, configuration_mar
 from orchestrator.config import Settings
 from orchestrator.environments.models import (
     CustomToolConfig,
+    E2BOptions,
     EnvironmentConfig,
     EnvironmentLimits,
     GraderConfig,
 )
+from orchestrator.sandbox.backend import ScratchDir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +41,8 @@ def test_every_field_is_documented_with_its_default() -> None:
         (EnvironmentLimits, "limits."),
         (GraderConfig, "grader."),
         (CustomToolConfig, "tools[]."),
+        (ScratchDir, "scratch_dirs[]."),
+        (E2BOptions, "e2b."),
     ):
         for name in model.model_fields:
             assert f"| `{prefix}{name}` |" in page

@@ -28,6 +28,7 @@ from orchestrator.environments import (
     parse_environments,
     render_value,
 )
+from orchestrator.environments.models import E2BRootUser, EnvironmentConfig
 from orchestrator.images.codebases import UnknownCodebase
 from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.backend import (
@@ -177,7 +178,7 @@ FAKE_HANDLE = SandboxHandle(
 
 def test_default_yaml_loads() -> None:
     registry = load_environments(unit_settings())
-    assert registry.names() == ["codebase-planning", "finqa-demo", "base"]
+    assert registry.names() == ["codebase-planning", "finqa-demo", "base", "harbor"]
     # E2B's default template: the bare image, nothing to take from a row.
     base = registry.get("base")
     assert base.image == unit_settings().base_image and not base.codebase_from_row
@@ -192,6 +193,32 @@ def test_default_yaml_loads() -> None:
     assert finqa.tool_call_budget == 10
     assert finqa.grader.name == "numeric_match"
     assert all(isinstance(t, CommandTool) for t in registry.tools("finqa-demo").values())
+    # For Harbor's E2B environment: its fixed directories, user root as the sandbox user.
+    harbor = registry.get("harbor")
+    assert [d.path for d in harbor.scratch_dirs] == ["/logs", "/tests", "/solution"]
+    assert harbor.e2b.root_user == E2BRootUser.ALIAS
+    assert base.e2b.root_user == E2BRootUser.REFUSE and base.scratch_dirs == ()
+
+
+def test_fields_added_later_keep_the_digest_of_an_environment_without_them() -> None:
+    """A rollout pinned before ``scratch_dirs`` and ``e2b`` existed still finds its
+    environment: left at their defaults, they are not in the snapshot."""
+    base = load_environments(unit_settings()).get("base")
+    assert "scratch_dirs" not in base.snapshot and "e2b" not in base.snapshot
+    harbor = load_environments(unit_settings()).get("harbor")
+    pinned = json.loads(harbor.snapshot)
+    assert pinned["e2b"] == {"root_user": "alias"} and len(pinned["scratch_dirs"]) == 3
+    assert EnvironmentConfig.model_validate(pinned).digest == harbor.digest
+
+
+def test_scratch_dirs_reach_the_sandbox_spec() -> None:
+    resolved = load_environments(unit_settings()).for_rollout("harbor", "img", None)
+    spec = resolved.sandbox_spec(unit_settings(), rollout_id="r")
+    assert [(d.path, d.size_mb) for d in spec.scratch_dirs] == [
+        ("/logs", 64),
+        ("/tests", 32),
+        ("/solution", 32),
+    ]
 
 
 def test_environments_file_setting_is_read(tmp_path: Path) -> None:
@@ -402,6 +429,31 @@ BAD_CONFIGS: list[tuple[str, str, str]] = [
         "kata on docker",
         MINIMAL.replace("tools:", "runtime: kata\n    tools:"),
         "kata (a VM per sandbox) needs ORCH_SANDBOX_BACKEND=kubernetes",
+    ),
+    (
+        "scratch dir over a system directory",
+        MINIMAL.replace("tools:", "scratch_dirs: [{path: /etc}]\n    tools:"),
+        "/etc is the system's or the sandbox's own",
+    ),
+    (
+        "scratch dir over the workspace",
+        MINIMAL.replace("tools:", "scratch_dirs: [{path: /workspace}]\n    tools:"),
+        "/workspace is the system's or the sandbox's own",
+    ),
+    (
+        "nested scratch dir",
+        MINIMAL.replace("tools:", "scratch_dirs: [{path: /logs/agent}]\n    tools:"),
+        "scratch_dirs[0].path: String should match pattern",
+    ),
+    (
+        "scratch dir twice",
+        MINIMAL.replace("tools:", "scratch_dirs: [{path: /logs}, {path: /logs}]\n    tools:"),
+        "a scratch directory is listed twice",
+    ),
+    (
+        "unknown root user mode",
+        MINIMAL.replace("tools:", "e2b: {root_user: grant}\n    tools:"),
+        "e2b.root_user: Input should be 'refuse' or 'alias'",
     ),
     (
         "limit below minimum",

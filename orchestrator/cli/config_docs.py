@@ -18,11 +18,13 @@ from pydantic_core import PydanticUndefined
 from orchestrator.config import Settings
 from orchestrator.environments.models import (
     CustomToolConfig,
+    E2BOptions,
     EnvironmentConfig,
     EnvironmentLimits,
     GraderConfig,
     PromptTemplate,
 )
+from orchestrator.sandbox.backend import ScratchDir
 
 app = typer.Typer(help="The deployment's configuration.", no_args_is_help=True)
 
@@ -58,6 +60,8 @@ def type_name(annotation: Any) -> str:
         return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
     if annotation is type(None):
         return "None"
+    if annotation is Ellipsis:  # tuple[X, ...]
+        return "..."
     return str(getattr(annotation, "__name__", annotation))
 
 
@@ -175,6 +179,20 @@ def configuration_markdown() -> str:
             "Agent RFT row's `messages` from its fields ({field}; see docs/agent-rft.md).",
             PromptTemplate,
             "prompt.",
+        ),
+        model_section(
+            "Scratch directories",
+            "An entry of `scratch_dirs:` of an environment: an empty writable directory at a "
+            "fixed path, the sandbox user's, in memory, gone with the sandbox.",
+            ScratchDir,
+            "scratch_dirs[].",
+        ),
+        model_section(
+            "E2B",
+            "`e2b:` of an environment: how the E2B-compatible API serves its sandboxes "
+            "(docs/e2b.md).",
+            E2BOptions,
+            "e2b.",
         ),
         model_section(
             "Custom tools",

@@ -32,6 +32,7 @@ from orchestrator.api.deps import state
 from orchestrator.e2b import connect
 from orchestrator.e2b.connect import Code, ConnectError
 from orchestrator.e2b.models import (
+    ROOT_USER,
     SANDBOX_USER,
     E2BState,
     MoveRequest,
@@ -44,6 +45,7 @@ from orchestrator.e2b.models import (
     process_event,
 )
 from orchestrator.e2b.sandboxes import E2BSandboxes, FileProblem, SandboxGone
+from orchestrator.environments.models import E2BRootUser
 from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.errors import InfraError
 from orchestrator.rollouts.store import Rollout
@@ -96,8 +98,10 @@ async def _sandbox(request: Request, svc: E2BSandboxes) -> tuple[Rollout, E2BSta
         raise failed(exc) from exc
 
 
-def _user(request: Request, name: str | None = None) -> None:
-    """Commands and files are the sandbox user's (uid 1000): another user is refused."""
+def _user(svc: E2BSandboxes, rollout: Rollout, request: Request, name: str | None = None) -> None:
+    """Commands and files are the sandbox user's (uid 1000): another user is refused. User
+    ``root`` is that same user where the sandbox's environment says ``e2b.root_user:
+    alias`` (docs/e2b.md, "Harbor"): a name accepted, no privilege granted."""
     if name is None:
         header = request.headers.get("authorization", "")
         if header.lower().startswith("basic "):
@@ -105,12 +109,21 @@ def _user(request: Request, name: str | None = None) -> None:
                 name = base64.b64decode(header[6:]).decode().partition(":")[0]
             except ValueError:
                 name = header
-    if name and name != SANDBOX_USER:
-        raise ConnectError(
-            Code.PERMISSION_DENIED,
-            f"user {name!r} is refused: every command and file here is the sandbox's "
-            f"unprivileged user's ({SANDBOX_USER!r}, uid 1000)",
-        )
+    if not name or name == SANDBOX_USER:
+        return
+    aliased = svc.service.environment_of(rollout).environment.e2b.root_user
+    if name == ROOT_USER and aliased == E2BRootUser.ALIAS:
+        return
+    raise ConnectError(
+        Code.PERMISSION_DENIED,
+        f"user {name!r} is refused: every command and file here is the sandbox's "
+        f"unprivileged user's ({SANDBOX_USER!r}, uid 1000)"
+        + (
+            "; an environment with e2b.root_user: alias (such as 'harbor') runs root's as that user"
+            if name == ROOT_USER
+            else ""
+        ),
+    )
 
 
 def _message(model: type[BaseModel], raw: dict[str, Any]) -> Any:
@@ -169,7 +182,7 @@ async def process(method: str, request: Request, svc: Sandboxes) -> Response:
 async def _start(
     request: Request, svc: E2BSandboxes, rollout: Rollout, e2b: E2BState, start: StartRequest
 ) -> Response:
-    _user(request)
+    _user(svc, rollout, request)
     if start.pty is not None:
         raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not supported here")
     if start.stdin:
@@ -274,7 +287,7 @@ async def filesystem(method: str, request: Request, svc: Sandboxes) -> Response:
     try:
         raw = connect.parse(await request.body())
         rollout, _ = await _sandbox(request, svc)
-        _user(request)
+        _user(svc, rollout, request)
         return JSONResponse(await _filesystem(svc, rollout, method, raw))
     except ConnectError as exc:
         return exc.response()
@@ -343,7 +356,7 @@ async def read_file(
     """``sandbox.files.read``: the file's bytes."""
     try:
         rollout, _ = await _sandbox(request, svc)
-        _user(request, username)
+        _user(svc, rollout, request, username)
         found = await svc.file_op(rollout, "read", path)
     except FileProblem as exc:
         return _file_error(_FILE_STATUS.get(exc.kind, 400), exc.message)
@@ -365,7 +378,7 @@ async def write_file(
     the path when no ``path`` is given) or the raw bytes (``application/octet-stream``)."""
     try:
         rollout, _ = await _sandbox(request, svc)
-        _user(request, username)
+        _user(svc, rollout, request, username)
         files: list[tuple[str, bytes]] = []
         if request.headers.get("content-type", "").startswith("multipart/form-data"):
             form = await request.form()

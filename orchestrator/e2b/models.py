@@ -18,6 +18,8 @@ user unless asked; 0.6.4: every path of its files API)."""
 CLIENT_ID = "orchestrator"
 SANDBOX_USER = "user"
 """The user name E2B clients know for the sandbox's unprivileged user (uid 1000 here)."""
+ROOT_USER = "root"
+"""Refused, or that same user where the environment says so (``e2b.root_user: alias``)."""
 
 
 class _Wire(BaseModel):

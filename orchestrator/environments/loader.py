@@ -218,6 +218,7 @@ class ResolvedEnvironment:
             limits=env.limits.resolve(settings),
             rollout_id=rollout_id,
             lifetime_s=env.effective_lifetime_s(settings),
+            scratch_dirs=env.scratch_dirs,
         )
 
     def tool_settings(self, settings: Settings) -> Settings:

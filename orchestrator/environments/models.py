@@ -23,6 +23,7 @@ import posixpath
 import re
 import string
 from collections.abc import Mapping
+from enum import StrEnum
 from functools import cached_property
 from typing import Annotated, Any
 
@@ -41,7 +42,7 @@ from pydantic import (
 
 from orchestrator.config import Runtime, Settings
 from orchestrator.images.codebases import validate_name
-from orchestrator.sandbox.backend import SandboxLimits
+from orchestrator.sandbox.backend import SandboxLimits, ScratchDirs
 from orchestrator.tools.registry import TOOLS
 
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -351,6 +352,34 @@ class GraderConfig(BaseModel):
     )
 
 
+class E2BRootUser(StrEnum):
+    """What a client of the E2B API (docs/e2b.md) gets when it asks for user ``root``."""
+
+    REFUSE = "refuse"
+    """``permission_denied``: every command and file is the sandbox user's."""
+    ALIAS = "alias"
+    """Run as the sandbox's own unprivileged user, exactly as if no user were named: a name
+    only, never a privilege (what needs real root fails as it does for that user)."""
+
+
+class E2BOptions(BaseModel):
+    """How the E2B-compatible API serves this environment's sandboxes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    root_user: E2BRootUser = Field(
+        E2BRootUser.REFUSE,
+        description="refuse: a command or file as user root is refused; alias: it runs as "
+        "the sandbox user (for clients such as Harbor that name root for every transfer).",
+    )
+
+
+# Fields added after environments were first pinned by rollouts: left out of the snapshot
+# while at their defaults, so an environment that does not use them keeps its digest (a
+# rollout pinned before they existed still finds its environment).
+_LATER_FIELDS = ("scratch_dirs", "e2b")
+
+
 class EnvironmentConfig(BaseModel):
     """One environment, as written in the environments YAML file."""
 
@@ -401,6 +430,14 @@ class EnvironmentConfig(BaseModel):
     pool_codebases: list[str] = Field(
         default_factory=list,
         description="With the codebase from the dataset row: the codebases to keep pools of.",
+    )
+    scratch_dirs: ScratchDirs = Field(
+        (),
+        description="Extra writable top-level directories (tmpfs of the sandbox user, in "
+        "memory, each size_mb at most): the root filesystem is read-only.",
+    )
+    e2b: E2BOptions = Field(
+        default_factory=E2BOptions, description="How the E2B API serves it (docs/e2b.md)."
     )
 
     @field_validator("codebase")
@@ -483,7 +520,13 @@ class EnvironmentConfig(BaseModel):
     def snapshot(self) -> str:
         """This environment as canonical JSON: what a rollout pins when it starts, so an
         edited or removed configuration never changes a rollout already running."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        data = self.model_dump(mode="json")
+        defaults = EnvironmentConfig.model_fields
+        for name in _LATER_FIELDS:
+            default = defaults[name].get_default(call_default_factory=True)
+            if getattr(self, name) == default:
+                del data[name]
+        return json.dumps(data, sort_keys=True, separators=(",", ":"))
 
     @cached_property
     def digest(self) -> str:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from datetime import datetime
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.config import Runtime, Settings
 
@@ -49,6 +49,59 @@ class SandboxLimits(BaseModel):
         return settings.sandbox_output_mb if self.output_mb is None else self.output_mb
 
 
+SCRATCH_DIR_PATTERN = r"^/[a-z0-9][a-z0-9._-]{0,63}$"
+"""A scratch directory is one component under the root: ``/logs``, ``/tests``."""
+
+RESERVED_TOP_DIRS = frozenset(
+    {
+        *("bin", "boot", "dev", "etc", "home", "lib", "lib32", "lib64", "libx32", "media"),
+        *("mnt", "opt", "proc", "root", "run", "sbin", "srv", "sys", "tmp", "usr", "var"),
+        "workspace",
+    }
+)
+"""Top-level directories a scratch directory may never cover: the system's (a directory the
+sandbox user could write there would hide what root in the sandbox, the exec agent, reads
+or runs) and the sandbox's own mounts."""
+
+
+class ScratchDir(BaseModel):
+    """An extra writable directory of a sandbox whose root filesystem is read-only: an empty
+    memory-backed filesystem (tmpfs; an ``emptyDir`` of medium Memory on Kubernetes) owned
+    by the sandbox user, ``size_mb`` at most, counted against the sandbox's memory like
+    /tmp, gone with the sandbox. For clients that expect to write at fixed absolute paths
+    (Harbor's /logs, /tests, /solution: docs/e2b.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str = Field(
+        pattern=SCRATCH_DIR_PATTERN,
+        description="One new directory under /: not the system's (/etc, /usr, /opt, ...) nor "
+        "/tmp or /workspace.",
+    )
+    size_mb: int = Field(64, ge=1, le=4096, description="Its size cap, in MB.")
+
+    @model_validator(mode="after")
+    def _not_reserved(self) -> ScratchDir:
+        if self.path[1:] in RESERVED_TOP_DIRS:
+            raise ValueError(
+                f"{self.path} is the system's or the sandbox's own; a scratch directory is a "
+                f"new top-level directory (not one of {', '.join(sorted(RESERVED_TOP_DIRS))})"
+            )
+        return self
+
+
+def _distinct(dirs: tuple[ScratchDir, ...]) -> tuple[ScratchDir, ...]:
+    paths = [d.path for d in dirs]
+    if len(paths) != len(set(paths)):
+        raise ValueError(f"a scratch directory is listed twice: {paths}")
+    return dirs
+
+
+ScratchDirs = Annotated[tuple[ScratchDir, ...], AfterValidator(_distinct)]
+"""Scratch directories, each path at most once (two mounts at one path: the second hides
+the first)."""
+
+
 class SandboxSpec(BaseModel):
     """Everything needed to create one sandbox."""
 
@@ -59,6 +112,9 @@ class SandboxSpec(BaseModel):
     limits: SandboxLimits = SandboxLimits()
     rollout_id: str = Field("", max_length=200, description="Owner rollout; '' for ad hoc.")
     lifetime_s: int = Field(3600, ge=10, description="Expiry stamped on the sandbox's labels.")
+    scratch_dirs: ScratchDirs = Field(
+        (), description="Extra writable directories (tmpfs owned by the sandbox user)."
+    )
 
     @classmethod
     def from_settings(

@@ -154,6 +154,15 @@ class DockerBackend(agent.AgentBackend):
                 "/home/agent": (
                     f"rw,nosuid,nodev,size={HOME_MB}m,uid={SANDBOX_UID},gid={SANDBOX_UID}"
                 ),
+                # The environment's scratch directories: the sandbox user's, like its home;
+                # exec (Docker's default is noexec), as for /workspace: their scripts run.
+                **{
+                    d.path: (
+                        f"rw,exec,nosuid,nodev,size={d.size_mb}m,mode=0755,"
+                        f"uid={SANDBOX_UID},gid={SANDBOX_UID}"
+                    )
+                    for d in spec.scratch_dirs
+                },
             },
             mem_limit=memory,
             memswap_limit=memory,
@@ -194,7 +203,12 @@ class DockerBackend(agent.AgentBackend):
                     "memory_mb": limits.memory_mb,
                     "pids": limits.pids,
                     "output_mb": spec.limits.output_mb_in(self.settings),
-                    "disk": {"/workspace": disk_mb, "/tmp": limits.tmp_mb, "/home/agent": HOME_MB},
+                    "disk": {
+                        "/workspace": disk_mb,
+                        "/tmp": limits.tmp_mb,
+                        "/home/agent": HOME_MB,
+                        **{d.path: d.size_mb for d in spec.scratch_dirs},
+                    },
                 }
             ),
         ]

@@ -6,8 +6,9 @@ Covered: create (a codebase or an environment as the template), commands (foregr
 stdout, stderr, exit code, timeout, cwd, envs; background with wait and kill), files (read,
 write, list, exists, remove, make_dir), set_timeout, get_info, list, connect, kill; an E2B
 sandbox as an orchestrator rollout (listed, its commands as its trajectory, ended by the
-reaper at its timeout); and the failures a harness must tell from a command's own: a
-sandbox killed or paused from outside, a stopped worker.
+reaper at its timeout); the failures a harness must tell from a command's own: a
+sandbox killed or paused from outside, a stopped worker; and the ``harbor`` environment's
+user ``root``, the sandbox user under another name (Harbor's calls; no privilege gained).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import pytest
 from e2b import (
     CommandExitException,
     FileNotFoundException,
+    FileType,
     Sandbox,
     SandboxException,
     SandboxNotRunningException,
@@ -231,10 +233,77 @@ def test_a_stopped_worker_is_not_a_command_failure(e2b_stack: Stack, sbx: Sandbo
 
 
 def test_refused_with_a_clear_error(sbx: Sandbox) -> None:
-    with pytest.raises(SandboxException, match="refused"):
+    with pytest.raises(SandboxException, match=r"e2b\.root_user: alias"):
         sbx.commands.run("id", user="root")
+    with pytest.raises(SandboxException, match="refused"):
+        sbx.files.write("/tmp/x", "x", user="root")
+    with pytest.raises(SandboxException, match="refused"):
+        sbx.commands.run("id", user="nobody")
     with pytest.raises(SandboxException, match="not supported"):
         sbx.pause()
+
+
+# -- the harbor environment: user root as an alias, Harbor's fixed paths -------------------------
+
+
+@pytest.fixture()
+def harbor_sbx(e2b_stack: Stack) -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(template="harbor", timeout=300)
+    try:
+        yield sandbox
+    finally:
+        sandbox.kill()
+
+
+def test_root_is_the_sandbox_user_where_the_environment_says_so(harbor_sbx: Sandbox) -> None:
+    """What Harbor's provider does, each as user root: commands, writes (form upload and
+    tar extract), reads, stat, chmod, in its fixed directories; all as uid 1000."""
+    sbx = harbor_sbx
+    assert sbx.commands.run("id -u; id -un", user="root").stdout.split() == ["1000", "agent"]
+    made = sbx.commands.run(
+        "mkdir -p /logs/verifier /logs/agent /logs/artifacts && chmod 777 /logs/verifier "
+        "/logs/agent /logs/artifacts && stat -c %u /logs/agent",
+        user="root",
+        background=True,
+    ).wait()
+    assert made.stdout == "1000\n"
+    test_sh = "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n"
+    sbx.files.write("/tests/test.sh", test_sh, user="root")
+    sbx.commands.run("chmod 755 /tests/test.sh && /tests/test.sh", user="root", cwd="/")
+    assert sbx.files.read("/logs/verifier/reward.txt", user="root") == "1\n"
+    assert sbx.files.get_info("/logs/artifacts", user="root").type == FileType.DIR
+    sbx.commands.run(
+        "mkdir -p /solution && cd /tmp && printf 'echo solved' > solve.sh && tar -czf s.tgz "
+        "solve.sh && tar -xzf s.tgz --no-same-owner -C /solution && stat -c %u /solution/solve.sh",
+        user="root",
+    )
+    assert sbx.files.read("/solution/solve.sh", user="root") == "echo solved"
+    # Another user is still refused here; only the name root is aliased.
+    with pytest.raises(SandboxException, match="refused"):
+        sbx.commands.run("id", user="nobody")
+
+
+def test_root_gets_no_privilege(e2b_stack: Stack, harbor_sbx: Sandbox) -> None:
+    """Everything the sandbox user cannot do, root cannot either: the system's files, the
+    exec agent (PID 1's child, its socket and its environment), the read-only image."""
+    sbx = harbor_sbx
+    for attack in (
+        "kill -9 1",
+        "ls /run/orchestrator",
+        "cat /proc/1/environ",
+        "touch /etc/passwd",
+        "mkdir /newdir",
+        "cp /bin/true /opt/orchestrator/exec_agent.py",
+        "apt-get install -y cowsay",
+    ):
+        done = sbx.commands.run(f"{attack} 2>&1; echo rc=$?", user="root", timeout=10)
+        assert done.stdout.rstrip().split("rc=")[-1] != "0", (attack, done.stdout)
+    with pytest.raises(SandboxException):
+        sbx.files.write("/etc/profile.d/00-harbor.sh", "export X=1", user="root")
+    with pytest.raises(SandboxException):
+        sbx.files.read("/etc/shadow", user="root")
+    assert sbx.commands.run("echo alive", user="root").stdout == "alive\n"
+    assert sandboxes_of(e2b_stack.settings, sbx.sandbox_id)
 
 
 def _sid(sbx: Sandbox) -> str:

@@ -15,7 +15,7 @@ from lightkube.resources.core_v1 import Pod, Secret
 from orchestrator.config import Runtime, Settings
 from orchestrator.sandbox import labels
 from orchestrator.sandbox.agent import EXEC_AGENT_PATH
-from orchestrator.sandbox.backend import SandboxLimits, SandboxSpec
+from orchestrator.sandbox.backend import SandboxLimits, SandboxSpec, ScratchDir
 from orchestrator.sandbox.k8s import pods
 
 K8S_VERSION = "1.30.0"
@@ -217,6 +217,24 @@ def test_codebase_is_seeded_into_its_own_workspace_volume() -> None:
     assert {"name": "workspace", "mountPath": "/workspace"} in sandbox["volumeMounts"]
     assert data["spec"]["initContainers"] == [seed]
     assert "imagePullSecrets" not in data["spec"]
+
+
+def test_scratch_dirs_are_memory_volumes_the_agent_counts() -> None:
+    spec = SandboxSpec(
+        image="img", scratch_dirs=(ScratchDir(path="/logs"), ScratchDir(path="/tests", size_mb=8))
+    )
+    data = validated(render(spec))
+    sandbox = container(data, "sandbox")
+    mounts = {m["mountPath"]: m["name"] for m in sandbox["volumeMounts"]}
+    volumes = {v["name"]: v for v in data["spec"]["volumes"]}
+    assert volumes[mounts["/logs"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Mi"}
+    assert volumes[mounts["/tests"]]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Mi"}
+    # Only the sandbox's own container mounts them (the seed writes /workspace alone).
+    assert all(
+        "/logs" not in m["mountPath"] for m in container(data, "workspace-seed")["volumeMounts"]
+    )
+    limits = json.loads(sandbox["command"][sandbox["command"].index("--limits") + 1])
+    assert limits["disk"]["/logs"] == 64 and limits["disk"]["/tests"] == 8
 
 
 def test_pull_secret_and_node_selector() -> None:

@@ -169,7 +169,12 @@ def agent_command(settings: Settings, spec: SandboxSpec, disk_mb: int, output_mb
                 "memory_mb": limits.memory_mb,
                 "pids": limits.pids,
                 "output_mb": output_mb,
-                "disk": {"/workspace": disk_mb, "/tmp": limits.tmp_mb, HOME: HOME_MB},
+                "disk": {
+                    "/workspace": disk_mb,
+                    "/tmp": limits.tmp_mb,
+                    HOME: HOME_MB,
+                    **{d.path: d.size_mb for d in spec.scratch_dirs},
+                },
             }
         ),
     ]
@@ -276,6 +281,10 @@ def render_pod(
             VolumeMount(name="tmp", mountPath="/tmp"),
             VolumeMount(name="home", mountPath=HOME),
             VolumeMount(name="agent", mountPath=AGENT_DIR, readOnly=True),
+            *(
+                VolumeMount(name=_scratch_volume(i), mountPath=d.path)
+                for i, d in enumerate(spec.scratch_dirs)
+            ),
         ],
     )
     return Pod(
@@ -332,6 +341,15 @@ def render_pod(
                     name="home",
                     emptyDir=EmptyDirVolumeSource(medium="Memory", sizeLimit=f"{HOME_MB}Mi"),
                 ),
+                # The environment's scratch directories, in memory like /tmp (emptyDirs
+                # are world-writable: the sandbox user may write there).
+                *(
+                    Volume(
+                        name=_scratch_volume(i),
+                        emptyDir=EmptyDirVolumeSource(medium="Memory", sizeLimit=f"{d.size_mb}Mi"),
+                    )
+                    for i, d in enumerate(spec.scratch_dirs)
+                ),
                 Volume(
                     name="agent",
                     secret=SecretVolumeSource(
@@ -348,6 +366,10 @@ def render_pod(
             ],
         ),
     )
+
+
+def _scratch_volume(index: int) -> str:
+    return f"scratch-{index}"
 
 
 def render_secret(
