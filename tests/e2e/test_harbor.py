@@ -30,10 +30,7 @@ pytestmark = pytest.mark.xdist_group("harbor")
 REPO = Path(__file__).resolve().parents[2]
 HARNESS = REPO / "tests" / "harnesses" / "harbor_trial.py"
 DEFAULT_PYTHON = REPO / ".venv-harbor" / "bin" / "python"
-BUILD = (
-    "python3.12 -m venv .venv-harbor && "
-    ".venv-harbor/bin/pip install 'harbor[e2b]==0.26.0' e2b==2.63.0"
-)
+BUILD = "make harbor-venv (it needs a Python >= 3.12: scripts/harbor-venv.sh)"
 
 
 @pytest.fixture(scope="module")

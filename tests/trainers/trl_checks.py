@@ -20,14 +20,12 @@ import json
 import logging
 import math
 import sys
-from pathlib import Path
 from typing import Any, ClassVar
 
 from examples import trl_grpo
 from orchestrator.adapters.trl import OrchestratorEnvironment
 from orchestrator.client import RolloutClient
-from orchestrator.config import Settings
-from orchestrator.sandbox.docker import DockerBackend
+from tests.trainers.common import checks_parser, kill_sandbox
 
 
 class Recorder(logging.Handler):
@@ -59,15 +57,6 @@ class SandboxKiller(OrchestratorEnvironment):
             kill_sandbox(self.rollout_id)
             SandboxKiller.killed = self.rollout_id
         return super()._call(tool, arguments)
-
-
-def kill_sandbox(rollout_id: str) -> None:
-    backend = DockerBackend(Settings())
-    try:
-        (handle,) = [h for h in backend.list_owned() if h.rollout_id == rollout_id]
-        backend.client.api.kill(handle.native_id)
-    finally:
-        backend.client.close()
 
 
 def trainer_args(args: argparse.Namespace, steps: int) -> argparse.Namespace:
@@ -120,13 +109,7 @@ def sabotage(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("report", type=Path)
-    parser.add_argument("--base-url", required=True)
-    parser.add_argument("--token", required=True)
-    parser.add_argument("--codebase", required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = checks_parser().parse_args()
     result = {"surface": surface(args), "sabotage": sabotage(args)}
     args.report.write_text(json.dumps(result, indent=2, default=_nan_safe))
     return 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any, ClassVar
 
 from verl.tools.base_tool import BaseTool
@@ -30,19 +29,9 @@ from verl.tools.tool_registry import initialize_tools_from_config
 from examples import verl_agent_loop
 from orchestrator.adapters import verl as adapter
 from orchestrator.client import InfraFailure
-from orchestrator.config import Settings
-from orchestrator.sandbox.docker import DockerBackend
+from tests.trainers.common import checks_parser, kill_sandbox
 
 GOLD = '["src/requests/sessions.py", "src/requests/adapters.py"]'
-
-
-def kill_sandbox(rollout_id: str) -> None:
-    backend = DockerBackend(Settings())
-    try:
-        (handle,) = [h for h in backend.list_owned() if h.rollout_id == rollout_id]
-        backend.client.api.kill(handle.native_id)
-    finally:
-        backend.client.close()
 
 
 def run_args(args: argparse.Namespace, on_infra_failure: str) -> argparse.Namespace:
@@ -185,13 +174,7 @@ def sabotage(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("report", type=Path)
-    parser.add_argument("--base-url", required=True)
-    parser.add_argument("--token", required=True)
-    parser.add_argument("--codebase", required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = checks_parser().parse_args()
     run = verl_agent_loop.build(run_args(args, "raise"))
     try:
         result: dict[str, Any] = {"loader": loader(run), "explicit": explicit(run, args.codebase)}
