@@ -27,7 +27,7 @@ from requests.exceptions import RequestException
 from orchestrator.config import Settings
 from orchestrator.docker_client import connect
 from orchestrator.observability.logging import get_logger
-from orchestrator.sandbox import labels
+from orchestrator.sandbox import kernel_log, labels
 from orchestrator.sandbox.agent import EXEC_AGENT_PATH
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.backend import (
@@ -381,13 +381,21 @@ class DockerBackend(agent.AgentBackend):
         stopped = state in ("exited", "dead")
         exit_code = raw.get("ExitCode") if stopped else None
         oom_killed = bool(raw.get("OOMKilled"))
+        killed = stopped and exit_code == 128 + signal.SIGKILL
+        kernel_says = ""
+        if killed and not oom_killed:
+            # Docker's flag can miss an OOM kill that the kernel logged (kernel_log.py).
+            oom_killed = bool(kernel_log.memcg_oom_killed(str((info or {}).get("Id", ""))))
+            kernel_says = " (the kernel's log)" if oom_killed else ""
         # Docker sets OOMKilled on any OOM kill in the container, even one of a single
         # command that the sandbox survived; SIGKILL as the exit status says the OOM
         # killer took the whole sandbox.
-        whole_oom = stopped and oom_killed and exit_code == 128 + signal.SIGKILL
+        whole_oom = killed and oom_killed
         detail = f"state={state}"
         if stopped:
-            detail += f" exit={exit_code} oom_killed={oom_killed} error={raw.get('Error')!r}"
+            detail += (
+                f" exit={exit_code} oom_killed={oom_killed}{kernel_says} error={raw.get('Error')!r}"
+            )
         return ProbeResult(
             alive=False,
             state=state,

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import Stack
-from tests.e2e.helpers import owned_count
+from tests.e2e.helpers import sandboxes_of
 from tests.e2e.trainers import run_in_trainers
 
 pytestmark = [pytest.mark.xdist_group("trainers"), pytest.mark.slow]
@@ -105,7 +105,10 @@ def test_trl_logs_the_orchestrators_scores(example_run: dict[str, Any]) -> None:
 def test_no_sandbox_is_left_after_training(
     stack: Stack, example_run: dict[str, Any], checks_run: dict[str, Any]
 ) -> None:
-    assert owned_count(stack.settings) == 0
+    for run in (example_run, checks_run["sabotage"]):
+        for sample in run["samples"]:
+            assert sandboxes_of(stack.settings, sample["rollout_id"]) == [], sample
+    assert example_run["_left"] == [] and checks_run["_left"] == [], "a run left a sandbox"
 
 
 def test_trl_lists_the_environments_tools(checks_run: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.client import RolloutClient
 from tests.e2e.conftest import TOKEN, Stack
-from tests.e2e.helpers import file_f1, owned_count, sandboxes_of
+from tests.e2e.helpers import file_f1, sandboxes_of
 from tests.e2e.trainers import run_in_trainers
 
 pytestmark = [pytest.mark.xdist_group("trainers")]
@@ -134,4 +134,4 @@ def test_no_sandbox_left(stack: Stack, example: dict[str, Any], checks: dict[str
     samples = [*example["samples"], *checks["sabotage"]["samples"]]
     ids = [s["rollout_id"] for s in samples] + [checks["explicit"]["rollout_id"]]
     assert all(sandboxes_of(stack.settings, r) == [] for r in ids)
-    assert owned_count(stack.settings) == 0, "the scripts closed every rollout they opened"
+    assert example["_left"] == [] and checks["_left"] == [], "a script left a sandbox"

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.sandbox.docker import DockerBackend
 from tests.e2e.conftest import TOKEN, Stack
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,8 +58,10 @@ def run_in_trainers(
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """``python ARGS`` in the trainers' interpreter, from the repository root, with the
-    stack's ORCH_* settings; returns the JSON it wrote to ``report``. A non-zero exit
-    fails the test with the output's tail."""
+    stack's ORCH_* settings; returns the JSON it wrote to ``report``, with ``_left`` the
+    sandboxes of rollouts the script started that are still there once it exited. A
+    non-zero exit fails the test with the output's tail."""
+    before = _rollouts_with_sandboxes(stack)
     log = report.with_suffix(".log")
     with log.open("wb") as out:
         done = subprocess.run(
@@ -75,4 +78,16 @@ def run_in_trainers(
     assert report.exists(), f"{args[:2]} wrote no report; its output ends:\n{tail}"
     loaded: dict[str, Any] = json.loads(report.read_text())
     loaded["_log"] = str(log)
+    loaded["_left"] = sorted(_rollouts_with_sandboxes(stack) - before)
     return loaded
+
+
+def _rollouts_with_sandboxes(stack: Stack) -> set[str]:
+    """The rollouts that hold a sandbox of the stack's deployment now. The stack is the
+    session's, shared with the tests before: their sandboxes (a grade's grace period,
+    pool sandboxes, which belong to no rollout) are not the script's."""
+    backend = DockerBackend(stack.settings)
+    try:
+        return {h.rollout_id for h in backend.list_owned() if h.rollout_id}
+    finally:
+        backend.client.close()
