@@ -238,6 +238,11 @@ def _join(
         head_quota += tail_quota - len(tail)
         tail_quota = len(tail)
     cut = _head_cut(head, head_quota)
+    if 0 < cut < len(head) and head[cut : cut + 1] == b"\n" and head[cut - 1 : cut] != b"\n":
+        # A cut just before a newline keeps it: the same byte the marker's own line break
+        # would cost, and the marker then counts only what is really gone (it said one
+        # byte more, hypothesis found, for a newline still shown).
+        cut += 1
     start = _tail_start(tail, tail_quota)
     dropped = head[cut:] + tail[:start]
     omitted = gap_bytes + len(dropped)
