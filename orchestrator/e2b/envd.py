@@ -346,6 +346,16 @@ def _file_error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
+def _file_failure(exc: FileProblem | ConnectError | InfraError) -> JSONResponse:
+    """The file endpoints' answer to a refused or failed operation: a file problem by its
+    kind, a refused request as 400 (an unreachable sandbox as 502), an infra failure 502."""
+    if isinstance(exc, FileProblem):
+        return _file_error(_FILE_STATUS.get(exc.kind, 400), exc.message)
+    if isinstance(exc, ConnectError):
+        return _file_error(502 if exc.code == Code.UNAVAILABLE else 400, exc.message)
+    return _file_error(502, failed(exc).message)
+
+
 @router.get("/files")
 async def read_file(
     request: Request,
@@ -358,12 +368,8 @@ async def read_file(
         rollout, _ = await _sandbox(request, svc)
         _user(svc, rollout, request, username)
         found = await svc.file_op(rollout, "read", path)
-    except FileProblem as exc:
-        return _file_error(_FILE_STATUS.get(exc.kind, 400), exc.message)
-    except ConnectError as exc:
-        return _file_error(502 if exc.code == Code.UNAVAILABLE else 400, exc.message)
-    except InfraError as exc:
-        return _file_error(502, failed(exc).message)
+    except (FileProblem, ConnectError, InfraError) as exc:
+        return _file_failure(exc)
     return Response(found.data or b"", media_type="application/octet-stream")
 
 
@@ -396,12 +402,8 @@ async def write_file(
             made = await svc.file_op(rollout, "write", target, data=data)
             assert made.entry is not None
             written.append({"name": made.entry.name, "type": "file", "path": made.entry.path})
-    except FileProblem as exc:
-        return _file_error(_FILE_STATUS.get(exc.kind, 400), exc.message)
-    except ConnectError as exc:
-        return _file_error(502 if exc.code == Code.UNAVAILABLE else 400, exc.message)
-    except InfraError as exc:
-        return _file_error(502, failed(exc).message)
+    except (FileProblem, ConnectError, InfraError) as exc:
+        return _file_failure(exc)
     if not written:
         return _file_error(400, "no file in the request")
     return JSONResponse(written)
