@@ -1,5 +1,7 @@
 """The one settings object: every knob, read from ``ORCH_*`` environment variables."""
 
+from __future__ import annotations
+
 import re
 import socket
 from functools import lru_cache
@@ -283,28 +285,17 @@ class Settings(BaseSettings):
     def tokens(self) -> list[str]:
         return [t.strip() for t in self.api_tokens.split(",") if t.strip()]
 
-    @property
-    def key_prefix(self) -> str:
-        """Redis keys and Celery queues of this deployment start with this."""
-        return f"orch:{self.deployment}:"
-
-    def heartbeat_key(self, host_id: str | None = None) -> str:
-        """The Redis key of a worker host's heartbeat (expires three beats after the last)."""
-        return f"{self.key_prefix}worker:{host_id or self.host_id}"
-
-    @property
-    def hosts_key(self) -> str:
-        """The Redis set of every worker host that ever beat in this deployment."""
-        return f"{self.key_prefix}hosts"
-
-    def host_queue(self, host_id: str | None = None) -> str:
-        """The queue of one worker host: calls go to the host holding the sandbox."""
-        return f"orch.{self.deployment}.host.{host_id or self.host_id}"
-
-    @property
-    def shared_queue(self) -> str:
-        """Work any worker may take (the periodic reaper)."""
-        return f"orch.{self.deployment}.shared"
+    def with_command_cap(self, cap_s: float | None) -> Settings:
+        """These settings with no command timeout above ``cap_s`` (None: as they are): the
+        bound one call was sent with (Agent RFT's), applied by the worker that runs it."""
+        if cap_s is None or cap_s >= self.command_timeout_max_s:
+            return self
+        return self.model_copy(
+            update={
+                "command_timeout_max_s": cap_s,
+                "command_timeout_s": min(self.command_timeout_s, cap_s),
+            }
+        )
 
 
 @lru_cache(maxsize=1)

@@ -18,7 +18,7 @@ from orchestrator.rollouts.bounds import (
     call_overhead_s,
     check_agent_rft_bound,
 )
-from orchestrator.rollouts.models import RolloutSource
+from orchestrator.state.models import RolloutSource
 
 
 def test_defaults_fit_the_bound_with_the_caps_the_docs_state() -> None:

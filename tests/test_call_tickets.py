@@ -1,4 +1,4 @@
-"""The run-ticket protocol (rollouts/tickets.py, rollouts/store.py) against a real Redis: a
+"""The run-ticket protocol (state/tickets.py, state/records.py) against a real Redis: a
 call runs at most once, its result outlives its waiter, a call that never ran may be sent
 again under the same sequence number."""
 
@@ -15,8 +15,9 @@ import pytest
 import redis
 
 from orchestrator.config import Settings
-from orchestrator.rollouts.store import RolloutStore
-from orchestrator.rollouts.tickets import TicketState, WorkerTickets, ticket_key
+from orchestrator.state.keys import Keys
+from orchestrator.state.records import RolloutStore
+from orchestrator.state.tickets import TicketState, WorkerTickets
 
 pytestmark = pytest.mark.anyio
 
@@ -27,19 +28,19 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture()
-def prefix() -> Iterator[str]:
-    value = f"orch:test-tickets-{uuid.uuid4().hex[:8]}:"
+def keys() -> Iterator[Keys]:
+    value = Keys.of(f"test-tickets-{uuid.uuid4().hex[:8]}")
     yield value
     client = redis.Redis.from_url(Settings().redis_url)
-    keys = list(client.scan_iter(match=value + "*"))
-    if keys:
-        client.delete(*keys)
+    found = list(client.scan_iter(match=value.prefix + "*"))
+    if found:
+        client.delete(*found)
     client.close()
 
 
 @pytest.fixture()
-async def store(prefix: str) -> AsyncIterator[RolloutStore]:
-    store = RolloutStore(Settings().redis_url, prefix)
+async def store(keys: Keys) -> AsyncIterator[RolloutStore]:
+    store = RolloutStore(Settings().redis_url, keys)
     yield store
     await store.close()
 
@@ -57,25 +58,25 @@ async def _begin(store: RolloutStore, call_id: str = "c1") -> tuple[str, int, st
 
 
 async def test_a_claimed_call_cannot_be_cancelled(
-    store: RolloutStore, workers: WorkerTickets, prefix: str
+    store: RolloutStore, workers: WorkerTickets, keys: Keys
 ) -> None:
     status, seq, attempt = await _begin(store)
     assert (status, seq) == ("run", 1)
-    key = ticket_key(prefix, "r1", "c1")
+    key = keys.ticket("r1", "c1")
     assert workers.claim(key, attempt, "w1", time.time()) == "running"
-    assert await store.cancel_ticket("r1", "c1", attempt) == TicketState.RUNNING
+    assert await store.tickets.cancel("r1", "c1", attempt) == TicketState.RUNNING
     # A second delivery of the same message is skipped.
     assert workers.claim(key, attempt, "w2", time.time()) == "running"
-    ticket = await store.ticket("r1", "c1")
+    ticket = await store.tickets.read("r1", "c1")
     assert ticket.worker == "w1"
 
 
 async def test_a_cancelled_call_is_never_claimed_and_keeps_its_seq(
-    store: RolloutStore, workers: WorkerTickets, prefix: str
+    store: RolloutStore, workers: WorkerTickets, keys: Keys
 ) -> None:
     _, seq, attempt = await _begin(store)
-    key = ticket_key(prefix, "r1", "c1")
-    assert await store.cancel_ticket("r1", "c1", attempt) == TicketState.CANCELLED
+    key = keys.ticket("r1", "c1")
+    assert await store.tickets.cancel("r1", "c1", attempt) == TicketState.CANCELLED
     assert workers.claim(key, attempt, "w1", time.time()) == "cancelled"
     await store.end_call("r1", "c1", attempt, reply=None, step=None)
     status, again, new_attempt = await _begin(store)
@@ -87,12 +88,12 @@ async def test_a_cancelled_call_is_never_claimed_and_keeps_its_seq(
 
 
 async def test_claim_and_cancel_race_has_exactly_one_winner(
-    store: RolloutStore, workers: WorkerTickets, prefix: str
+    store: RolloutStore, workers: WorkerTickets, keys: Keys
 ) -> None:
     for i in range(30):
         call_id = f"race{i}"
         _, _, attempt = await _begin(store, call_id)
-        key = ticket_key(prefix, "r1", call_id)
+        key = keys.ticket("r1", call_id)
         claims: list[str] = []
         worker = threading.Thread(
             target=lambda k=key, a=attempt, out=claims: out.append(
@@ -100,16 +101,16 @@ async def test_claim_and_cancel_race_has_exactly_one_winner(
             )
         )
         worker.start()
-        cancelled = await store.cancel_ticket("r1", call_id, attempt)
+        cancelled = await store.tickets.cancel("r1", call_id, attempt)
         worker.join()
         assert (claims[0] == "running") != (cancelled == TicketState.CANCELLED), (claims, cancelled)
 
 
 async def test_the_result_outlives_its_waiter_and_a_retry_settles_it_once(
-    store: RolloutStore, workers: WorkerTickets, prefix: str
+    store: RolloutStore, workers: WorkerTickets, keys: Keys
 ) -> None:
     _, seq, attempt = await _begin(store)
-    key = ticket_key(prefix, "r1", "c1")
+    key = keys.ticket("r1", "c1")
     workers.claim(key, attempt, "w1", time.time())
     state, reply_to = workers.finish(key, "w1", json.dumps({"result": None}), time.time())
     assert (state, reply_to) == ("done", "reply-list")
@@ -119,22 +120,22 @@ async def test_the_result_outlives_its_waiter_and_a_retry_settles_it_once(
     first = await store.end_call("r1", "c1", "", reply={"output": "a"}, step=None)
     second = await store.end_call("r1", "c1", attempt, reply={"output": "b"}, step=None)
     assert first == second == {"output": "a"}, "the first stored reply wins"
-    record = await store.redis.hget(store.key("rollout", "r1"), "calls_in_flight")
+    record = await store.redis.hget(store.keys.rollout("r1"), "calls_in_flight")
     assert int(record or 0) == 0, "counted out of flight once"
     assert (await _begin(store))[0] == "stored"
     assert seq == 1
 
 
 async def test_a_result_after_the_call_was_declared_lost_is_evidence_only(
-    store: RolloutStore, workers: WorkerTickets, prefix: str
+    store: RolloutStore, workers: WorkerTickets, keys: Keys
 ) -> None:
     _, _, attempt = await _begin(store)
-    key = ticket_key(prefix, "r1", "c1")
+    key = keys.ticket("r1", "c1")
     workers.claim(key, attempt, "w1", time.time())
-    assert await store.mark_ticket_lost("r1", "c1", "w1") == TicketState.LOST
+    assert await store.tickets.mark_lost("r1", "c1", "w1") == TicketState.LOST
     state, reply_to = workers.finish(key, "w1", json.dumps({"late": True}), time.time())
     assert (state, reply_to) == ("lost", "")
-    ticket = await store.ticket("r1", "c1")
+    ticket = await store.tickets.read("r1", "c1")
     assert ticket.result == ""
     retry = await store.begin_call("r1", "c1", lock_ttl_s=30, reply_to="other")
     assert (retry.status, retry.ticket) == ("busy", "lost")

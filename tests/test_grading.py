@@ -38,7 +38,7 @@ from orchestrator.grading import (
     resolve_grader,
 )
 from orchestrator.outcomes import Outcome
-from orchestrator.rollouts.models import TrajectoryStep
+from orchestrator.state.models import TrajectoryStep
 
 NO_STEPS: list[TrajectoryStep] = []
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

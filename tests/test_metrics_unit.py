@@ -22,10 +22,16 @@ from orchestrator.environments.loader import default_environments_text, parse_en
 from orchestrator.local import free_port
 from orchestrator.observability.api_process import multiproc_dir, prepare_multiproc_dir
 from orchestrator.observability.metrics import MULTIPROC_ENV
-from orchestrator.observability.state import StateCollector
 from orchestrator.sandbox.backend import SandboxHandle
+from orchestrator.state.collector import StateCollector
+from orchestrator.state.heartbeat import Heartbeat
+from orchestrator.state.keys import Keys
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def keys_of(settings: Settings) -> Keys:
+    return Keys.of(settings.deployment)
 
 
 def collect(collector: StateCollector) -> Samples:
@@ -41,8 +47,12 @@ def deployment(tmp_path: Path) -> Iterator[Settings]:
     settings = Settings(deployment=f"unit-{uuid.uuid4().hex[:8]}", state_dir=tmp_path)
     yield settings
     client = redis.Redis.from_url(settings.redis_url)
-    keys = list(client.scan_iter(settings.key_prefix + "*"))
-    keys += [settings.shared_queue, settings.host_queue("h-a"), settings.host_queue("h-b")]
+    keys = list(client.scan_iter(keys_of(settings).prefix + "*"))
+    keys += [
+        keys_of(settings).shared_queue,
+        keys_of(settings).host_queue("h-a"),
+        keys_of(settings).host_queue("h-b"),
+    ]
     client.delete(*keys)
     client.close()
 
@@ -73,11 +83,19 @@ def _handle(host: str, sandbox_id: str) -> SandboxHandle:
 def _populate(settings: Settings, live: int) -> None:
     """Keys as the worker, store, pools, admission and Celery keep them."""
     client = redis.Redis.from_url(settings.redis_url)
-    p = settings.key_prefix
+    p = keys_of(settings).prefix
     pipe = client.pipeline(transaction=False)
+    now = time.time()
     for host, schedulable, docker_ok in (("h-a", True, True), ("h-b", False, False)):
-        beat = {"host": host, "schedulable": schedulable, "docker_ok": docker_ok, "capacity": 100}
-        pipe.set(f"{p}worker:{host}", json.dumps(beat), ex=60)
+        beat = Heartbeat(
+            host=host,
+            instance="i1",
+            time=now,
+            schedulable=schedulable,
+            docker_ok=docker_ok,
+            capacity=100,
+        )
+        pipe.set(f"{p}worker:{host}", beat.model_dump_json(), ex=60)
         pipe.sadd(f"{p}hosts", host)
     pipe.sadd(f"{p}hosts", "h-gone")  # known once, no heartbeat now
     pipe.hset(f"{p}host-rollouts", mapping={"h-a": 7, "h-b": 2, "h-gone": 5})
@@ -97,9 +115,9 @@ def _populate(settings: Settings, live: int) -> None:
     pipe.rpush(
         ready, _handle("h-a", "p1").model_dump_json(), _handle("h-b", "p2").model_dump_json()
     )
-    pipe.rpush(settings.shared_queue, "m1", "m2")
-    pipe.rpush(settings.host_queue("h-a"), "m3")
-    pipe.rpush(f"{settings.host_queue('h-a')}\x06\x169", "m4")  # a priority sub-queue
+    pipe.rpush(keys_of(settings).shared_queue, "m1", "m2")
+    pipe.rpush(keys_of(settings).host_queue("h-a"), "m3")
+    pipe.rpush(f"{keys_of(settings).host_queue('h-a')}\x06\x169", "m4")  # a priority sub-queue
     pipe.execute()
     client.close()
 
@@ -134,10 +152,26 @@ def test_state_gauges_from_redis(deployment: Settings) -> None:
     )
     assert got[("orchestrator_pool_ready", (("environment", env),))] == 2
     assert got[("orchestrator_pool_target", (("environment", env),))] == 6
-    shared = deployment.shared_queue
+    shared = keys_of(deployment).shared_queue
     assert got[("orchestrator_queue_depth", (("queue", shared),))] == 2
-    assert got[("orchestrator_queue_depth", (("queue", deployment.host_queue("h-a")),))] == 2
-    assert got[("orchestrator_queue_depth", (("queue", deployment.host_queue("h-b")),))] == 0
+    assert (
+        got[
+            (
+                "orchestrator_queue_depth",
+                (("queue", keys_of(deployment).host_queue("h-a")),),
+            )
+        ]
+        == 2
+    )
+    assert (
+        got[
+            (
+                "orchestrator_queue_depth",
+                (("queue", keys_of(deployment).host_queue("h-b")),),
+            )
+        ]
+        == 0
+    )
 
 
 def test_state_collector_cost_with_1000_live_rollouts(

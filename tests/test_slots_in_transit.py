@@ -5,7 +5,7 @@ record counts them, so the reaper's recount never gives their slots away."""
 from __future__ import annotations
 
 import asyncio
-import json
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
@@ -15,11 +15,11 @@ import redis.asyncio as aioredis
 
 from orchestrator.config import Settings
 from orchestrator.environments.loader import ResolvedEnvironment, load_environments
-from orchestrator.queue.app import celery_app
-from orchestrator.queue.client import QueueClient
-from orchestrator.rollouts.admission import Admission, transit_key
-from orchestrator.rollouts.pools import PoolClaims, PoolFiller, PoolTarget, pool_key
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
+from orchestrator.state.admission import Admission
+from orchestrator.state.heartbeat import Heartbeat
+from orchestrator.state.keys import Keys
+from orchestrator.state.pools import PoolClaims, PoolFiller, PoolTarget
 
 ENVIRONMENTS = """\
 environments:
@@ -40,7 +40,7 @@ def unit(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     )
     yield own
     client = redis.Redis.from_url(own.redis_url)
-    keys = list(client.scan_iter(match=f"{own.key_prefix}*"))
+    keys = list(client.scan_iter(match=f"{Keys.of(own.deployment).prefix}*"))
     if keys:
         client.delete(*keys)
     client.close()
@@ -69,7 +69,7 @@ def test_a_pool_creation_is_in_transit_until_delivered(unit: Settings) -> None:
     async def scenario() -> None:
         sync = redis.Redis.from_url(unit.redis_url)
         async_redis = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
-        admission = Admission(unit, QueueClient(unit, celery_app(), async_redis))
+        admission = Admission(unit, async_redis)
         filler = PoolFiller(unit, sync)
         pool = PoolTarget(name="pooled:-", size=2, spec=SandboxSpec(image="x"))
         try:
@@ -82,7 +82,7 @@ def test_a_pool_creation_is_in_transit_until_delivered(unit: Settings) -> None:
             filler.deliver(pool, _handle(unit, "sbx-one"), creating)
             filler.deliver(pool, None, failing)
             assert await admission.in_transit() == {}
-            assert sync.llen(pool_key(unit, "pooled:-", "ready")) == 1
+            assert sync.llen(Keys.of(unit.deployment).pool("pooled:-", "ready")) == 1
         finally:
             sync.close()
             await async_redis.aclose()
@@ -93,10 +93,10 @@ def test_a_pool_creation_is_in_transit_until_delivered(unit: Settings) -> None:
 def test_a_hand_out_is_in_transit_until_bound_or_forgotten(unit: Settings) -> None:
     async def scenario() -> None:
         async_redis = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
-        admission = Admission(unit, QueueClient(unit, celery_app(), async_redis))
+        admission = Admission(unit, async_redis)
         claims = PoolClaims(unit, async_redis)
         resolved = _resolved(unit)
-        ready = pool_key(unit, "pooled:-", "ready")
+        ready = Keys.of(unit.deployment).pool("pooled:-", "ready")
         try:
             for sandbox_id in ("sbx-a", "sbx-b"):
                 await async_redis.rpush(ready, _handle(unit, sandbox_id).model_dump_json())
@@ -118,12 +118,14 @@ def test_a_hand_out_is_in_transit_until_bound_or_forgotten(unit: Settings) -> No
 def test_a_crashed_holders_slot_stops_counting(unit: Settings) -> None:
     async def scenario() -> None:
         async_redis = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
-        admission = Admission(unit, QueueClient(unit, celery_app(), async_redis))
+        admission = Admission(unit, async_redis)
         try:
             # A holder that died long ago: its member's deadline has passed.
-            await async_redis.zadd(transit_key(unit), {f"{unit.host_id}|create:dead": 1.0})
+            await async_redis.zadd(
+                Keys.of(unit.deployment).transit, {f"{unit.host_id}|create:dead": 1.0}
+            )
             assert await admission.in_transit() == {}
-            assert await async_redis.zcard(transit_key(unit)) == 0
+            assert await async_redis.zcard(Keys.of(unit.deployment).transit) == 0
         finally:
             await async_redis.aclose()
 
@@ -140,10 +142,13 @@ def test_a_new_rollouts_slot_is_in_transit_until_its_record_names_the_host(
 
     async def scenario() -> None:
         async_redis = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
-        admission = Admission(unit, QueueClient(unit, celery_app(), async_redis))
-        beat = {"host": unit.host_id, "schedulable": True, "capacity": 2}
-        await async_redis.sadd(unit.hosts_key, unit.host_id)
-        await async_redis.set(unit.heartbeat_key(), json.dumps(beat), ex=30)
+        admission = Admission(unit, async_redis)
+        beat = Heartbeat(
+            host=unit.host_id, instance="i1", time=time.time(), schedulable=True, capacity=2
+        )
+        keys = Keys.of(unit.deployment)
+        await async_redis.sadd(keys.hosts, unit.host_id)
+        await async_redis.set(keys.heartbeat(unit.host_id), beat.model_dump_json(), ex=30)
         try:
             assert await admission.try_take("ro_one") == unit.host_id
             assert await admission.try_take("ro_two") == unit.host_id

@@ -20,8 +20,8 @@ from orchestrator.api.models import (
     Score,
 )
 from orchestrator.grading import extract_answer
-from orchestrator.rollouts.models import RolloutSource
 from orchestrator.rollouts.service import RolloutService
+from orchestrator.state.models import RolloutSource
 
 router = APIRouter(prefix="/agent-rft", tags=["agent-rft"], dependencies=[Depends(require_token)])
 

@@ -20,13 +20,13 @@ from orchestrator.e2b.sandboxes import E2BSandboxes
 from orchestrator.environments.loader import load_environments
 from orchestrator.grading import get_grader
 from orchestrator.observability.logging import configure_logging, get_logger
-from orchestrator.observability.state import StateCollector
 from orchestrator.outcomes import Outcome
-from orchestrator.queue.app import make_celery
-from orchestrator.queue.client import QueueClient
 from orchestrator.rollouts.bounds import check_agent_rft_bound
 from orchestrator.rollouts.service import RolloutService
-from orchestrator.rollouts.store import RolloutStore
+from orchestrator.state.broker import make_celery
+from orchestrator.state.collector import StateCollector
+from orchestrator.state.records import RolloutStore
+from orchestrator.state.replies import QueueClient
 
 
 class RequestGuard:
@@ -145,7 +145,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        store = RolloutStore(settings.redis_url, settings.key_prefix)
+        store = RolloutStore.connect(settings)
         queue = QueueClient(settings, make_celery(settings), store.redis)
         rollouts = RolloutService(settings, store, environments, queue)
         app.state.orchestrator = AppState(

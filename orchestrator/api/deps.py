@@ -8,9 +8,9 @@ from fastapi import Request
 
 from orchestrator.config import Settings
 from orchestrator.e2b.sandboxes import E2BSandboxes
-from orchestrator.queue.client import QueueClient
 from orchestrator.rollouts.service import RolloutService
-from orchestrator.rollouts.store import RolloutStore
+from orchestrator.state.records import RolloutStore
+from orchestrator.state.replies import QueueClient
 
 
 @dataclass

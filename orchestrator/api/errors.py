@@ -8,7 +8,6 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.api.auth import e2b_control, e2b_sandbox, loggable_path
@@ -16,8 +15,9 @@ from orchestrator.e2b.control import E2BError
 from orchestrator.e2b.control import error_response as e2b_error_response
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Outcome
-from orchestrator.rollouts.admission import AtCapacity
 from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected
+from orchestrator.state.admission import AtCapacity
+from orchestrator.state.errors import StateError
 
 RETRY_AFTER_S = "1"
 
@@ -115,10 +115,10 @@ def install(app: FastAPI) -> None:
             )
         return error_response(429, Outcome.REJECTED, "at_capacity", exc.message, headers=headers)
 
-    @app.exception_handler(RedisError)
-    async def _state_store(request: Request, exc: RedisError) -> JSONResponse:
+    @app.exception_handler(StateError)
+    async def _state_store(request: Request, exc: StateError) -> JSONResponse:
         # Redis restarting: nothing was recorded, so a retry is safe (a call that reached a
-        # worker keeps its result on its ticket, rollouts/tickets.py).
+        # worker keeps its result on its ticket, state/tickets.py).
         log.error(
             "api.state_store_unavailable",
             path=loggable_path(request.url.path),

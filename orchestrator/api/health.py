@@ -36,13 +36,13 @@ async def readyz(request: Request) -> JSONResponse:
     except Exception as exc:  # noqa: BLE001 - readiness reports any failure
         checks["redis"] = False
         checks["redis_error"] = str(exc)
-    hosts = await app.queue.live_hosts() if checks["redis"] else []
-    checks["hosts"] = hosts
+    hosts = await app.queue.heartbeats.live() if checks["redis"] else []
+    checks["hosts"] = [beat.model_dump(mode="json") for beat in hosts]
     checks["workers"] = len(hosts)
-    checks["docker"] = any(h.get("docker_ok") for h in hosts)
-    checks["schedulable_hosts"] = sorted(h["host"] for h in hosts if h.get("schedulable"))
+    checks["docker"] = any(beat.docker_ok for beat in hosts)
+    checks["schedulable_hosts"] = sorted(beat.host for beat in hosts if beat.schedulable)
     checks["cordoned_hosts"] = {
-        h["host"]: h.get("cordon_reasons", []) for h in hosts if not h.get("schedulable")
+        beat.host: beat.cordon_reasons for beat in hosts if not beat.schedulable
     }
     ready = bool(checks["redis"] and checks["schedulable_hosts"])
     return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.outcomes import Outcome
-from orchestrator.rollouts.models import TrajectoryStep
+from orchestrator.state.models import TrajectoryStep
 
 # No ':' — it separates the parts of the store's Redis keys.
 ROLLOUT_ID = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$"

@@ -24,9 +24,9 @@ from orchestrator.api.models import (
 )
 from orchestrator.grading import extract_answer
 from orchestrator.rollouts.errors import Rejected
-from orchestrator.rollouts.models import RolloutSource
 from orchestrator.rollouts.service import RolloutService
-from orchestrator.rollouts.store import Rollout
+from orchestrator.state.models import RolloutSource
+from orchestrator.state.records import Rollout
 
 router = APIRouter(prefix="/v1/rollouts", tags=["rollouts"], dependencies=[Depends(require_token)])
 RESPONSES = {

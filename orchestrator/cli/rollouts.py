@@ -19,8 +19,8 @@ from rich.text import Text
 
 from orchestrator.config import get_settings
 from orchestrator.outcomes import Outcome
-from orchestrator.rollouts.models import RolloutState, TrajectoryStep
-from orchestrator.rollouts.store import RolloutStore
+from orchestrator.state.models import RolloutState, TrajectoryStep
+from orchestrator.state.records import RolloutStore
 from orchestrator.views.format import age, arguments_text, console, head, ms
 from orchestrator.views.models import RolloutDetail, RolloutSummary
 from orchestrator.views.rollouts import list_rollouts, rollout_detail
@@ -41,7 +41,7 @@ def _with_store(read: Callable[[RolloutStore], Awaitable[T]]) -> T:
     settings = get_settings()
 
     async def run() -> T:
-        store = RolloutStore(settings.redis_url, settings.key_prefix)
+        store = RolloutStore.connect(settings)
         try:
             return await read(store)
         finally:

@@ -19,6 +19,7 @@ import typer
 from rich.console import Console
 
 from orchestrator.config import Settings, get_settings
+from orchestrator.state.keys import Keys
 
 console = Console()
 
@@ -26,16 +27,17 @@ console = Console()
 def _celery(settings: Settings, *args: str) -> list[str]:
     # Celery's start-up banner is plain text: JSON logs must hold nothing but JSON lines.
     quiet = ["--quiet"] if settings.log_format == "json" else []
-    return [sys.executable, "-m", "celery", "-A", "orchestrator.queue.celery_main", *quiet, *args]
+    return [sys.executable, "-m", "celery", "-A", "orchestrator.celery_main", *quiet, *args]
 
 
 def worker_command(settings: Settings) -> list[str]:
     """A worker for this host: it takes sandbox creations and its own host's calls."""
+    keys = Keys.of(settings.deployment)
     return _celery(
         settings,
         "worker",
         "--queues",
-        f"{settings.shared_queue},{settings.host_queue()}",
+        f"{keys.shared_queue},{keys.host_queue(settings.host_id)}",
         "--pool",
         "threads",
         "--concurrency",

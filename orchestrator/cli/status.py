@@ -22,9 +22,9 @@ from rich.text import Text
 
 from orchestrator.config import Settings, get_settings
 from orchestrator.environments.loader import EnvironmentRegistry, load_environments
-from orchestrator.queue.app import celery_app
-from orchestrator.queue.client import QueueClient
-from orchestrator.rollouts.store import RolloutStore
+from orchestrator.state.broker import celery_app
+from orchestrator.state.records import RolloutStore
+from orchestrator.state.replies import QueueClient
 from orchestrator.views.format import age, console, ms, size
 from orchestrator.views.models import CallStats, StatusSnapshot
 from orchestrator.views.scrape import Scrape, call_stats, fetch
@@ -39,7 +39,7 @@ def default_api_url(settings: Settings) -> str:
 
 
 async def _read(settings: Settings, registry: EnvironmentRegistry) -> StatusSnapshot:
-    store = RolloutStore(settings.redis_url, settings.key_prefix)
+    store = RolloutStore.connect(settings)
     try:
         queue = QueueClient(settings, celery_app(), store.redis)
         return await read_state(settings, store, queue, registry)

@@ -18,8 +18,8 @@ from orchestrator.api.auth import token_ok
 from orchestrator.api.deps import state
 from orchestrator.e2b.models import ConnectBody, NewSandbox, TimeoutBody, wire_json
 from orchestrator.e2b.sandboxes import BadRequest, E2BSandboxes, SandboxGone
-from orchestrator.rollouts.admission import AtCapacity
 from orchestrator.rollouts.errors import InfraError, Rejected
+from orchestrator.state.admission import AtCapacity
 
 
 class E2BError(Exception):

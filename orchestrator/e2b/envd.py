@@ -48,7 +48,7 @@ from orchestrator.e2b.sandboxes import E2BSandboxes, FileProblem, SandboxGone
 from orchestrator.environments.models import E2BRootUser
 from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.errors import InfraError
-from orchestrator.rollouts.store import Rollout
+from orchestrator.state.records import Rollout
 from orchestrator.tools.command import CommandOutput
 
 router = APIRouter(include_in_schema=False)

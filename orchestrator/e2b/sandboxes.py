@@ -10,7 +10,6 @@ command's own failure.
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 import uuid
@@ -27,14 +26,21 @@ from orchestrator.e2b.models import (
 )
 from orchestrator.environments.loader import ResolvedEnvironment
 from orchestrator.outcomes import Cause
-from orchestrator.queue.client import QueueTimeout
-from orchestrator.queue.payloads import FileOpReply, FileOpRequest, SignalExec, SignalReply
 from orchestrator.rollouts.errors import InfraError, Rejected
-from orchestrator.rollouts.models import RolloutSource, RolloutState
 from orchestrator.rollouts.service import CallReply, RolloutService
-from orchestrator.rollouts.store import Rollout
 from orchestrator.sandbox.agent.client import READ_FILE_TIMEOUT_S, REPLY_SLACK_S
 from orchestrator.sandbox.backend import FileAction, FileOpResult
+from orchestrator.state.e2b import E2BProcesses
+from orchestrator.state.models import RolloutSource, RolloutState
+from orchestrator.state.records import Rollout
+from orchestrator.state.replies import QueueTimeout
+from orchestrator.state.tasks import (
+    FileOpReply,
+    FileOpRequest,
+    SignalExec,
+    SignalReply,
+    TaskName,
+)
 from orchestrator.tools.command import COMMAND_TOOL
 
 # A sandbox id is a DNS label (E2B's clients may put it in a host name): lowercase
@@ -75,7 +81,7 @@ class E2BSandboxes:
         self.service = service
         self.settings = service.settings
         self.store = service.store
-        self.redis = service.store.redis
+        self.processes_table = E2BProcesses(service.store.redis, service.store.keys)
 
     # -- the control plane ----------------------------------------------------------------
 
@@ -198,7 +204,7 @@ class E2BSandboxes:
         timeout = min(timeout_s, cap) if timeout_s else cap
         if timeout <= 0:
             raise SandboxGone(rollout.rollout_id)
-        pid = int(await self.redis.incr(self._key(rollout.rollout_id, "pid")))
+        pid = await self.processes_table.next_pid(rollout.rollout_id)
         process = Process(
             pid=pid,
             call_id=f"e2b_{pid}_{uuid.uuid4().hex[:8]}",
@@ -208,9 +214,7 @@ class E2BSandboxes:
             tag=tag,
         )
         record = {**process.__dict__, "envs": {**state.env_vars, **envs}, "timeout_s": timeout}
-        await self.redis.hset(
-            self._key(rollout.rollout_id, "processes"), str(pid), json.dumps(record)
-        )
+        await self.processes_table.put(rollout.rollout_id, pid, record)
         return process
 
     async def run(self, rollout_id: str, pid: int) -> CallReply:
@@ -233,12 +237,11 @@ class E2BSandboxes:
                 source=RolloutSource.E2B,
             )
         finally:
-            await self.redis.hdel(self._key(rollout_id, "processes"), str(pid))
+            await self.processes_table.drop(rollout_id, pid)
 
     async def processes(self, rollout_id: str) -> list[dict[str, Any]]:
         """The commands running now, by pid."""
-        raw = await self.redis.hgetall(self._key(rollout_id, "processes"))
-        return [json.loads(v) for v in raw.values()]
+        return await self.processes_table.running(rollout_id)
 
     async def find_process(self, rollout_id: str, pid: int | None, tag: str | None) -> int:
         for record in await self.processes(rollout_id):
@@ -248,15 +251,11 @@ class E2BSandboxes:
 
     async def signal(self, rollout: Rollout, pid: int, *, kill: bool) -> bool:
         """Signal command ``pid``; False when it is not running."""
-        record = await self.redis.hget(self._key(rollout.rollout_id, "processes"), str(pid))
+        record = await self.processes_table.get(rollout.rollout_id, pid)
         if record is None or rollout.sandbox is None:
             return False
-        payload = SignalExec(
-            handle=rollout.sandbox, exec_id=json.loads(record)["exec_id"], kill=kill
-        )
-        raw = await self._worker(
-            "orchestrator.signal_exec", rollout, payload.model_dump(mode="json")
-        )
+        payload = SignalExec(handle=rollout.sandbox, exec_id=record["exec_id"], kill=kill)
+        raw = await self._worker(TaskName.SIGNAL_EXEC, rollout, payload.model_dump(mode="json"))
         reply = SignalReply.model_validate(raw)
         if reply.infra_error is not None:
             raise InfraError(reply.infra_error, rollout_id=rollout.rollout_id)
@@ -288,7 +287,7 @@ class E2BSandboxes:
             data=data,
             max_bytes=limit if action == "read" else 0,
         )
-        raw = await self._worker("orchestrator.file_op", rollout, request.model_dump(mode="json"))
+        raw = await self._worker(TaskName.FILE_OP, rollout, request.model_dump(mode="json"))
         reply = FileOpReply.model_validate(raw)
         if reply.infra_error is not None:
             raise await self.service.fail(
@@ -301,14 +300,16 @@ class E2BSandboxes:
 
     # -- helpers -------------------------------------------------------------------------
 
-    async def _worker(self, task: str, rollout: Rollout, payload: dict[str, Any]) -> dict[str, Any]:
+    async def _worker(
+        self, task: TaskName, rollout: Rollout, payload: dict[str, Any]
+    ) -> dict[str, Any]:
         assert rollout.sandbox is not None
         host = rollout.sandbox.host
         try:
             return await self.service.queue.call(
                 task,
                 payload,
-                queue=self.settings.host_queue(host),
+                queue=self.service.keys.host_queue(host),
                 timeout_s=self.settings.queue_wait_s + REPLY_SLACK_S + 2 * READ_FILE_TIMEOUT_S,
                 host_id=host,
             )
@@ -352,14 +353,10 @@ class E2BSandboxes:
         return state
 
     async def _process_record(self, rollout_id: str, pid: int) -> dict[str, Any]:
-        raw = await self.redis.hget(self._key(rollout_id, "processes"), str(pid))
-        if raw is None:
+        found = await self.processes_table.get(rollout_id, pid)
+        if found is None:
             raise ConnectError(Code.NOT_FOUND, f"process {pid} not found")
-        found: dict[str, Any] = json.loads(raw)
         return found
-
-    def _key(self, rollout_id: str, what: str) -> str:
-        return self.store.key("rollout", rollout_id, "e2b", what)
 
     def _out(self, sandbox_id: str, state: E2BState) -> SandboxOut:
         return SandboxOut(

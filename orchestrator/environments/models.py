@@ -425,7 +425,7 @@ class EnvironmentConfig(BaseModel):
         120, ge=0, description="Keep the sandbox this long after grading (grade retries)."
     )
     pool_size: int = Field(
-        0, ge=0, description="Warm sandboxes to keep ready per codebase (rollouts/pools.py)."
+        0, ge=0, description="Warm sandboxes to keep ready per codebase (state/pools.py)."
     )
     pool_codebases: list[str] = Field(
         default_factory=list,

@@ -36,7 +36,7 @@ from typing import Any, ClassVar, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from orchestrator.grading.answer import extract_answer
-from orchestrator.rollouts.models import TrajectoryStep
+from orchestrator.state.models import TrajectoryStep
 
 
 class GradeResult(BaseModel):

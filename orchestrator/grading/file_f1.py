@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from orchestrator.grading.base import Grader, GradeResult, GraderOptions, ItemError
-from orchestrator.rollouts.models import TrajectoryStep
+from orchestrator.state.models import TrajectoryStep
 
 
 def _words(text: str) -> frozenset[str]:

@@ -55,7 +55,7 @@ from typing import Any, ClassVar, Self
 from pydantic import Field, model_validator
 
 from orchestrator.grading.base import Grader, GradeResult, GraderOptions, ItemError
-from orchestrator.rollouts.models import TrajectoryStep
+from orchestrator.state.models import TrajectoryStep
 
 _CODES = r"USD|EUR|GBP|JPY|CNY|RMB|INR|CAD|AUD|CHF|HKD|SGD"
 _SCALES: dict[str, int] = {

@@ -5,7 +5,7 @@ Names start with ``orchestrator_``. Each process updates its own; with
 :mod:`orchestrator.observability.multiproc`), prometheus_client writes them to per-process
 files there and :func:`exposition` merges every process's files. There are no gauges here:
 the state of the deployment (hosts, sandboxes, pools, queues) is read from Redis at scrape
-time by :mod:`orchestrator.observability.state`, one source of truth for any number of
+time by :mod:`orchestrator.state.collector`, one source of truth for any number of
 processes. Workers serve their own counters on ``worker_metrics_port``
 (:func:`serve_worker_metrics`).
 """

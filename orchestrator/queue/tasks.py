@@ -1,9 +1,9 @@
-"""The tasks workers run. Each takes and returns a JSON payload (see payloads.py); an
-infrastructure fault comes back as data, with its evidence, not as a Celery exception."""
+"""The tasks workers run. Each takes and returns a JSON payload (the models of
+state/tasks.py); an infrastructure fault comes back as data, with its evidence, not as a
+Celery exception."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import os
 import threading
@@ -12,7 +12,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from celery import shared_task as _shared_task
 from celery.signals import setup_logging, worker_ready, worker_shutdown, worker_shutting_down
 
 from orchestrator.config import get_settings
@@ -25,8 +24,12 @@ from orchestrator.observability.logging import (
 )
 from orchestrator.observability.metrics import serve_worker_metrics
 from orchestrator.queue import worker
-from orchestrator.queue.app import celery_app
-from orchestrator.queue.payloads import (
+from orchestrator.queue.sweep import sweep_orphans
+from orchestrator.sandbox.backend import FileError, ProbeResult, SandboxError, SandboxHandle
+from orchestrator.sandbox.gc import collect_expired
+from orchestrator.state.broker import celery_app, task
+from orchestrator.state.pools import PoolTarget, targets
+from orchestrator.state.tasks import (
     CreateSandbox,
     DestroySandbox,
     FileOpReply,
@@ -35,24 +38,13 @@ from orchestrator.queue.payloads import (
     SandboxCreated,
     SignalExec,
     SignalReply,
+    TaskName,
     ToolCall,
     ToolCallDone,
 )
-from orchestrator.rollouts.bounds import with_command_cap
-from orchestrator.rollouts.pools import PoolTarget, targets
-from orchestrator.sandbox.backend import FileError, ProbeResult, SandboxError, SandboxHandle
-from orchestrator.sandbox.gc import collect_expired
 from orchestrator.tools.base import ToolResult, agent_error
 
 log = get_logger(__name__)
-
-Task = Callable[[dict[str, Any]], dict[str, Any]]
-
-
-def shared_task(name: str) -> Callable[[Task], Task]:
-    """Celery's decorator, typed: tasks take and return JSON payloads."""
-    decorator: Callable[[Task], Task] = _shared_task(name=name)
-    return decorator
 
 
 def _on_setup_logging(**_: Any) -> None:
@@ -126,7 +118,7 @@ def replies(
     return wrapper
 
 
-@shared_task(name="orchestrator.create_sandbox")
+@task(TaskName.CREATE_SANDBOX)
 def create_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     """Hand the creation to the host's creation lane and return at once: the reply goes
     to the caller's list when the sandbox is ready. Tool calls queued behind a burst of
@@ -151,10 +143,10 @@ def _create_and_reply(payload: dict[str, Any], request: CreateSandbox) -> None:
         worker.reply(payload, created.model_dump(mode="json"))
 
 
-@shared_task(name="orchestrator.run_tool")
+@task(TaskName.RUN_TOOL)
 def run_tool(payload: dict[str, Any]) -> dict[str, Any]:
     """Run one tool call, at most once: only after claiming its ticket, whose result then
-    outlives this process (rollouts/tickets.py). The reply goes to the attempt the ticket
+    outlives this process (state/tickets.py). The reply goes to the attempt the ticket
     names, which may be a retry of the one that sent this message."""
     started = time.time()
     call = ToolCall.model_validate(payload)
@@ -199,7 +191,7 @@ def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
     if tool is None:
         raise LookupError(f"environment {resolved.environment.name!r} has no tool {call.tool!r}")
     tool_settings = resolved.tool_settings(
-        with_command_cap(get_settings(), call.command_timeout_max_s)
+        get_settings().with_command_cap(call.command_timeout_max_s)
     )
 
     def finished(**fields: Any) -> ToolCallDone:
@@ -260,7 +252,7 @@ def _probe(handle: SandboxHandle) -> ProbeResult:
         return ProbeResult(alive=False, state="unknown", agent_ok=False, detail=f"probe: {exc}")
 
 
-@shared_task(name="orchestrator.probe_sandbox")
+@task(TaskName.PROBE_SANDBOX)
 @replies
 def probe_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     """Is this sandbox alive and does a trivial command run (before grading)."""
@@ -269,7 +261,7 @@ def probe_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
         return _probe(request.handle).model_dump(mode="json")
 
 
-@shared_task(name="orchestrator.file_op")
+@task(TaskName.FILE_OP)
 @replies
 def file_op(payload: dict[str, Any]) -> dict[str, Any]:
     """A filesystem operation in a sandbox, for a client that drives it (the E2B API). A
@@ -298,7 +290,7 @@ def file_op(payload: dict[str, Any]) -> dict[str, Any]:
         return reply.model_dump(mode="json")
 
 
-@shared_task(name="orchestrator.signal_exec")
+@task(TaskName.SIGNAL_EXEC)
 @replies
 def signal_exec(payload: dict[str, Any]) -> dict[str, Any]:
     """Kill (or SIGTERM) a sandbox's running command by its exec id."""
@@ -312,7 +304,7 @@ def signal_exec(payload: dict[str, Any]) -> dict[str, Any]:
         return reply.model_dump(mode="json")
 
 
-@shared_task(name="orchestrator.destroy_sandbox")
+@task(TaskName.DESTROY_SANDBOX)
 @replies
 def destroy_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     request = DestroySandbox.model_validate(payload)
@@ -325,12 +317,10 @@ def destroy_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
         return {"destroyed": True}
 
 
-@shared_task(name="orchestrator.sweep_host")
+@task(TaskName.SWEEP_HOST)
 def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
     """Destroy this host's expired sandboxes and leftovers by label, and every sandbox
     whose rollout is over or unknown to Redis (orphans)."""
-    from orchestrator.rollouts.reaper import sweep_orphans
-
     settings = get_settings()
     swept = collect_expired(worker.backend()).model_dump(mode="json")
     swept["orphans"] = sweep_orphans(worker.backend(), worker.redis_client(), settings)
@@ -342,10 +332,10 @@ def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
     return swept
 
 
-@shared_task(name="orchestrator.refill_pools")
+@task(TaskName.REFILL_POOLS)
 def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
     """Top every warm pool up to its size with sandboxes on this host, within this host's
-    capacity (rollouts/pools.py); drop pool sandboxes too close to their expiry."""
+    capacity (state/pools.py); drop pool sandboxes too close to their expiry."""
     if not worker.host_schedulable():
         return {"created": 0, "skipped": "host not schedulable"}
     settings = get_settings()
@@ -357,9 +347,9 @@ def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
             dropped += 1
             payload = DestroySandbox(handle=handle, reason="pool sandbox near its expiry")
             celery_app().send_task(
-                "orchestrator.destroy_sandbox",
+                TaskName.DESTROY_SANDBOX.value,
                 args=[payload.model_dump(mode="json")],
-                queue=settings.host_queue(handle.host),
+                queue=worker.keys().host_queue(handle.host),
                 ignore_result=True,
             )
             worker.release_slot(handle.host)
@@ -389,12 +379,3 @@ def _fill_one(pool: PoolTarget) -> bool:
         return False
     filler.deliver(pool, handle, transit)
     return True
-
-
-@shared_task(name="orchestrator.reap")
-def reap(_payload: dict[str, Any]) -> dict[str, Any]:
-    """Periodic (beat): end rollouts past their idle timeout, lifetime or grading grace,
-    and ask every known host to sweep its expired sandboxes."""
-    from orchestrator.rollouts.reaper import reap_once
-
-    return asyncio.run(reap_once(get_settings()))

@@ -3,7 +3,6 @@ and the heartbeat that tells the API this host is alive, healthy and schedulable
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -13,8 +12,6 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
-import redis
-
 from orchestrator.config import get_settings
 from orchestrator.environments.loader import (
     EnvironmentRegistry,
@@ -23,11 +20,15 @@ from orchestrator.environments.loader import (
 )
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Cause
-from orchestrator.queue.payloads import ToolCall, ToolCallDone
-from orchestrator.rollouts.admission import load_key
-from orchestrator.rollouts.pools import PoolFiller
-from orchestrator.rollouts.tickets import WorkerTickets
 from orchestrator.sandbox.factory import HostBackend, make_backend
+from orchestrator.state import admission, replies
+from orchestrator.state.connection import SyncRedis, worker_client
+from orchestrator.state.heartbeat import Heartbeat, HeartbeatWriter, HostFinding
+from orchestrator.state.keys import Keys
+from orchestrator.state.pools import PoolFiller
+from orchestrator.state.records import pinned_environment
+from orchestrator.state.tasks import ToolCall, ToolCallDone
+from orchestrator.state.tickets import WorkerTickets
 
 log = get_logger(__name__)
 
@@ -43,8 +44,13 @@ def environments() -> EnvironmentRegistry:
 
 
 @lru_cache(maxsize=1)
-def redis_client() -> redis.Redis:
-    return redis.Redis.from_url(get_settings().redis_url, max_connections=256)
+def redis_client() -> SyncRedis:
+    return worker_client(get_settings().redis_url)
+
+
+@lru_cache(maxsize=1)
+def keys() -> Keys:
+    return Keys.of(get_settings().deployment)
 
 
 def environment_of(call: ToolCall) -> ResolvedEnvironment:
@@ -53,11 +59,7 @@ def environment_of(call: ToolCall) -> ResolvedEnvironment:
     (read once per digest)."""
 
     def snapshot() -> str:
-        key = f"{get_settings().key_prefix}rollout:{call.rollout_id}"
-        raw = redis_client().hget(key, "environment_config")
-        if not raw:
-            raise LookupError(f"rollout {call.rollout_id} has no pinned environment")
-        return raw.decode() if isinstance(raw, bytes) else str(raw)
+        return pinned_environment(redis_client(), keys(), call.rollout_id)
 
     return environments().pinned(
         call.environment_digest, snapshot, image=call.handle.image, codebase=None
@@ -65,22 +67,14 @@ def environment_of(call: ToolCall) -> ResolvedEnvironment:
 
 
 def reply(payload: dict[str, Any], result: dict[str, Any]) -> None:
-    """Push a task's reply to the list its caller waits on (see queue/client.py)."""
+    """Push a task's reply to the list its caller waits on (see state/replies.py)."""
     key = payload.get("reply_to")
     if key:
         push_reply(str(key), result)
 
 
 def push_reply(key: str, result: dict[str, Any]) -> None:
-    client = redis_client()
-    with client.pipeline(transaction=False) as pipe:
-        pipe.rpush(key, json.dumps(result))
-        pipe.expire(key, 300)
-        pipe.execute()
-
-
-def heartbeat_key(host_id: str) -> str:
-    return get_settings().heartbeat_key(host_id)
+    replies.push_reply(redis_client(), key, result)
 
 
 # This worker process, as named in the heartbeat and on the tickets it claims: a worker
@@ -111,7 +105,7 @@ def pool_filler() -> PoolFiller:
 
 def release_slot(host_id: str) -> None:
     """Give back a slot of ``host_id`` (its sandbox is gone or was never made)."""
-    redis_client().hincrby(load_key(get_settings()), host_id, -1)
+    admission.release_slot(redis_client(), keys(), host_id)
 
 
 class _InFlight:
@@ -141,7 +135,7 @@ class _InFlight:
 in_flight = _InFlight()
 
 
-def host_status(previous: dict[str, Any]) -> dict[str, Any]:
+def host_status(previous: HostFinding) -> HostFinding:
     """One probe of this host: daemon, free disk, sandbox count against capacity.
 
     ``schedulable`` is False (the host is cordoned: no new sandboxes) while any check
@@ -151,7 +145,7 @@ def host_status(previous: dict[str, Any]) -> dict[str, Any]:
     settings = get_settings()
     health = backend().host_health()
     lost = not health.docker_ok and health.outage_loses_sandboxes
-    failures = int(previous.get("docker_failures", 0)) + 1 if lost else 0
+    failures = previous.docker_failures + 1 if lost else 0
     reasons: list[str] = []
     if not health.docker_ok:
         reasons.append(f"daemon: {health.error}")
@@ -169,13 +163,13 @@ def host_status(previous: dict[str, Any]) -> dict[str, Any]:
         )
     if health.sandboxes >= settings.host_max_sandboxes:
         reasons.append(f"full: {health.sandboxes} of {settings.host_max_sandboxes} sandboxes")
-    return {
-        **health.model_dump(mode="json"),
-        "mem_available_bytes": memory,
-        "docker_failures": failures,
-        "capacity": settings.host_max_sandboxes,
-        "cordon_reasons": reasons,
-    }
+    return HostFinding(
+        **health.model_dump(),
+        mem_available_bytes=memory,
+        docker_failures=failures,
+        capacity=settings.host_max_sandboxes,
+        cordon_reasons=reasons,
+    )
 
 
 def available_memory_bytes() -> int | None:
@@ -192,14 +186,17 @@ def available_memory_bytes() -> int | None:
 
 # The host probe's latest finding, replaced whole (never mutated), so every reader sees
 # one finding: the heartbeat publishes it, the pool filler checks it before creating.
-_latest: list[dict[str, Any]] = [
-    {"docker_ok": False, "error": "not probed yet", "cordon_reasons": ["starting"]}
-]
+_latest: list[HostFinding] = [HostFinding(error="not probed yet", cordon_reasons=["starting"])]
 
 
 def host_schedulable() -> bool:
     """This host may take new sandboxes (its own finding; the API reads the heartbeat)."""
-    return not _latest[0].get("cordon_reasons") and not in_flight.draining
+    return not _latest[0].cordon_reasons and not in_flight.draining
+
+
+@lru_cache(maxsize=1)
+def heartbeats() -> HeartbeatWriter:
+    return HeartbeatWriter(redis_client(), keys(), get_settings().host_id, INSTANCE)
 
 
 def start_heartbeat() -> threading.Thread:
@@ -217,13 +214,11 @@ def start_heartbeat() -> threading.Thread:
             try:
                 latest[0] = host_status(latest[0])
             except Exception as exc:  # noqa: BLE001 - the probe must outlive any failure
-                failures = int(latest[0].get("docker_failures", 0)) + 1
-                latest[0] = {
-                    "docker_ok": False,
-                    "docker_failures": failures,
-                    "error": f"probe failed: {exc!r}",
-                    "cordon_reasons": [f"probe failed: {exc!r}"],
-                }
+                latest[0] = HostFinding(
+                    docker_failures=latest[0].docker_failures + 1,
+                    error=f"probe failed: {exc!r}",
+                    cordon_reasons=[f"probe failed: {exc!r}"],
+                )
             time.sleep(settings.heartbeat_interval_s)
 
     def beat() -> None:
@@ -237,53 +232,32 @@ def start_heartbeat() -> threading.Thread:
     return thread
 
 
-def publish_heartbeat(finding: dict[str, Any]) -> None:
+def publish_heartbeat(finding: HostFinding) -> None:
     settings = get_settings()
-    reasons = list(finding.get("cordon_reasons", []))
+    reasons = list(finding.cordon_reasons)
     if in_flight.draining:
         reasons.append("draining: the worker is stopping")
-    status = {
-        **finding,
-        "host": settings.host_id,
-        "instance": INSTANCE,
-        "time": time.time(),
-        "running_calls": len(in_flight.snapshot()),
-        "draining": in_flight.draining,
-        "cordon_reasons": reasons,
-        "schedulable": not reasons,
-    }
+    beat = Heartbeat(
+        **finding.model_dump(exclude={"cordon_reasons"}),
+        host=settings.host_id,
+        instance=INSTANCE,
+        time=time.time(),
+        running_calls=len(in_flight.snapshot()),
+        draining=in_flight.draining,
+        cordon_reasons=reasons,
+        schedulable=not reasons,
+    )
     try:
-        ttl = max(1, int(settings.heartbeat_interval_s * 3))
-        client = redis_client()
-        # Under the lock, so a beat computed before the retirement cannot land after it.
-        with _heartbeat_lock:
-            if _retired.is_set():
-                return
-            client.set(heartbeat_key(settings.host_id), json.dumps(status), ex=ttl)
-        client.sadd(settings.hosts_key, settings.host_id)
+        heartbeats().publish(beat, ttl_s=max(1, int(settings.heartbeat_interval_s * 3)))
     except Exception as exc:  # noqa: BLE001 - a dead beat makes a live worker look dead
         log.warning("worker.heartbeat_failed", host=settings.host_id, error=repr(exc))
-
-
-_heartbeat_lock = threading.Lock()
-_retired = threading.Event()
-
-
-# Only delete the heartbeat if it is still ours: a new instance may have started already.
-_RETIRE = """
-local raw = redis.call('GET', KEYS[1])
-if raw and string.find(raw, ARGV[1], 1, true) then redis.call('DEL', KEYS[1]) return 1 end
-return 0
-"""
 
 
 def retire_heartbeat() -> None:
     """Say at once that this worker is gone (instead of letting the key expire), so the
     API stops waiting on it and cancels calls still queued for it."""
     try:
-        with _heartbeat_lock:
-            _retired.set()  # no beat after this one: the key stays gone
-            redis_client().eval(_RETIRE, 1, heartbeat_key(get_settings().host_id), INSTANCE)
+        heartbeats().retire()
     except Exception as exc:  # noqa: BLE001 - shutting down anyway
         log.warning("worker.retire_failed", error=repr(exc))
 

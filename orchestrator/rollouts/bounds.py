@@ -23,8 +23,8 @@ import math
 import time
 
 from orchestrator.config import Settings
-from orchestrator.rollouts.models import RolloutSource
 from orchestrator.sandbox.agent.client import PROBE_MAX_S, REPLY_SLACK_S
+from orchestrator.state.models import RolloutSource
 
 PROBE_ALLOWANCE_S = PROBE_MAX_S + 2.0
 """A failed call is probed before it is answered (queue/tasks.py); a probe takes up to
@@ -64,19 +64,7 @@ def agent_rft_command_cap_s(settings: Settings) -> float:
 def agent_rft_settings(settings: Settings) -> Settings:
     """``settings`` as Agent RFT's calls see them: the command timeouts capped to fit the
     platform's bound (the tools' schemas and argument checks say so to the model)."""
-    return with_command_cap(settings, agent_rft_command_cap_s(settings))
-
-
-def with_command_cap(settings: Settings, cap_s: float | None) -> Settings:
-    """``settings`` with no command timeout above ``cap_s`` (None: as they are)."""
-    if cap_s is None or cap_s >= settings.command_timeout_max_s:
-        return settings
-    return settings.model_copy(
-        update={
-            "command_timeout_max_s": cap_s,
-            "command_timeout_s": min(settings.command_timeout_s, cap_s),
-        }
-    )
+    return settings.with_command_cap(agent_rft_command_cap_s(settings))
 
 
 def check_agent_rft_bound(settings: Settings) -> None:

@@ -19,12 +19,13 @@ from typing import Any
 
 from orchestrator.config import Settings
 from orchestrator.outcomes import Cause
-from orchestrator.queue.client import QueueClient
-from orchestrator.queue.payloads import ToolCall, ToolCallDone
 from orchestrator.rollouts.bounds import call_bound_s
 from orchestrator.rollouts.errors import CallLost, CallNotRun
-from orchestrator.rollouts.store import RolloutStore
-from orchestrator.rollouts.tickets import Ticket, TicketState
+from orchestrator.state.heartbeat import Heartbeat
+from orchestrator.state.records import RolloutStore
+from orchestrator.state.replies import QueueClient
+from orchestrator.state.tasks import TaskName, ToolCall, ToolCallDone
+from orchestrator.state.tickets import Ticket, TicketState
 
 CHECK_S = 1.0
 # A missing heartbeat must stay missing this many intervals before a running call's worker
@@ -44,13 +45,13 @@ class CallDispatcher:
         reply allowance and a probe after it (rollouts/bounds.py)."""
         host = call.handle.host
         bound = call_bound_s(self.settings, call.command_timeout_max_s)
-        beat = await self.queue.heartbeat(host)
-        if beat is None or beat.get("draining"):
+        beat = await self.queue.heartbeats.get(host)
+        if beat is None or beat.draining:
             await self._cancel(call, f"host {host!r} has no live worker", beat)
         await self.queue.send(
-            "orchestrator.run_tool",
+            TaskName.RUN_TOOL,
             call.model_dump(mode="json"),
-            queue=self.settings.host_queue(host),
+            queue=self.store.keys.host_queue(host),
             expires=bound,
         )
         deadline = time.monotonic() + bound
@@ -59,12 +60,12 @@ class CallDispatcher:
             reply = await self.queue.wait_reply(reply_key, max(0.01, min(remaining, CHECK_S)))
             if reply is not None:
                 return ToolCallDone.model_validate(reply)
-            ticket = await self.store.ticket(call.rollout_id, call.call_id)
+            ticket = await self.store.tickets.read(call.rollout_id, call.call_id)
             if ticket.state == TicketState.DONE:
                 return ToolCallDone.model_validate_json(ticket.result)
             if ticket.state == TicketState.QUEUED:
-                beat = await self.queue.heartbeat(host)
-                if beat is None or beat.get("draining"):
+                beat = await self.queue.heartbeats.get(host)
+                if beat is None or beat.draining:
                     await self._cancel(call, f"host {host!r} lost its worker", beat)
                 if time.monotonic() > deadline:
                     await self._cancel(call, "no worker took it in time", beat)
@@ -92,42 +93,46 @@ class CallDispatcher:
 
     async def check_running(self, rollout_id: str, call_id: str, host: str, ticket: Ticket) -> None:
         """Raise :class:`CallLost` if the worker instance running the call is gone."""
-        beat = await self.queue.heartbeat(host)
+        beat = await self.queue.heartbeats.get(host)
         if beat is None:
             # Gone only if it stays gone: a Redis that just restarted may have lost the
             # worker's last beat (AOF syncs every second), and the next one is on its way.
             beat = await self._heartbeat_within(host, HEARTBEAT_GRACE_BEATS)
-        if beat is not None and beat.get("instance") == ticket.worker:
+        if beat is not None and beat.instance == ticket.worker:
             return
-        state = await self.store.mark_ticket_lost(rollout_id, call_id, ticket.worker)
+        state = await self.store.tickets.mark_lost(rollout_id, call_id, ticket.worker)
         if state == TicketState.LOST:
             why = "stopped" if beat is None else "was replaced by a new worker instance"
             raise CallLost(
                 f"the worker running this call on host {host!r} {why}",
                 rollout_id=rollout_id,
-                evidence={"ticket": _evidence(ticket), "heartbeat": beat},
+                evidence={"ticket": _evidence(ticket), "heartbeat": _beat_evidence(beat)},
             )
 
-    async def _heartbeat_within(self, host: str, beats: float) -> dict[str, Any] | None:
+    async def _heartbeat_within(self, host: str, beats: float) -> Heartbeat | None:
         """The host's heartbeat if one appears within ``beats`` heartbeat intervals."""
         deadline = time.monotonic() + beats * self.settings.heartbeat_interval_s
         while time.monotonic() < deadline:
             await asyncio.sleep(min(0.25, self.settings.heartbeat_interval_s / 4))
-            beat = await self.queue.heartbeat(host)
+            beat = await self.queue.heartbeats.get(host)
             if beat is not None:
                 return beat
         return None
 
-    async def _cancel(self, call: ToolCall, why: str, beat: dict[str, Any] | None) -> None:
+    async def _cancel(self, call: ToolCall, why: str, beat: Heartbeat | None) -> None:
         """Cancel the queued call; if a worker claimed it meanwhile, keep waiting."""
-        state = await self.store.cancel_ticket(call.rollout_id, call.call_id, call.attempt)
+        state = await self.store.tickets.cancel(call.rollout_id, call.call_id, call.attempt)
         if state == TicketState.CANCELLED:
             raise CallNotRun(
                 f"the call was not run: {why}; it is safe to retry",
                 rollout_id=call.rollout_id,
-                evidence={"heartbeat": beat},
+                evidence={"heartbeat": _beat_evidence(beat)},
             )
 
 
 def _evidence(ticket: Ticket) -> dict[str, Any]:
     return ticket.model_dump(exclude={"result"})
+
+
+def _beat_evidence(beat: Heartbeat | None) -> dict[str, Any] | None:
+    return beat.model_dump(mode="json") if beat is not None else None

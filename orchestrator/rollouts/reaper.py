@@ -1,39 +1,37 @@
-"""The reaper (run by beat): ends rollouts that are idle, too old, or graded and past their
-grace period; fails the rollouts of hosts that are lost or unhealthy; and has every live
-host sweep its expired and orphaned sandboxes (:func:`sweep_orphans`, also run by each
-worker when it starts)."""
+"""The reaper, the control plane's controller (run by beat on the shared queue): ends
+rollouts that are idle, too old, or graded and past their grace period; fails the
+rollouts of hosts that are lost or unhealthy; recounts the hosts' slots from what holds
+them; and has every live host sweep its expired and orphaned sandboxes (queue/sweep.py).
+
+It runs in a worker process, but it is the API side's code (it ends rollouts as the API
+does, through :class:`RolloutService`): the worker process loads it through
+celery_main.py, and the worker's own code (queue/) imports none of it."""
 
 from __future__ import annotations
 
-import json
+import asyncio
 import time
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any
 
-import redis
-
-from orchestrator.config import Settings
+from orchestrator.config import Settings, get_settings
+from orchestrator.environments.loader import EnvironmentRegistry, load_environments
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import bind_sandbox, get_logger, rollout_context
 from orchestrator.outcomes import Cause
-from orchestrator.queue.app import celery_app
-from orchestrator.queue.client import QueueClient
-from orchestrator.queue.worker import environments
 from orchestrator.rollouts.errors import InfraError
-from orchestrator.rollouts.models import RolloutState
-from orchestrator.rollouts.pools import POOL_LABEL, pool_key, pool_owner, targets
 from orchestrator.rollouts.service import RolloutService
-from orchestrator.rollouts.store import Rollout, RolloutStore
-from orchestrator.sandbox.backend import SandboxBackend, SandboxError, SandboxHandle
+from orchestrator.state.broker import celery_app, task
+from orchestrator.state.keys import Keys
+from orchestrator.state.models import RolloutState
+from orchestrator.state.pools import targets
+from orchestrator.state.records import Rollout, RolloutStore
+from orchestrator.state.replies import QueueClient
+from orchestrator.state.tasks import TaskName
 
 log = get_logger(__name__)
-
-# A rollout closed this recently has its sandbox's destroy in flight already.
-RECENTLY_CLOSED_S = 5
-# How long a new pool sandbox may take from its creation to its pool's list.
-POOL_DELIVERY_S = 120
-_ENDED = {RolloutState.CLOSED.value, RolloutState.INFRA_FAILED.value}
 
 
 class EndReason(StrEnum):
@@ -105,10 +103,22 @@ def reason_to_end(rollout: Rollout, service: RolloutService, now: float) -> End 
     return None
 
 
-async def reap_once(settings: Settings) -> dict[str, Any]:
-    store = RolloutStore(settings.redis_url, settings.key_prefix)
+@lru_cache(maxsize=1)
+def _environments() -> EnvironmentRegistry:
+    return load_environments(get_settings())
+
+
+@task(TaskName.REAP)
+def reap(_payload: dict[str, Any]) -> dict[str, Any]:
+    """Periodic (beat): one pass of :func:`reap_once`."""
+    return asyncio.run(reap_once(get_settings(), _environments()))
+
+
+async def reap_once(settings: Settings, environments: EnvironmentRegistry) -> dict[str, Any]:
+    keys = Keys.of(settings.deployment)
+    store = RolloutStore.connect(settings)
     queue = QueueClient(settings, celery_app(), store.redis)
-    service = RolloutService(settings, store, environments(), queue)
+    service = RolloutService(settings, store, environments, queue)
     ended: dict[str, str] = {}
     try:
         now = time.time()
@@ -119,10 +129,10 @@ async def reap_once(settings: Settings) -> dict[str, Any]:
             if reason is not None:
                 ended[rollout_id] = reason
         await _recount_host_loads(store, service)
-        hosts = [h["host"] for h in await queue.live_hosts()]
+        hosts = [beat.host for beat in await queue.heartbeats.live()]
         for host in hosts:
-            await queue.send("orchestrator.sweep_host", {}, queue=settings.host_queue(host))
-        await queue.send("orchestrator.refill_pools", {}, queue=settings.shared_queue)
+            await queue.send(TaskName.SWEEP_HOST, {}, queue=keys.host_queue(host))
+        await queue.send(TaskName.REFILL_POOLS, {}, queue=keys.shared_queue)
     finally:
         await store.close()
     return {"ended": ended, "hosts_swept": hosts, "hosts_failing": sorted(failing)}
@@ -138,7 +148,7 @@ async def _reap_one(
     store = service.store
     rollout = await store.get(rollout_id)
     if rollout is None:
-        await store.redis.zrem(store.key("rollouts", "live"), rollout_id)
+        await store.forget_live(rollout_id)
         return None
     bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
     host = rollout.sandbox.host if rollout.sandbox is not None else None
@@ -169,98 +179,28 @@ async def _failing_hosts(
     """Hosts whose rollouts cannot go on: silent for ``host_lost_after_s`` (first silence
     remembered in Redis, so the clock survives a beat restart), or whose daemon failed
     ``host_unhealthy_after`` probes in a row. Value: (cause, message, evidence)."""
-    silent_key = store.key("hosts", "silent-since")
+    heartbeats = queue.heartbeats
     failing: dict[str, tuple[str, str, dict[str, Any]]] = {}
-    for host in sorted(str(h) for h in await store.redis.smembers(settings.hosts_key)):
-        beat = await queue.heartbeat(host)
+    for host in await heartbeats.known_hosts():
+        beat = await heartbeats.get(host)
         if beat is None:
-            await store.redis.hsetnx(silent_key, host, now)
-            since = float(await store.redis.hget(silent_key, host) or now)
+            since = await heartbeats.silent_since(host, now)
             if now - since > settings.host_lost_after_s:
                 message = f"host {host!r} sent no heartbeat for {now - since:.0f} s"
                 failing[host] = (Cause.HOST_LOST, message, {"silent_since": since})
             continue
-        await store.redis.hdel(silent_key, host)
-        if int(beat.get("docker_failures", 0)) >= settings.host_unhealthy_after:
-            message = f"host {host!r} is unhealthy: {beat.get('error') or 'daemon probe failed'}"
-            failing[host] = (Cause.HOST_UNHEALTHY, message, {"heartbeat": beat})
+        await heartbeats.heard_from(host)
+        if beat.docker_failures >= settings.host_unhealthy_after:
+            message = f"host {host!r} is unhealthy: {beat.error or 'daemon probe failed'}"
+            evidence = {"heartbeat": beat.model_dump(mode="json")}
+            failing[host] = (Cause.HOST_UNHEALTHY, message, evidence)
     for host, (cause, message, _) in failing.items():
         log.error("host.failing", host=host, cause=cause, error=message)
     return failing
 
 
-def sweep_orphans(backend: SandboxBackend, client: redis.Redis, settings: Settings) -> int:
-    """Destroy this host's sandboxes that no live rollout owns: its record is gone (Redis
-    lost it), ended, or names another sandbox. Works from labels and Redis alone, so it
-    cleans up after any crash, including a destroy that failed while the daemon was down.
-    No age guard is needed: a rollout's record is written before its sandbox is created,
-    and a record still creating names no sandbox, which spares it. Returns how many went."""
-    destroyed = 0
-    now = time.time()
-    for handle in backend.list_owned():
-        if not handle.rollout_id:
-            continue  # ad hoc sandboxes (`orchestrator sandbox run`) go at their expiry
-        rollout_id = handle.rollout_id
-        if rollout_id == POOL_LABEL:
-            pooled, owner = pool_owner(client, settings, handle.sandbox_id)
-            # A young one may be on its way into its pool.
-            if pooled or now - handle.created_at.timestamp() < pool_delivery_s(settings):
-                continue
-            rollout_id = owner or f"{POOL_LABEL}-unclaimed"
-        key = f"{settings.key_prefix}rollout:{rollout_id}"
-        state, sandbox, closed_at = client.hmget(key, ["state", "sandbox", "closed_at"])
-        why = _orphaned(state, sandbox, closed_at, handle.sandbox_id)
-        if why is None:
-            continue
-        metrics.ORPHANS_FOUND.inc()
-        try:
-            backend.destroy(handle)
-        except SandboxError as exc:
-            log.warning(
-                "sandbox.orphan_destroy_failed", sandbox_id=handle.sandbox_id, error=str(exc)
-            )
-            continue
-        metrics.SANDBOXES_REAPED.labels("orphan").inc()
-        destroyed += 1
-        log.info(
-            "sandbox.orphan_destroyed",
-            sandbox_id=handle.sandbox_id,
-            rollout_id=handle.rollout_id,
-            reason=why,
-        )
-    return destroyed
-
-
-def pool_delivery_s(settings: Settings) -> float:
-    """How long a pool sandbox may be unclaimed after its creation began. A pod may wait
-    ``k8s_pending_timeout_s`` for a node (the cluster autoscaler adding one) or an image
-    pull, then for its agent: sweeping it sooner deletes it under its creator."""
-    if settings.sandbox_backend != "kubernetes":
-        return POOL_DELIVERY_S
-    # Plus slack for the API calls around the wait and the delivery to Redis.
-    creation = settings.k8s_pending_timeout_s + settings.sandbox_start_timeout_s + 30
-    return max(POOL_DELIVERY_S, creation)
-
-
-def _orphaned(state: Any, sandbox: Any, closed_at: Any, sandbox_id: str) -> str | None:
-    text = [v.decode() if isinstance(v, bytes) else v for v in (state, sandbox, closed_at)]
-    state_s, sandbox_s, closed_s = text
-    if state_s is None:
-        return "no rollout record"
-    if state_s in _ENDED or closed_s:
-        # Just closed: the close's own destroy is on its way; racing it gains nothing.
-        if closed_s and time.time() - float(closed_s) < RECENTLY_CLOSED_S:
-            return None
-        return f"rollout {state_s}"
-    if sandbox_s and sandbox_s != "null":
-        owner = json.loads(sandbox_s)
-        if isinstance(owner, dict) and owner.get("sandbox_id") != sandbox_id:
-            return "rollout owns another sandbox"
-    return None
-
-
 async def _recount_host_loads(store: RolloutStore, service: RolloutService) -> None:
-    """Rebuild the per-host slot counts (rollouts/admission.py) from what holds slots:
+    """Rebuild the per-host slot counts (state/admission.py) from what holds slots:
     live rollouts with a host, ready pool sandboxes, and pool sandboxes in transit (being
     created, or handed out); so a count that drifted (a crash between taking a slot and
     using it) heals within one reaper pass."""
@@ -270,9 +210,8 @@ async def _recount_host_loads(store: RolloutStore, service: RolloutService) -> N
         if rollout is not None and rollout.host is not None and rollout.closed_at is None:
             counts[rollout.host] = counts.get(rollout.host, 0) + 1
     for pool in targets(service.environments, service.settings):
-        for raw in await store.redis.lrange(pool_key(service.settings, pool.name, "ready"), 0, -1):
-            host = SandboxHandle.model_validate_json(raw).host
-            counts[host] = counts.get(host, 0) + 1
+        for handle in await service.pools.ready(pool.name):
+            counts[handle.host] = counts.get(handle.host, 0) + 1
     # Pool sandboxes being created, or taken and being probed, are in neither place yet:
     # without them a recount during a refill gave their slots away (a host overcommitted).
     for host, held in (await service.admission.in_transit()).items():

@@ -22,16 +22,6 @@ from orchestrator.grading import Grader, GraderConfigError, ItemError, get_grade
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import bind_sandbox, get_logger, in_rollout_context
 from orchestrator.outcomes import Cause, Outcome
-from orchestrator.queue.client import QueueClient, QueueTimeout
-from orchestrator.queue.payloads import (
-    CreateSandbox,
-    DestroySandbox,
-    ProbeSandbox,
-    SandboxCreated,
-    ToolCall,
-    ToolCallDone,
-)
-from orchestrator.rollouts.admission import Admission
 from orchestrator.rollouts.bounds import (
     Deadline,
     agent_rft_settings,
@@ -48,12 +38,23 @@ from orchestrator.rollouts.errors import (
     Rejected,
     StillStarting,
 )
-from orchestrator.rollouts.models import RolloutSource, RolloutState, TrajectoryStep
-from orchestrator.rollouts.pools import PoolClaims
-from orchestrator.rollouts.store import CallStart, Rollout, RolloutStore
-from orchestrator.rollouts.tickets import TicketState, ticket_key
 from orchestrator.sandbox.agent.client import PROBE_MAX_S
 from orchestrator.sandbox.backend import ProbeResult, SandboxHandle
+from orchestrator.state.admission import Admission
+from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
+from orchestrator.state.pools import PoolClaims
+from orchestrator.state.records import CallStart, Rollout, RolloutStore
+from orchestrator.state.replies import QueueClient, QueueTimeout
+from orchestrator.state.tasks import (
+    CreateSandbox,
+    DestroySandbox,
+    ProbeSandbox,
+    SandboxCreated,
+    TaskName,
+    ToolCall,
+    ToolCallDone,
+)
+from orchestrator.state.tickets import TicketState
 from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
 
 log = get_logger(__name__)
@@ -124,9 +125,10 @@ class RolloutService:
         self.store = store
         self.environments = environments
         self.queue = queue
+        self.keys = store.keys
         self.dispatcher = CallDispatcher(settings, store, queue)
         self._agent_rft_settings = agent_rft_settings(settings)
-        self.admission = Admission(settings, queue)
+        self.admission = Admission(settings, store.redis)
         self.pools = PoolClaims(settings, store.redis)
 
     # -- resolving ---------------------------------------------------------------------------
@@ -214,9 +216,8 @@ class RolloutService:
             return await self._wait_ready(existing, deadline, reserve_s)
         # One first call of a rollout acquires its sandbox; its parallel first calls wait
         # for the record instead of each taking a warm sandbox or a slot to give back.
-        starting = self.store.key("rollout", rollout_id, "starting")
         bound = self.settings.admission_wait_s + self.settings.sandbox_create_timeout_s + 30
-        while not await self.store.redis.set(starting, "1", nx=True, ex=int(bound)):
+        while not await self.store.take_start_lease(rollout_id, bound):
             current = await self.store.get(rollout_id)
             if current is not None:
                 if exclusive:
@@ -259,7 +260,7 @@ class RolloutService:
             if acquired.handle is None:  # the record names the host: it counts the slot now
                 await self.admission.settled(acquired.host, rollout_id)
         finally:
-            await self.store.redis.delete(starting)
+            await self.store.end_start_lease(rollout_id)
         # Shielded: a request out of time leaves, the sandbox goes on being made for its
         # retry (which finds the record and waits for it).
         starting_task = asyncio.ensure_future(self._start_sandbox(record, resolved, acquired))
@@ -290,7 +291,7 @@ class RolloutService:
             if await self._usable(handle, resolved):
                 return Acquired(host=handle.host, handle=handle, started=started)
             await self._discard(handle, "unusable pool sandbox")
-        if not await self.queue.live_hosts():
+        if not await self.queue.heartbeats.live():
             raise InfraError("no live worker host to create the sandbox on", rollout_id=rollout_id)
 
         async def rollout_exists() -> bool:
@@ -315,9 +316,9 @@ class RolloutService:
         """Probe a sandbox through its host's worker; QueueTimeout when none answers
         within the longest a probe takes plus the wait for a worker."""
         raw = await self.queue.call(
-            "orchestrator.probe_sandbox",
+            TaskName.PROBE_SANDBOX,
             ProbeSandbox(handle=handle).model_dump(mode="json"),
-            queue=self.settings.host_queue(handle.host),
+            queue=self.keys.host_queue(handle.host),
             timeout_s=PROBE_MAX_S + self.settings.queue_wait_s,
             host_id=handle.host,
         )
@@ -327,7 +328,7 @@ class RolloutService:
         await self.pools.forget(handle)
         payload = DestroySandbox(handle=handle, reason=reason).model_dump(mode="json")
         await self.queue.send(
-            "orchestrator.destroy_sandbox", payload, queue=self.settings.host_queue(handle.host)
+            TaskName.DESTROY_SANDBOX, payload, queue=self.keys.host_queue(handle.host)
         )
         await self.admission.release(handle.host)
 
@@ -384,11 +385,11 @@ class RolloutService:
         spec = resolved.sandbox_spec(self.settings, record.rollout_id)
         try:
             raw = await self.queue.call(
-                "orchestrator.create_sandbox",
+                TaskName.CREATE_SANDBOX,
                 CreateSandbox(
                     rollout_id=record.rollout_id, trace_id=record.rollout_id, spec=spec
                 ).model_dump(mode="json"),
-                queue=self.settings.host_queue(host),
+                queue=self.keys.host_queue(host),
                 timeout_s=self.settings.sandbox_create_timeout_s,
                 host_id=host,
             )
@@ -409,9 +410,8 @@ class RolloutService:
     async def _request_refill(self) -> None:
         """Top the pools up after a claim (queue/tasks.refill_pools). One request a second
         at most: the task tops up every pool, a burst of claims needs one of it."""
-        key = f"{self.settings.key_prefix}pool-refill-requested"
-        if await self.store.redis.set(key, "1", nx=True, px=1000):
-            await self.queue.send("orchestrator.refill_pools", {}, queue=self.settings.shared_queue)
+        if await self.pools.refill_due():
+            await self.queue.send(TaskName.REFILL_POOLS, {}, queue=self.keys.shared_queue)
 
     async def _wait_ready(
         self, rollout: Rollout, deadline: Deadline | None = None, reserve_s: float = 0.0
@@ -545,7 +545,7 @@ class RolloutService:
             if start.status in ("run", "done"):
                 break
             # Another attempt of this call is under way.
-            ticket = await self.store.ticket(rollout_id, call_id)
+            ticket = await self.store.tickets.read(rollout_id, call_id)
             if ticket.state == TicketState.DONE:
                 finished = ToolCallDone.model_validate_json(ticket.result)
                 return await self._settle(call, ticket.seq, "", finished)
@@ -565,7 +565,7 @@ class RolloutService:
         done: ToolCallDone | None = None
         try:
             if start.status == "done":
-                ticket = await self.store.ticket(rollout_id, call_id)
+                ticket = await self.store.tickets.read(rollout_id, call_id)
                 done = ToolCallDone.model_validate_json(ticket.result)
             else:
                 done = await self._dispatch(call, start, reply_key)
@@ -594,7 +594,7 @@ class RolloutService:
             rollout_id=rollout.rollout_id,
             trace_id=rollout.rollout_id,
             call_id=call.call_id,
-            ticket=ticket_key(self.settings.key_prefix, rollout.rollout_id, call.call_id),
+            ticket=self.keys.ticket(rollout.rollout_id, call.call_id),
             attempt=start.token,
             environment=resolved.environment.name,
             environment_digest=resolved.environment.digest,
@@ -878,11 +878,11 @@ class RolloutService:
         bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
         if rollout.sandbox is not None and rollout.closed_at is None:
             payload = DestroySandbox(handle=rollout.sandbox, reason=reason).model_dump(mode="json")
-            queue = self.settings.host_queue(rollout.sandbox.host)
+            queue = self.keys.host_queue(rollout.sandbox.host)
             if wait:
                 try:
                     await self.queue.call(
-                        "orchestrator.destroy_sandbox",
+                        TaskName.DESTROY_SANDBOX,
                         payload,
                         queue=queue,
                         timeout_s=30,
@@ -892,7 +892,7 @@ class RolloutService:
                     # The host's label sweep destroys it when the worker is back.
                     log.warning("rollout.destroy_deferred", rollout_id=rollout_id, error=str(exc))
             else:
-                await self.queue.send("orchestrator.destroy_sandbox", payload, queue=queue)
+                await self.queue.send(TaskName.DESTROY_SANDBOX, payload, queue=queue)
         if rollout.sandbox is not None and rollout.closed_at is None:
             await self.admission.release(rollout.sandbox.host)
         state = rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED

@@ -7,8 +7,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from orchestrator.outcomes import Outcome
-from orchestrator.rollouts.models import RolloutState, TrajectoryStep
-from orchestrator.rollouts.store import InfraFailureEntry
+from orchestrator.state.models import RolloutState, TrajectoryStep
+from orchestrator.state.records import InfraFailureEntry
 
 
 class HostView(BaseModel):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from orchestrator.rollouts.models import RolloutSource
-from orchestrator.rollouts.store import Rollout, RolloutStore
+from orchestrator.state.models import RolloutSource
+from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.views.models import RolloutDetail, RolloutSummary
 
 _PAGE = 500

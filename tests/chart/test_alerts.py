@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from orchestrator.config import Settings
 from orchestrator.environments.loader import load_environments
 from orchestrator.observability.metrics import exposition
-from orchestrator.observability.state import StateCollector
+from orchestrator.state.collector import StateCollector
 
 REPO = Path(__file__).resolve().parents[2]
 ALERTS = REPO / "helm" / "orchestrator" / "files" / "alerts.yaml"

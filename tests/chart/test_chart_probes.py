@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from orchestrator.config import Settings
+from orchestrator.state.keys import Keys
 from tests.chart.conftest import CHART
 
 PROBES = CHART / "files" / "probes"
@@ -50,7 +51,7 @@ def redis_keys(settings: Settings) -> Iterator[redis.Redis]:
     try:
         yield client
     finally:
-        for key in client.scan_iter(f"{settings.key_prefix}*"):
+        for key in client.scan_iter(f"{Keys.of(settings.deployment).prefix}*"):
             client.delete(key)
         client.close()
 
@@ -62,7 +63,11 @@ def test_worker_probe_follows_the_real_heartbeat(
     assert run_probe("worker_probe.py", env, "ready").returncode == 1
     assert run_probe("worker_probe.py", env, "alive").returncode == 1
     # What a worker publishes, written by the worker's own code in a process of its own.
-    beat = "from orchestrator.queue.worker import publish_heartbeat; publish_heartbeat({})"
+    beat = (
+        "from orchestrator.queue.worker import publish_heartbeat; "
+        "from orchestrator.state.heartbeat import HostFinding; "
+        "publish_heartbeat(HostFinding())"
+    )
     subprocess.run([sys.executable, "-c", beat], env=env, check=True, timeout=60)
     ready = run_probe("worker_probe.py", env, "ready")
     assert ready.returncode == 0, ready.stdout + ready.stderr

@@ -26,6 +26,7 @@ from orchestrator.images.codebases import remove_codebase
 from orchestrator.local import free_port
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
+from orchestrator.state.keys import Keys
 
 TOKEN = "e2e-token-" + uuid.uuid4().hex[:8]
 
@@ -159,7 +160,7 @@ def flush_redis(settings: Settings) -> None:
 
     client = redis.Redis.from_url(settings.redis_url)
     try:
-        keys = list(client.scan_iter(settings.key_prefix + "*"))
+        keys = list(client.scan_iter(Keys.of(settings.deployment).prefix + "*"))
         if keys:
             client.delete(*keys)
     finally:

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 from orchestrator.grading import FileF1Grader
 from orchestrator.grading.base import GradeResult
-from orchestrator.rollouts.models import TrajectoryStep
+from orchestrator.state.models import TrajectoryStep
 
 
 class LiveSandboxF1(FileF1Grader):

@@ -16,7 +16,8 @@ import docker
 import httpx
 import pytest
 
-from orchestrator.rollouts.models import TrajectoryStep
+from orchestrator.state.keys import Keys
+from orchestrator.state.models import TrajectoryStep
 from orchestrator.views.models import RolloutDetail, RolloutSummary, StatusSnapshot
 from orchestrator.views.scrape import call_stats, fetch
 from tests.e2e.conftest import Stack
@@ -100,8 +101,8 @@ def test_status_json_shows_hosts_sandboxes_queues_and_failures(
     assert host.slots_used >= 1 and host.live_rollouts >= 1
     assert host.heartbeat_age_s is not None
     queues = {q.queue: q.depth for q in snapshot.queues}
-    assert stack.settings.shared_queue in queues
-    assert stack.settings.host_queue(stack.settings.host_id) in queues
+    assert Keys.of(stack.settings.deployment).shared_queue in queues
+    assert Keys.of(stack.settings.deployment).host_queue(stack.settings.host_id) in queues
     assert snapshot.admission is not None and snapshot.admission.slots_total >= 1
     assert snapshot.live_rollouts >= 2
     assert snapshot.sandboxes.rollouts_by_state.get("graded", 0) >= 1
@@ -119,7 +120,7 @@ def test_status_once_prints_one_readable_frame(stack: Stack, rollouts: Rollouts)
     out = cli(stack, "status", "--once", "--interval", "0.5").stdout
     assert f"deployment {stack.settings.deployment}" in out
     assert stack.settings.host_id in out
-    assert stack.settings.host_queue(stack.settings.host_id) in out
+    assert Keys.of(stack.settings.deployment).host_queue(stack.settings.host_id) in out
     assert "tool-call latency" in out and "infra-error ratio" in out
     assert "recent infra failures" in out
     assert rollouts.failed in out

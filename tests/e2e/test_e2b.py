@@ -37,6 +37,7 @@ from e2b import (
 
 from orchestrator.cli.serve import worker_command
 from orchestrator.environments.loader import default_environments_text
+from orchestrator.state.keys import Keys
 from tests.e2e.conftest import TOKEN, Stack, side_stack
 from tests.e2e.helpers import sandboxes_of, wait_for
 
@@ -322,7 +323,9 @@ def _heartbeat(stack: Stack) -> bool:
 
     client = redis.Redis.from_url(stack.settings.redis_url)
     try:
-        return bool(client.exists(stack.settings.heartbeat_key()))
+        return bool(
+            client.exists(Keys.of(stack.settings.deployment).heartbeat(stack.settings.host_id))
+        )
     finally:
         client.close()
 

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from orchestrator.config import Settings
 from orchestrator.sandbox.labels import DEPLOYMENT
+from orchestrator.state.keys import Keys
 from tests.e2e.conftest import Stack
 from tests.e2e.helpers import function_call, new_trace, sandboxes_of
 
@@ -114,7 +115,7 @@ class Deployment:
     so that a request's effects are seen even where the API would not show them."""
 
     def __init__(self, settings: Settings) -> None:
-        self.prefix = settings.key_prefix
+        self.prefix = Keys.of(settings.deployment).prefix
         self.label = f"{DEPLOYMENT}={settings.deployment}"
         self.redis = redis.Redis.from_url(settings.redis_url, decode_responses=True)
         self.docker = docker.from_env()

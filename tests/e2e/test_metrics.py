@@ -24,6 +24,7 @@ from orchestrator.local import free_port
 from orchestrator.observability.api_process import multiproc_dir
 from orchestrator.sandbox.backend import SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.state.keys import Keys
 from tests.e2e.conftest import Stack
 from tests.e2e.helpers import function_call, new_trace, wait_for
 
@@ -164,7 +165,7 @@ def test_state_gauges_follow_the_deployment(stack: Stack, planning_item: dict[st
     assert value(before, "orchestrator_capacity_slots", state="total") == (
         stack.settings.host_max_sandboxes
     )
-    queue = stack.settings.host_queue()
+    queue = Keys.of(stack.settings.deployment).host_queue(stack.settings.host_id)
     assert ("orchestrator_queue_depth", frozenset({("queue", queue)})) in before
     assert value(before, "orchestrator_queue_depth") >= 0
     assert value(before, "orchestrator_admission_waiting") == 0
@@ -201,7 +202,7 @@ def test_reaps_and_orphans_move_the_workers_counters(
     # rollout has a record while the sandbox is made (as a real one does: the sweep must
     # not take a sandbox being created), and loses it afterwards (as when Redis lost it).
     owner = f"orphan-{uuid.uuid4().hex[:8]}"
-    record = f"{reaper_stack.settings.key_prefix}rollout:{owner}"
+    record = f"{Keys.of(reaper_stack.settings.deployment).prefix}rollout:{owner}"
     with redis.Redis.from_url(reaper_stack.settings.redis_url) as state:
         state.hset(record, mapping={"state": "creating"})
         try:

@@ -22,6 +22,7 @@ import yaml
 
 from orchestrator.cli.serve import api_command, beat_command, worker_command
 from orchestrator.local import free_port
+from orchestrator.state.keys import Keys
 from tests.e2e.conftest import Stack, stack_env
 from tests.e2e.helpers import error_code, function_call, new_trace, wait_for
 
@@ -91,7 +92,7 @@ def pool_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def _ready(stack: Stack) -> int:
     client = redis.Redis.from_url(stack.settings.redis_url)
     try:
-        key = f"{stack.settings.key_prefix}pool:pooled:{stack.codebase}:ready"
+        key = f"{Keys.of(stack.settings.deployment).prefix}pool:pooled:{stack.codebase}:ready"
         return int(client.llen(key))
     finally:
         client.close()
@@ -152,7 +153,7 @@ def test_a_new_rollout_takes_a_warm_sandbox_used_once_and_replaced(pool_stack: S
 def test_a_dead_pool_sandbox_is_never_handed_out(pool_stack: Stack) -> None:
     wait_for(lambda: _ready(pool_stack) == POOL, timeout_s=60, what="the pool to fill")
     client = redis.Redis.from_url(pool_stack.settings.redis_url)
-    key = f"{pool_stack.settings.key_prefix}pool:pooled:{pool_stack.codebase}:ready"
+    key = f"{Keys.of(pool_stack.settings.deployment).prefix}pool:pooled:{pool_stack.codebase}:ready"
     head = client.lindex(key, 0)
     client.close()
     assert head is not None
@@ -220,7 +221,7 @@ def test_past_capacity_new_rollouts_wait_then_are_refused_with_retry_after(
 def _ready_ids(stack: Stack) -> set[str]:
     client = redis.Redis.from_url(stack.settings.redis_url)
     try:
-        key = f"{stack.settings.key_prefix}pool:pooled:{stack.codebase}:ready"
+        key = f"{Keys.of(stack.settings.deployment).prefix}pool:pooled:{stack.codebase}:ready"
         return {json.loads(raw)["sandbox_id"] for raw in client.lrange(key, 0, -1)}
     finally:
         client.close()

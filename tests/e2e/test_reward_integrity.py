@@ -28,6 +28,7 @@ import yaml
 from orchestrator.cli.serve import api_command, worker_command
 from orchestrator.environments.loader import default_environments_text
 from orchestrator.local import free_port
+from orchestrator.state.keys import Keys
 from tests.e2e.conftest import Stack, side_stack
 from tests.e2e.helpers import (
     assert_no_rollout,
@@ -429,7 +430,7 @@ def _fresh_and_schedulable(stack: Stack) -> bool:
     import redis
 
     client = redis.Redis.from_url(stack.settings.redis_url)
-    key = stack.settings.heartbeat_key()
+    key = Keys.of(stack.settings.deployment).heartbeat(stack.settings.host_id)
     try:
         raw = client.get(key)
         fresh = int(client.ttl(key)) > 3 * HEARTBEAT_S - 2

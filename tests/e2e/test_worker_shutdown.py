@@ -14,6 +14,7 @@ import httpx
 import pytest
 import redis
 
+from orchestrator.state.keys import Keys
 from tests.e2e.conftest import Stack
 from tests.e2e.helpers import error_code, function_call, new_call_id, new_trace
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.xdist_group("e2e")
 def _heartbeat(stack: Stack) -> Any:
     client = redis.Redis.from_url(stack.settings.redis_url)
     try:
-        return client.get(stack.settings.heartbeat_key())
+        return client.get(Keys.of(stack.settings.deployment).heartbeat(stack.settings.host_id))
     finally:
         client.close()
 

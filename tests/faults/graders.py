@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from orchestrator.grading.base import Grader, GradeResult
-from orchestrator.rollouts.models import TrajectoryStep
+from orchestrator.state.models import TrajectoryStep
 
 
 class GraderBug(RuntimeError):

@@ -21,6 +21,7 @@ import redis
 from orchestrator.config import Settings
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
+from orchestrator.state.keys import Keys
 from tests.daemons import DockerDaemon
 from tests.e2e.conftest import TOKEN, Stack
 
@@ -157,14 +158,16 @@ class FaultStack:
     def heartbeat_gone(self) -> bool:
         client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
         try:
-            return not client.exists(self.settings.heartbeat_key())
+            return not client.exists(
+                Keys.of(self.settings.deployment).heartbeat(self.settings.host_id)
+            )
         finally:
             client.close()
 
     def _schedulable(self) -> bool:
         client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
         try:
-            raw = client.get(self.settings.heartbeat_key())
+            raw = client.get(Keys.of(self.settings.deployment).heartbeat(self.settings.host_id))
         finally:
             client.close()
         return raw is not None and bool(json.loads(raw).get("schedulable"))

@@ -29,10 +29,11 @@ import redis
 
 from orchestrator.client import RolloutClient
 from orchestrator.environments.examples import REQUESTS_CODEBASE
-from orchestrator.rollouts.pools import POOL_LABEL, pool_key, pool_name
-from orchestrator.rollouts.reaper import POOL_DELIVERY_S, pool_delivery_s
+from orchestrator.queue.sweep import POOL_DELIVERY_S, pool_delivery_s
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.k8s import pods
+from orchestrator.state.keys import Keys
+from orchestrator.state.pools import POOL_LABEL, pool_name
 from tests.e2e.conftest import TOKEN
 from tests.e2e.helpers import error_code, file_f1, function_call, new_trace, wait_for
 from tests.k8s.conftest import POOLED, K8sStack
@@ -215,7 +216,7 @@ def test_an_orphan_pod_is_swept_and_a_pool_pod_still_starting_is_not(
     assert started_s_ago < pool_delivery_s(stack.settings)
     starting = pending_pool_pod(stack, started_s_ago=started_s_ago)
     rollout_id = new_trace()
-    record = f"{stack.settings.key_prefix}rollout:{rollout_id}"
+    record = f"{Keys.of(stack.settings.deployment).prefix}rollout:{rollout_id}"
     client = redis.Redis.from_url(stack.settings.redis_url)
     try:
         # A record still creating names no sandbox: the sweeps spare its pod while it starts.
@@ -327,7 +328,9 @@ def test_a_warm_pod_is_handed_to_a_rollout_and_replaced(k8s_stack: K8sStack) -> 
     def warm() -> list[SandboxHandle]:
         return [h for h in stack.k8s.list_owned() if h.rollout_id == POOL_LABEL]
 
-    ready_list = pool_key(stack.settings, pool_name(POOLED, REQUESTS_CODEBASE), "ready")
+    ready_list = Keys.of(stack.settings.deployment).pool(
+        pool_name(POOLED, REQUESTS_CODEBASE), "ready"
+    )
 
     def one_warm_and_ready() -> bool:
         found = warm()

@@ -13,18 +13,16 @@ must not restart every worker at once).
 
 import sys
 
-import redis
-
 from orchestrator.config import get_settings
-from orchestrator.queue.worker import heartbeat_key
+from orchestrator.state.errors import StateError
+from orchestrator.state.heartbeat import is_beating
 
 
 def main(mode: str) -> int:
     settings = get_settings()
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=3, socket_connect_timeout=3)
     try:
-        beating = bool(client.exists(heartbeat_key(settings.host_id)))
-    except redis.RedisError as exc:
+        beating = is_beating(settings)
+    except StateError as exc:
         print(f"redis unreachable: {exc!r}")
         return 0 if mode == "alive" else 1
     if not beating:

@@ -1,16 +1,15 @@
 """Warm pools: ready sandboxes per (environment, codebase), so a new rollout at a training
 step's boundary takes one in a single Redis operation instead of waiting for a cold start.
 
-Keys (under the deployment's prefix), per pool ``<environment>:<codebase or ->``:
-  pool:{pool}:ready     list: SandboxHandle JSON of ready, unused sandboxes
-  pool:{pool}:pending   counter: sandboxes a worker is creating for it right now
-  pool-members          set: pool sandboxes not yet bound to a rollout (the sweep spares them)
-  pool-claim:{sbx}      the rollout that took pool sandbox ``sbx`` (the sweep checks it)
-  slots-in-transit      the slots of pool sandboxes being created or handed out
-                        (rollouts/admission.py), which the reaper's slot recount adds
+Keys (state/keys.py), per pool ``<environment>:<codebase or ->``: its ready list (handles of
+ready, unused sandboxes) and pending counter (sandboxes a worker is creating for it right
+now); deployment-wide, the pool members (not yet bound to a rollout: the sweep spares
+them), each taken sandbox's claim (the rollout that took it: the sweep checks it), and the
+slots in transit of pool sandboxes being created or handed out (state/admission.py), which
+the reaper's slot recount adds.
 
 A pool sandbox is used by one rollout only and destroyed with it. It holds its host's
-admission slot (rollouts/admission.py) from creation, and hands it to its rollout. Workers
+admission slot (state/admission.py) from creation, and hands it to its rollout. Workers
 fill pools (queue/tasks.refill_pools: on every reaper pass, and after every claim); the
 API claims with LPOP and probes the sandbox before handing it out.
 """
@@ -27,14 +26,9 @@ import redis
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
 from orchestrator.environments.models import EnvironmentConfig
-from orchestrator.rollouts.admission import (
-    TAKE_SLOT,
-    TRANSIT_MAX_S,
-    load_key,
-    transit_key,
-    transit_member,
-)
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
+from orchestrator.state.admission import TAKE_SLOT, TRANSIT_MAX_S, transit_member
+from orchestrator.state.keys import Keys
 
 POOL_LABEL = "pool"
 """The rollout label of a pool sandbox until a rollout takes it."""
@@ -87,18 +81,6 @@ def pool_name(environment: str, codebase: str | None) -> str:
     return f"{environment}:{codebase or '-'}"
 
 
-def pool_key(settings: Settings, pool: str, part: str) -> str:
-    return f"{settings.key_prefix}pool:{pool}:{part}"
-
-
-def members_key(settings: Settings) -> str:
-    return f"{settings.key_prefix}pool-members"
-
-
-def claim_key(settings: Settings, sandbox_id: str) -> str:
-    return f"{settings.key_prefix}pool-claim:{sandbox_id}"
-
-
 def pooled_codebases(env: EnvironmentConfig) -> list[str | None]:
     """The codebases ``env`` keeps pools of (None: its fixed image); empty: no pool."""
     if env.pool_size <= 0:
@@ -130,13 +112,14 @@ class PoolFiller:
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self.settings = settings
         self.client = client
+        self.keys = Keys.of(settings.deployment)
         self._reserve = client.register_script(_RESERVE)
         self._deliver = client.register_script(_DELIVER)
         self._take_slot = client.register_script(TAKE_SLOT)
 
     def reserve(self, pool: PoolTarget, wanted: int) -> int:
         """How many sandboxes this filler may create for ``pool`` now."""
-        keys = [pool_key(self.settings, pool.name, "ready"), self._pending(pool)]
+        keys = [self.keys.pool(pool.name, "ready"), self._pending(pool)]
         return int(self._reserve(keys=keys, args=[pool.size, wanted]))
 
     def take_slot(self, tag: str) -> str | None:
@@ -145,7 +128,7 @@ class PoolFiller:
         list); the transit member to give :meth:`deliver`, None when the host is full."""
         host, capacity = self.settings.host_id, self.settings.host_max_sandboxes
         taken = self._take_slot(
-            keys=[load_key(self.settings), transit_key(self.settings)],
+            keys=[self.keys.load, self.keys.transit],
             args=[tag, time.time() + TRANSIT_MAX_S, host, capacity],
         )
         return transit_member(host, tag) if taken else None
@@ -155,10 +138,10 @@ class PoolFiller:
         and stop counting its slot in transit."""
         self._deliver(
             keys=[
-                pool_key(self.settings, pool.name, "ready"),
+                self.keys.pool(pool.name, "ready"),
                 self._pending(pool),
-                members_key(self.settings),
-                transit_key(self.settings),
+                self.keys.pool_members,
+                self.keys.transit,
             ],
             args=[
                 handle.model_dump_json() if handle else "",
@@ -170,7 +153,7 @@ class PoolFiller:
     def prune(self, pool: PoolTarget, *, min_left_s: float) -> list[SandboxHandle]:
         """Take out of the pool the sandboxes with less than ``min_left_s`` before their
         expiry (a rollout could outlive them); the caller destroys them."""
-        key = pool_key(self.settings, pool.name, "ready")
+        key = self.keys.pool(pool.name, "ready")
         stale = []
         now = time.time()
         for raw in self.client.lrange(key, 0, -1):
@@ -179,7 +162,7 @@ class PoolFiller:
                 continue
             if self.client.lrem(key, 1, str(raw, "utf-8") if isinstance(raw, bytes) else raw):
                 # (else a rollout took it just now)
-                self.client.srem(members_key(self.settings), handle.sandbox_id)
+                self.client.srem(self.keys.pool_members, handle.sandbox_id)
                 stale.append(handle)
         return stale
 
@@ -187,7 +170,7 @@ class PoolFiller:
         """Drop entries naming sandboxes of ``host`` that no longer exist (the host
         restarted, or Redis outlived a wipe of the daemon): a pool full of dead entries
         would never refill."""
-        key = pool_key(self.settings, pool.name, "ready")
+        key = self.keys.pool(pool.name, "ready")
         dropped = 0
         for raw in self.client.lrange(key, 0, -1):
             handle = SandboxHandle.model_validate_json(raw)
@@ -195,19 +178,19 @@ class PoolFiller:
                 continue
             text = str(raw, "utf-8") if isinstance(raw, bytes) else raw
             if self.client.lrem(key, 1, text):
-                self.client.srem(members_key(self.settings), handle.sandbox_id)
+                self.client.srem(self.keys.pool_members, handle.sandbox_id)
                 dropped += 1
         return dropped
 
     def _pending(self, pool: PoolTarget) -> str:
-        return pool_key(self.settings, pool.name, "pending")
+        return self.keys.pool(pool.name, "pending")
 
 
-def pool_owner(client: redis.Redis, settings: Settings, sandbox_id: str) -> tuple[bool, str]:
+def pool_owner(client: redis.Redis, keys: Keys, sandbox_id: str) -> tuple[bool, str]:
     """(lies in a pool, the rollout that took it or '') for the orphan sweep."""
     pipe = client.pipeline(transaction=False)
-    pipe.sismember(members_key(settings), sandbox_id)
-    pipe.get(claim_key(settings, sandbox_id))
+    pipe.sismember(keys.pool_members, sandbox_id)
+    pipe.get(keys.pool_claim(sandbox_id))
     pooled, owner = pipe.execute()
     text = owner.decode() if isinstance(owner, bytes) else (owner or "")
     return bool(pooled), str(text)
@@ -219,6 +202,7 @@ class PoolClaims:
     def __init__(self, settings: Settings, client: Any) -> None:
         self.settings = settings
         self.client = client  # redis.asyncio.Redis with decoded responses
+        self.keys = Keys.of(settings.deployment)
         self._take = client.register_script(_TAKE)
 
     async def take(self, resolved: ResolvedEnvironment) -> SandboxHandle | None:
@@ -227,7 +211,7 @@ class PoolClaims:
         if resolved.environment.pool_size <= 0:
             return None
         name = pool_name(resolved.environment.name, resolved.codebase)
-        keys = [pool_key(self.settings, name, "ready"), transit_key(self.settings)]
+        keys = [self.keys.pool(name, "ready"), self.keys.transit]
         raw = await self._take(keys=keys, args=[time.time() + TRANSIT_MAX_S])
         if raw is None:
             return None
@@ -238,18 +222,44 @@ class PoolClaims:
     async def bind(self, handle: SandboxHandle, rollout_id: str, ttl_s: int) -> None:
         """From now on the sandbox is ``rollout_id``'s (and the sweep judges it by it)."""
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(claim_key(self.settings, handle.sandbox_id), rollout_id, ex=ttl_s)
-            pipe.srem(members_key(self.settings), handle.sandbox_id)
+            pipe.set(self.keys.pool_claim(handle.sandbox_id), rollout_id, ex=ttl_s)
+            pipe.srem(self.keys.pool_members, handle.sandbox_id)
             # The rollout's record (its host set) counts the slot from now on.
-            pipe.zrem(transit_key(self.settings), self._in_transit(handle))
+            pipe.zrem(self.keys.transit, self._in_transit(handle))
             await pipe.execute()
 
     async def forget(self, handle: SandboxHandle) -> None:
         """The sandbox taken is being destroyed instead of bound (its slot is released)."""
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.srem(members_key(self.settings), handle.sandbox_id)
-            pipe.zrem(transit_key(self.settings), self._in_transit(handle))
+            pipe.srem(self.keys.pool_members, handle.sandbox_id)
+            pipe.zrem(self.keys.transit, self._in_transit(handle))
             await pipe.execute()
+
+    async def ready(self, pool: str) -> list[SandboxHandle]:
+        """The ready sandboxes of ``pool`` (the reaper's slot recount counts them)."""
+        raws = await self.client.lrange(self.keys.pool(pool, "ready"), 0, -1)
+        return [SandboxHandle.model_validate_json(raw) for raw in raws]
+
+    async def stocked(self) -> list[str]:
+        """The names of the pools whose ready list exists (configured or not any more)."""
+        head, tail = self.keys.pool("", "ready").split("::")
+        names = []
+        async for key in self.client.scan_iter(match=self.keys.pool("*", "ready"), count=500):
+            names.append(str(key).removeprefix(head + ":").removesuffix(":" + tail))
+        return names
+
+    async def levels(self, pool: str) -> tuple[int, int]:
+        """(ready, being created) of ``pool``, in one round trip."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.llen(self.keys.pool(pool, "ready"))
+            pipe.get(self.keys.pool(pool, "pending"))
+            ready, pending = await pipe.execute()
+        return int(ready), max(0, int(pending or 0))
+
+    async def refill_due(self) -> bool:
+        """Whether to ask the workers to top the pools up after a claim: once a second at
+        most, as the task tops up every pool and a burst of claims needs one of it."""
+        return bool(await self.client.set(self.keys.pool_refill_requested, "1", nx=True, px=1000))
 
     @staticmethod
     def _in_transit(handle: SandboxHandle) -> str:

@@ -3,7 +3,7 @@
 Delivery, deliberately:
 
 - ``task_acks_late=False``: a message is acknowledged when its task starts. Whether a
-  tool call ran is not Celery's to decide: the call's run ticket (rollouts/tickets.py) is
+  tool call ran is not Celery's to decide: the call's run ticket (state/tickets.py) is
   claimed before it runs, so it runs at most once even if a message were delivered twice,
   and a worker that dies mid-call is noticed by its heartbeat and the ticket, not by a
   redelivery that would run the command again.
@@ -12,21 +12,29 @@ Delivery, deliberately:
   passed and the API has cancelled its ticket, so it is dropped; it is set just above the
   longest bound so nothing still wanted is ever dropped early.
 - Every publish carries ``expires``; replies go through Redis lists, not the result
-  backend (queue/client.py). Results expire after an hour; the rollout store keeps what
+  backend (state/replies.py). Results expire after an hour; the rollout store keeps what
   matters.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 from celery import Celery
-from kombu.transport.redis import PRIORITY_STEPS, Channel
+from celery import shared_task as _shared_task
 
 from orchestrator.config import Settings, get_settings
+from orchestrator.state.keys import Keys
+from orchestrator.state.tasks import TaskName
 
 
 def make_celery(settings: Settings) -> Celery:
+    keys = Keys.of(settings.deployment)
+    # The tasks register themselves where they are defined (:func:`task`): a worker
+    # process imports them through celery_main.py; the API publishes by name
+    # (state/tasks.TaskName) and never loads a worker's code.
     app = Celery("orchestrator", broker=settings.redis_url, backend=settings.redis_url)
     app.conf.update(
         task_serializer="json",
@@ -34,7 +42,7 @@ def make_celery(settings: Settings) -> Celery:
         accept_content=["json"],
         task_acks_late=False,
         worker_prefetch_multiplier=1,
-        task_default_queue=settings.shared_queue,
+        task_default_queue=keys.shared_queue,
         result_expires=3600,
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
@@ -45,15 +53,13 @@ def make_celery(settings: Settings) -> Celery:
         },
         beat_schedule={
             "reap": {
-                "task": "orchestrator.reap",
+                "task": TaskName.REAP.value,
                 "schedule": settings.reaper_interval_s,
                 "args": ({},),
-                "options": {"queue": settings.shared_queue, "expires": settings.reaper_interval_s},
+                "options": {"queue": keys.shared_queue, "expires": settings.reaper_interval_s},
             }
         },
     )
-    import orchestrator.queue.tasks  # noqa: F401 - registers the shared tasks on this app
-
     return app
 
 
@@ -63,7 +69,11 @@ def celery_app() -> Celery:
     return make_celery(get_settings())
 
 
-def queue_depth_keys(queue: str) -> list[str]:
-    """The Redis lists kombu keeps one Celery queue's waiting messages in (one per
-    priority step: the queue's own name, then siblings with kombu's separator)."""
-    return [queue if step == 0 else f"{queue}{Channel.sep}{step}" for step in PRIORITY_STEPS]
+Task = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def task(name: TaskName) -> Callable[[Task], Task]:
+    """Register a task under its name (Celery's ``shared_task``, typed): it takes and
+    returns a JSON payload, the models of state/tasks.py dumped."""
+    decorator: Callable[[Task], Task] = _shared_task(name=name.value)
+    return decorator

@@ -19,9 +19,13 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import redis
+import redis.asyncio as aioredis
+
 from orchestrator.config import Settings
 from orchestrator.observability import metrics
-from orchestrator.queue.client import QueueClient
+from orchestrator.state.heartbeat import Heartbeats
+from orchestrator.state.keys import Keys
 
 # Takes a slot on the least loaded host under its capacity and counts it in transit for its
 # holder, in one step: until the record of the new rollout, or the pool's ready list, counts
@@ -54,22 +58,10 @@ return 1
 """
 
 
-def load_key(settings: Settings) -> str:
-    """The hash of slots held per host (host -> sandboxes)."""
-    return f"{settings.key_prefix}host-rollouts"
-
-
 TRANSIT_MAX_S = 900
 """A slot in transit for longer than this belongs to a holder that crashed: the recount
 stops counting it (a pool creation waits at most the create lane plus a start; a hand-out
 at most a probe)."""
-
-
-def transit_key(settings: Settings) -> str:
-    """The sorted set of slots held by sandboxes in transit, which neither a rollout record
-    nor a pool's ready list shows yet: a pool sandbox being created, or one taken from its
-    pool and being probed. Members ``<host>|<tag>``; scores: when to stop counting them."""
-    return f"{settings.key_prefix}slots-in-transit"
 
 
 def transit_member(host: str, tag: str) -> str:
@@ -85,11 +77,6 @@ def count_in_transit(members: list[str]) -> dict[str, int]:
     return counts
 
 
-def waiting_key(settings: Settings) -> str:
-    """The sorted set of new rollouts waiting for a slot (scores: their deadlines)."""
-    return f"{settings.key_prefix}admission-waiting"
-
-
 class AtCapacity(Exception):
     """No host could take a new sandbox within the bound: try again later."""
 
@@ -100,30 +87,30 @@ class AtCapacity(Exception):
 
 
 class Admission:
-    def __init__(self, settings: Settings, queue: QueueClient) -> None:
+    """The API's side of slots: take one for a new sandbox, give it back."""
+
+    def __init__(self, settings: Settings, client: aioredis.Redis) -> None:
         self.settings = settings
-        self.queue = queue
-        self.redis = queue.redis
+        self.redis = client
+        self.keys = Keys.of(settings.deployment)
+        self.heartbeats = Heartbeats(client, self.keys)
         self._take = self.redis.register_script(TAKE_SLOT)
         self._enter = self.redis.register_script(_ENTER)
-
-    def _load_key(self) -> str:
-        return load_key(self.settings)
 
     async def try_take(self, holder: str) -> str | None:
         """A slot on a schedulable host now, or None; counted in transit for ``holder``
         until :meth:`settled` (its record names the host) or :meth:`release`."""
         pairs: list[Any] = []
-        hosts = [h for h in await self.queue.live_hosts() if h.get("schedulable")]
+        hosts = [beat for beat in await self.heartbeats.live() if beat.schedulable]
         random.shuffle(hosts)  # a tie goes to any of them: a burst spreads out
         for beat in hosts:
-            capacity = int(beat.get("capacity") or self.settings.host_max_sandboxes)
-            pairs += [beat["host"], capacity]
+            capacity = beat.capacity or self.settings.host_max_sandboxes
+            pairs += [beat.host, capacity]
         if not pairs:
             return None
         until = time.time() + TRANSIT_MAX_S
         host = await self._take(
-            keys=[self._load_key(), transit_key(self.settings)],
+            keys=[self.keys.load, self.keys.transit],
             args=[_holder_tag(holder), until, *pairs],
         )
         return str(host) if host else None
@@ -145,7 +132,7 @@ class Admission:
             return host
         limit = self.settings.admission_wait_s
         wait_s = limit if wait_s is None else min(wait_s, limit)
-        waiting = waiting_key(self.settings)
+        waiting = self.keys.waiting
         waiter = uuid.uuid4().hex
         now = time.time()
         entered = await self._enter(
@@ -180,20 +167,20 @@ class Admission:
         """Give a slot back (the sandbox was destroyed, or never made); ``holder``: the one
         :meth:`take` counted in transit, which the slot leaves too."""
         if holder is None:
-            await self.redis.hincrby(self._load_key(), host, -1)
+            await self.redis.hincrby(self.keys.load, host, -1)
             return
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hincrby(self._load_key(), host, -1)
-            pipe.zrem(transit_key(self.settings), transit_member(host, _holder_tag(holder)))
+            pipe.hincrby(self.keys.load, host, -1)
+            pipe.zrem(self.keys.transit, transit_member(host, _holder_tag(holder)))
             await pipe.execute()
 
     async def settled(self, host: str, holder: str) -> None:
         """``holder``'s slot is counted by its record now: no longer in transit."""
-        await self.redis.zrem(transit_key(self.settings), transit_member(host, _holder_tag(holder)))
+        await self.redis.zrem(self.keys.transit, transit_member(host, _holder_tag(holder)))
 
     async def in_transit(self) -> dict[str, int]:
         """Slots held per host by sandboxes in transit (see :func:`transit_key`)."""
-        key = transit_key(self.settings)
+        key = self.keys.transit
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.zremrangebyscore(key, "-inf", time.time())
             pipe.zrange(key, 0, -1)
@@ -204,10 +191,18 @@ class Admission:
         """Replace the slot counts with ones counted from the records (the reaper), so a
         count that drifted (a crash between taking a slot and using it) heals."""
         async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._load_key())
+            pipe.delete(self.keys.load)
             if counts:
-                pipe.hset(self._load_key(), mapping=counts)  # type: ignore[arg-type]
+                pipe.hset(self.keys.load, mapping=counts)  # type: ignore[arg-type]
             await pipe.execute()
+
+    async def loads(self) -> dict[str, int]:
+        """Slots held per host."""
+        return {str(k): int(v) for k, v in (await self.redis.hgetall(self.keys.load)).items()}
+
+    async def waiting(self, now: float) -> int:
+        """New rollouts waiting for a slot now."""
+        return int(await self.redis.zcount(self.keys.waiting, now, "+inf"))
 
     def _retry_after(self) -> int:
         return max(1, int(self.settings.admission_retry_after_s))
@@ -215,3 +210,9 @@ class Admission:
 
 def _holder_tag(holder: str) -> str:
     return f"start:{holder}"
+
+
+def release_slot(client: redis.Redis, keys: Keys, host: str) -> None:
+    """The worker's side (sync): give back a slot of ``host`` (its sandbox is gone or was
+    never made)."""
+    client.hincrby(keys.load, host, -1)

@@ -22,8 +22,11 @@ from enum import StrEnum
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 from pydantic import BaseModel
 from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from orchestrator.state.keys import Keys
 
 TICKET_TTL_S = 86400
 
@@ -57,10 +60,6 @@ class Ticket(BaseModel):
             reply_to=text.get("reply_to", ""),
             result=text.get("result", ""),
         )
-
-
-def ticket_key(prefix: str, rollout_id: str, call_id: str) -> str:
-    return f"{prefix}rollout:{rollout_id}:run:{call_id}"
 
 
 # KEYS: ticket. ARGV: attempt, worker instance, now. Returns the state after the call.
@@ -116,6 +115,32 @@ _through_outage = retry(
     stop=stop_after_delay(120),
     reraise=True,
 )
+
+
+class ApiTickets:
+    """The API's side: read a call's ticket, cancel it while queued, declare it lost when
+    the worker that claimed it is gone. (A ticket is made queued by the call's start,
+    state/records.RolloutStore.begin_call, in the same step as its lock.)"""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+        self._keys = keys
+        self._redis = client
+        self._cancel = client.register_script(CANCEL)
+        self._mark_lost = client.register_script(MARK_LOST)
+
+    async def read(self, rollout_id: str, call_id: str) -> Ticket:
+        raw = await self._redis.hgetall(self._keys.ticket(rollout_id, call_id))
+        return Ticket.from_hash(raw)
+
+    async def cancel(self, rollout_id: str, call_id: str, attempt: str) -> str:
+        """queued → cancelled, unless a worker claimed it first; the state after."""
+        key = self._keys.ticket(rollout_id, call_id)
+        return _text(await self._cancel(keys=[key], args=[attempt]))
+
+    async def mark_lost(self, rollout_id: str, call_id: str, worker: str) -> str:
+        """running (by ``worker``, now dead) → lost; the state after."""
+        key = self._keys.ticket(rollout_id, call_id)
+        return _text(await self._mark_lost(keys=[key], args=[worker]))
 
 
 class WorkerTickets:

@@ -10,11 +10,9 @@ docs/metrics.md). Redis down: ``orchestrator_redis_up 0`` and no other state gau
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter as Tally
 from collections.abc import Iterator
-from typing import Any
 
 import redis
 from prometheus_client.core import GaugeMetricFamily
@@ -24,10 +22,10 @@ from prometheus_client.registry import Collector
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry
 from orchestrator.observability.logging import get_logger
-from orchestrator.queue.app import queue_depth_keys
-from orchestrator.rollouts.admission import load_key, waiting_key
-from orchestrator.rollouts.pools import pool_key, pool_name, pooled_codebases
 from orchestrator.sandbox.backend import SandboxHandle
+from orchestrator.state.heartbeat import Heartbeat
+from orchestrator.state.keys import Keys, queue_depth_keys
+from orchestrator.state.pools import pool_name, pooled_codebases
 
 log = get_logger(__name__)
 
@@ -46,6 +44,7 @@ class StateCollector(Collector):
     ) -> None:
         self.settings = settings
         self.environments = environments
+        self.keys = Keys.of(settings.deployment)
         self.client = client or redis.Redis.from_url(
             settings.redis_url,
             socket_timeout=_REDIS_TIMEOUT_S,
@@ -71,27 +70,25 @@ class StateCollector(Collector):
 
     # -- reading -----------------------------------------------------------------------------
 
-    def _key(self, *parts: str) -> str:
-        return self.settings.key_prefix + ":".join(parts)
-
     def _read(self) -> list[Metric]:
-        settings = self.settings
-        hosts = sorted(str(h) for h in self.client.smembers(settings.hosts_key))
+        keys = self.keys
+        hosts = sorted(str(h) for h in self.client.smembers(keys.hosts))
         pools = self._pools()
-        queues = [settings.shared_queue, *(settings.host_queue(h) for h in hosts)]
+        queues = [keys.shared_queue, *(keys.host_queue(h) for h in hosts)]
         pipe = self.client.pipeline(transaction=False)
         for host in hosts:
-            pipe.get(settings.heartbeat_key(host))
-        pipe.hgetall(load_key(settings))
-        pipe.zcount(waiting_key(settings), time.time(), "+inf")
-        pipe.zrange(self._key("rollouts", "live"), 0, -1)
+            pipe.get(keys.heartbeat(host))
+        pipe.hgetall(keys.load)
+        pipe.zcount(keys.waiting, time.time(), "+inf")
+        pipe.zrange(keys.live, 0, -1)
         for queue in queues:
             for key in queue_depth_keys(queue):
                 pipe.llen(key)
         for _, pool, _ in pools:
-            pipe.lrange(pool_key(settings, pool, "ready"), 0, -1)
+            pipe.lrange(keys.pool(pool, "ready"), 0, -1)
         replies = iter(pipe.execute())
-        beats = [json.loads(raw) for raw in (next(replies) for _ in hosts) if raw]
+        raw_beats = [next(replies) for _ in hosts]
+        beats = [Heartbeat.model_validate_json(raw) for raw in raw_beats if raw]
         loads: dict[str, str] = next(replies)
         waiting = int(next(replies))
         live: list[str] = next(replies)
@@ -118,28 +115,28 @@ class StateCollector(Collector):
             pools += [(name, pool_name(name, c), env.pool_size) for c in pooled_codebases(env)]
         return pools
 
-    def _hosts(self, beats: list[dict[str, Any]]) -> list[Metric]:
+    def _hosts(self, beats: list[Heartbeat]) -> list[Metric]:
         return [
             _gauge("orchestrator_workers_up", "Hosts with a live heartbeat.", len(beats)),
             _labelled(
                 "orchestrator_host_schedulable",
                 "1 when the host takes new sandboxes (alive, healthy, room, not draining).",
                 ["host"],
-                {(b["host"],): int(bool(b.get("schedulable"))) for b in beats},
+                {(b.host,): int(b.schedulable) for b in beats},
             ),
             _labelled(
                 "orchestrator_host_healthy",
                 "1 when the host's daemon probe succeeded.",
                 ["host"],
-                {(b["host"],): int(bool(b.get("docker_ok"))) for b in beats},
+                {(b.host,): int(b.docker_ok) for b in beats},
             ),
         ]
 
     def _capacity(
-        self, beats: list[dict[str, Any]], loads: dict[str, str], waiting: int
+        self, beats: list[Heartbeat], loads: dict[str, str], waiting: int
     ) -> list[Metric]:
-        total = sum(int(b.get("capacity") or self.settings.host_max_sandboxes) for b in beats)
-        used = sum(max(0, int(loads.get(b["host"], 0))) for b in beats)
+        total = sum(b.capacity or self.settings.host_max_sandboxes for b in beats)
+        used = sum(max(0, int(loads.get(b.host, 0))) for b in beats)
         return [
             _gauge("orchestrator_admission_waiting", "New rollouts waiting for a slot.", waiting),
             _labelled(
@@ -155,7 +152,7 @@ class StateCollector(Collector):
     ) -> list[Metric]:
         pipe = self.client.pipeline(transaction=False)
         for rollout_id in live:
-            pipe.hmget(self._key("rollout", rollout_id), ["host", "environment", "sandbox"])
+            pipe.hmget(self.keys.rollout(rollout_id), ["host", "environment", "sandbox"])
         active: Tally[tuple[str, ...]] = Tally()
         for host, environment, sandbox in pipe.execute() if live else []:
             # A live rollout holds a sandbox from its creation until it is closed.

@@ -1,7 +1,10 @@
-"""Queue payloads: what the API sends a worker and what comes back. JSON on the wire."""
+"""The queue's wire: every Celery task by name, what the API sends a worker and what comes
+back. JSON on the wire; the same models on both ends (the API's rollouts/, the worker's
+queue/), as SWE-ReX shares its request and response models."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,6 +18,20 @@ from orchestrator.sandbox.backend import (
     SandboxSpec,
 )
 from orchestrator.tools.base import ToolResult
+
+
+class TaskName(StrEnum):
+    """Every task a worker runs (queue/tasks.py; the reaper's: rollouts/reaper.py)."""
+
+    CREATE_SANDBOX = "orchestrator.create_sandbox"
+    RUN_TOOL = "orchestrator.run_tool"
+    PROBE_SANDBOX = "orchestrator.probe_sandbox"
+    FILE_OP = "orchestrator.file_op"
+    SIGNAL_EXEC = "orchestrator.signal_exec"
+    DESTROY_SANDBOX = "orchestrator.destroy_sandbox"
+    SWEEP_HOST = "orchestrator.sweep_host"
+    REFILL_POOLS = "orchestrator.refill_pools"
+    REAP = "orchestrator.reap"
 
 
 class CreateSandbox(BaseModel):
@@ -36,7 +53,7 @@ class ToolCall(BaseModel):
         None, description="The rollout's trace id for logs (Agent RFT's; None: the rollout id)."
     )
     call_id: str
-    ticket: str = Field(description="The call's run ticket key (rollouts/tickets.py).")
+    ticket: str = Field(description="The call's run ticket key (state/tickets.py).")
     attempt: str = Field(description="The attempt the ticket must name for this to run.")
     environment: str
     environment_digest: str = Field(

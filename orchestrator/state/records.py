@@ -1,16 +1,10 @@
 """Rollout state in Redis: the record, the trajectory, idempotent call results, locks.
 
-Keys (all under the deployment's prefix):
-  rollout:{id}            hash: the record (see Rollout)
-  rollout:{id}:traj       list: TrajectoryStep JSON, in call order
-  rollout:{id}:seq        counter of calls made (budget and trajectory order)
-  rollout:{id}:call:{cid} the reply of call ``cid``, stored once, returned to retries
-  rollout:{id}:lock:call:{cid}  held while call ``cid`` runs (a racing retry waits)
-  rollout:{id}:run:{cid}  hash: the call's run ticket (tickets.py): who runs it, its result
-  rollout:{id}:starting   held by the one first call that acquires its sandbox
-  rollouts:live           sorted set: id -> last activity (the reaper walks it)
-  rollouts:index          sorted set: id -> creation time, the newest INDEX_MAX (listings)
-  infra-failures          list: the newest RECENT_FAILURES_MAX InfraFailureEntry JSON
+The keys are state/keys.py's: the record ``rollout:{id}`` (a hash, see :class:`Rollout`),
+its trajectory, its call counter (budget and trajectory order), each call's stored reply
+(returned to retries) and lock (a racing retry waits), the live set (id -> last activity;
+the reaper walks it), the listing index (id -> creation time, the newest INDEX_MAX) and the
+newest RECENT_FAILURES_MAX infrastructure failures.
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ import time
 import uuid
 from typing import Any, cast
 
+import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 from redis.asyncio.retry import Retry
@@ -27,16 +22,12 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
-from orchestrator.rollouts.models import RolloutSource, RolloutState, TrajectoryStep
-from orchestrator.rollouts.tickets import (
-    CANCEL,
-    MARK_LOST,
-    TICKET_TTL_S,
-    Ticket,
-    ticket_key,
-)
 from orchestrator.sandbox.backend import SandboxHandle
+from orchestrator.state.keys import Keys
+from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
+from orchestrator.state.tickets import TICKET_TTL_S, ApiTickets
 
 INDEX_MAX = 10_000
 """Rollouts kept in the listing index (records themselves are never expired)."""
@@ -259,7 +250,7 @@ class CallStart(BaseModel):
 class RolloutStore:
     """Async access to rollout state. One instance per process."""
 
-    def __init__(self, redis_url: str, prefix: str) -> None:
+    def __init__(self, redis_url: str, keys: Keys) -> None:
         # Strings in and out: every value we keep is text (JSON or a number). Commands
         # are retried on a dropped connection (after a Redis restart every pooled
         # connection is stale once); the scripts are safe to run twice (see each).
@@ -270,24 +261,25 @@ class RolloutStore:
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
         )
-        self.prefix = prefix
+        self.keys = keys
+        self.tickets = ApiTickets(self.redis, keys)
         self._create_script = self.redis.register_script(_CREATE)
         self._update_script = self.redis.register_script(_UPDATE)
         self._begin_call_script = self.redis.register_script(_BEGIN_CALL)
         self._end_call_script = self.redis.register_script(_END_CALL)
-        self._cancel_script = self.redis.register_script(CANCEL)
-        self._mark_lost_script = self.redis.register_script(MARK_LOST)
+
+    @classmethod
+    def connect(cls, settings: Settings) -> RolloutStore:
+        """The store of ``settings``' deployment."""
+        return cls(settings.redis_url, Keys.of(settings.deployment))
 
     async def close(self) -> None:
         await self.redis.aclose()
 
-    def key(self, *parts: str) -> str:
-        return self.prefix + ":".join(parts)
-
     # -- the record ------------------------------------------------------------------------
 
     async def get(self, rollout_id: str) -> Rollout | None:
-        raw = cast(dict[str, str], await self.redis.hgetall(self.key("rollout", rollout_id)))
+        raw = cast(dict[str, str], await self.redis.hgetall(self.keys.rollout(rollout_id)))
         return _decode(raw) if raw else None
 
     async def create(self, rollout: Rollout) -> bool:
@@ -296,9 +288,9 @@ class RolloutStore:
         pairs = [x for kv in _encode(rollout).items() for x in kv]
         created = await self._create_script(
             keys=[
-                self.key("rollout", rollout.rollout_id),
-                self.key("rollouts", "live"),
-                self.key("rollouts", "index"),
+                self.keys.rollout(rollout.rollout_id),
+                self.keys.live,
+                self.keys.index,
             ],
             args=[
                 rollout.rollout_id,
@@ -348,9 +340,9 @@ class RolloutStore:
         entry = _failure_entry(current, failure).model_dump_json() if failure else ""
         raw = await self._update_script(
             keys=[
-                self.key("rollout", rollout_id),
-                self.key("rollouts", "live"),
-                self.key("infra-failures"),
+                self.keys.rollout(rollout_id),
+                self.keys.live,
+                self.keys.infra_failures,
             ],
             args=[rollout_id, "once" if once else "", entry, RECENT_FAILURES_MAX, *pairs],
         )
@@ -363,7 +355,7 @@ class RolloutStore:
         """The records of ``rollout_ids`` in one round trip (None where there is none)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for rollout_id in rollout_ids:
-                pipe.hgetall(self.key("rollout", rollout_id))
+                pipe.hgetall(self.keys.rollout(rollout_id))
             raws = await pipe.execute()
         return [_decode(raw) if raw else None for raw in raws]
 
@@ -371,41 +363,45 @@ class RolloutStore:
         """:meth:`call_count` of each of ``rollout_ids``, in one round trip."""
         if not rollout_ids:
             return []
-        values = await self.redis.mget([self.key("rollout", i, "seq") for i in rollout_ids])
+        values = await self.redis.mget([self.keys.seq(i) for i in rollout_ids])
         return [int(v or 0) for v in values]
 
     async def indexed_ids(self, start: int, count: int) -> list[str]:
         """Rollout ids from the listing index, newest first."""
-        ids = await self.redis.zrevrange(self.key("rollouts", "index"), start, start + count - 1)
+        ids = await self.redis.zrevrange(self.keys.index, start, start + count - 1)
         return [str(i) for i in ids]
 
     async def recent_failures(self) -> list[InfraFailureEntry]:
         """The newest infrastructure failures, newest first."""
-        raw = await self.redis.lrange(self.key("infra-failures"), 0, -1)
+        raw = await self.redis.lrange(self.keys.infra_failures, 0, -1)
         return [InfraFailureEntry.model_validate_json(r) for r in raw]
 
+    async def forget_live(self, rollout_id: str) -> None:
+        """Take a rollout whose record is gone out of the live set."""
+        await self.redis.zrem(self.keys.live, rollout_id)
+
     async def live_ids(self) -> list[str]:
-        ids = await self.redis.zrange(self.key("rollouts", "live"), 0, -1)
+        ids = await self.redis.zrange(self.keys.live, 0, -1)
         return [str(i) for i in ids]
 
     async def call_count(self, rollout_id: str) -> int:
-        value = await self.redis.get(self.key("rollout", rollout_id, "seq"))
+        value = await self.redis.get(self.keys.seq(rollout_id))
         return int(value or 0)
 
     async def trajectory(self, rollout_id: str) -> list[TrajectoryStep]:
-        raw = await self.redis.lrange(self.key("rollout", rollout_id, "traj"), 0, -1)
+        raw = await self.redis.lrange(self.keys.trajectory(rollout_id), 0, -1)
         steps = [TrajectoryStep.model_validate_json(r) for r in raw]
         return sorted(steps, key=lambda s: s.seq)
 
     def _call_keys(self, rollout_id: str, call_id: str) -> list[str]:
         return [
-            self.key("rollout", rollout_id, "call", call_id),
-            self.key("rollout", rollout_id, "lock", f"call:{call_id}"),
-            self.key("rollout", rollout_id, "seq"),
-            self.key("rollout", rollout_id),
-            self.key("rollouts", "live"),
-            ticket_key(self.prefix, rollout_id, call_id),
-            self.key("rollout", rollout_id, "traj"),
+            self.keys.call_reply(rollout_id, call_id),
+            self.keys.call_lock(rollout_id, call_id),
+            self.keys.seq(rollout_id),
+            self.keys.rollout(rollout_id),
+            self.keys.live,
+            self.keys.ticket(rollout_id, call_id),
+            self.keys.trajectory(rollout_id),
         ]
 
     async def begin_call(
@@ -450,25 +446,50 @@ class RolloutStore:
         )
         return json.loads(stored) if stored else None
 
-    # -- run tickets (tickets.py) ------------------------------------------------------------
-
-    async def ticket(self, rollout_id: str, call_id: str) -> Ticket:
-        raw = await self.redis.hgetall(ticket_key(self.prefix, rollout_id, call_id))
-        return Ticket.from_hash(raw)
-
-    async def cancel_ticket(self, rollout_id: str, call_id: str, attempt: str) -> str:
-        """queued → cancelled, unless a worker claimed it first; the state after."""
-        key = ticket_key(self.prefix, rollout_id, call_id)
-        return str(await self._cancel_script(keys=[key], args=[attempt]))
-
-    async def mark_ticket_lost(self, rollout_id: str, call_id: str, worker: str) -> str:
-        """running (by ``worker``, now dead) → lost; the state after."""
-        key = ticket_key(self.prefix, rollout_id, call_id)
-        return str(await self._mark_lost_script(keys=[key], args=[worker]))
-
     async def stored_reply(self, rollout_id: str, call_id: str) -> dict[str, Any] | None:
-        raw = await self.redis.get(self.key("rollout", rollout_id, "call", call_id))
+        raw = await self.redis.get(self.keys.call_reply(rollout_id, call_id))
         return json.loads(raw) if raw else None
+
+    async def take_start_lease(self, rollout_id: str, ttl_s: float) -> bool:
+        """The lease of the one request that acquires the rollout's sandbox (its parallel
+        first calls wait for the record instead); False while another holds it."""
+        return bool(
+            await self.redis.set(self.keys.starting(rollout_id), "1", nx=True, ex=int(ttl_s))
+        )
+
+    async def end_start_lease(self, rollout_id: str) -> None:
+        await self.redis.delete(self.keys.starting(rollout_id))
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
+
+
+class SandboxOwner(BaseModel):
+    """What the orphan sweep reads of the record that may own a sandbox."""
+
+    state: RolloutState | None = Field(None, description="None: there is no record.")
+    sandbox_id: str | None = Field(None, description="The sandbox the record names.")
+    closed_at: float | None = None
+
+
+def sandbox_owner(client: redis.Redis, keys: Keys, rollout_id: str) -> SandboxOwner:
+    """The worker's read (sync) of the record of ``rollout_id``, for its orphan sweep."""
+    state, sandbox, closed_at = (
+        v.decode() if isinstance(v, bytes) else v
+        for v in client.hmget(keys.rollout(rollout_id), ["state", "sandbox", "closed_at"])
+    )
+    owned = json.loads(sandbox) if sandbox and sandbox != "null" else None
+    return SandboxOwner(
+        state=RolloutState(state) if state else None,
+        sandbox_id=owned.get("sandbox_id") if isinstance(owned, dict) else None,
+        closed_at=float(closed_at) if closed_at else None,
+    )
+
+
+def pinned_environment(client: redis.Redis, keys: Keys, rollout_id: str) -> str:
+    """The worker's read (sync) of the environment snapshot ``rollout_id`` was pinned to
+    when it started (its record's ``environment_config``, EnvironmentConfig JSON)."""
+    raw = client.hget(keys.rollout(rollout_id), "environment_config")
+    if not raw:
+        raise LookupError(f"rollout {rollout_id} has no pinned environment")
+    return raw.decode() if isinstance(raw, bytes) else str(raw)

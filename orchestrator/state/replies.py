@@ -1,10 +1,10 @@
-"""The API's side of the queue: publish a task to a host's queue and await its reply
-without blocking the event loop.
+"""Tasks and their replies: the API publishes a task to a host's queue and awaits its
+reply without blocking the event loop; the worker pushes the reply.
 
 Replies do not go through Celery's result backend: each task pushes its reply to a Redis
-list named in the payload, and the API waits on it with BLPOP on its async Redis client. A
-wait is bounded, and while it lasts the host's heartbeat is checked, so a call whose
-worker is gone fails fast as an infrastructure error instead of hanging.
+list named in the payload (``reply_to``), and the API waits on it with BLPOP on its async
+Redis client. A wait is bounded, and while it lasts the host's heartbeat is checked, so a
+call whose worker is gone fails fast as an infrastructure error instead of hanging.
 """
 
 from __future__ import annotations
@@ -15,12 +15,18 @@ import time
 import uuid
 from typing import Any
 
+import redis
 import redis.asyncio as aioredis
 from celery import Celery
 
 from orchestrator.config import Settings
+from orchestrator.state.heartbeat import Heartbeats
+from orchestrator.state.keys import Keys, queue_depth_keys
+from orchestrator.state.tasks import TaskName
 
 HEARTBEAT_CHECK_S = 1.0
+REPLY_TTL_S = 300
+"""A reply nobody popped (its caller gave up) goes after this."""
 
 
 class QueueTimeout(Exception):
@@ -28,35 +34,22 @@ class QueueTimeout(Exception):
 
 
 class QueueClient:
+    """The API's side of the queue."""
+
     def __init__(self, settings: Settings, app: Celery, redis: aioredis.Redis) -> None:
         self.settings = settings
         self.app = app
         self.redis = redis
+        self.keys = Keys.of(settings.deployment)
+        self.heartbeats = Heartbeats(redis, self.keys)
 
     def reply_key(self) -> str:
         """A fresh list for one reply."""
-        return f"{self.settings.key_prefix}reply:{uuid.uuid4().hex}"
-
-    async def worker_alive(self, host_id: str) -> bool:
-        return bool(await self.redis.exists(self.settings.heartbeat_key(host_id)))
-
-    async def heartbeat(self, host_id: str) -> dict[str, Any] | None:
-        """The host's latest heartbeat (queue/worker.py), None when it has none."""
-        raw = await self.redis.get(self.settings.heartbeat_key(host_id))
-        return json.loads(raw) if raw else None
-
-    async def live_hosts(self) -> list[dict[str, Any]]:
-        hosts = await self.redis.smembers(self.settings.hosts_key)
-        statuses = []
-        for host in sorted(str(h) for h in hosts):
-            raw = await self.redis.get(self.settings.heartbeat_key(host))
-            if raw:
-                statuses.append(json.loads(raw))
-        return statuses
+        return self.keys.reply(uuid.uuid4().hex)
 
     async def call(
         self,
-        task: str,
+        task: TaskName,
         payload: dict[str, Any],
         *,
         queue: str,
@@ -65,7 +58,7 @@ class QueueClient:
     ) -> dict[str, Any]:
         """Run ``task`` on ``queue`` and return its reply; :class:`QueueTimeout` when none
         comes within ``timeout_s`` or the worker of ``host_id`` stops beating."""
-        if host_id is not None and not await self.worker_alive(host_id):
+        if host_id is not None and not await self.heartbeats.alive(host_id):
             raise QueueTimeout(f"no live worker on host {host_id!r}")
         reply_key = self.reply_key()
         payload = {**payload, "reply_to": reply_key}
@@ -77,27 +70,34 @@ class QueueClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise QueueTimeout(f"{task} got no reply within {timeout_s:.0f} s on {queue}")
-            popped = await self.redis.blpop([reply_key], timeout=min(remaining, HEARTBEAT_CHECK_S))
-            if popped is not None:
-                reply: dict[str, Any] = json.loads(popped[1])
+            reply = await self.wait_reply(reply_key, min(remaining, HEARTBEAT_CHECK_S))
+            if reply is not None:
                 return reply
-            if host_id is not None and not await self.worker_alive(host_id):
+            if host_id is not None and not await self.heartbeats.alive(host_id):
                 raise QueueTimeout(f"the worker on host {host_id!r} stopped while running {task}")
 
     async def send(
-        self, task: str, payload: dict[str, Any], *, queue: str, expires: float | None = None
+        self, task: TaskName, payload: dict[str, Any], *, queue: str, expires: float | None = None
     ) -> None:
         """Publish without waiting for the task (teardown, or a call whose reply is awaited
         by :meth:`wait_reply`). Celery's publish is a blocking Redis write: it runs in a
         thread, so a burst of publishes never stalls the event loop."""
         await asyncio.to_thread(
             self.app.send_task,
-            task,
+            task.value,
             args=[payload],
             queue=queue,
             expires=expires,
             ignore_result=True,
         )
+
+    async def depth(self, queue: str) -> int:
+        """Messages waiting in ``queue`` (its priority sub-queues included)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for key in queue_depth_keys(queue):
+                pipe.llen(key)
+            sizes = await pipe.execute()
+        return sum(int(size) for size in sizes)
 
     async def wait_reply(self, reply_key: str, timeout_s: float) -> dict[str, Any] | None:
         """One bounded wait on a reply list; None when nothing came."""
@@ -106,3 +106,11 @@ class QueueClient:
             return None
         reply: dict[str, Any] = json.loads(popped[1])
         return reply
+
+
+def push_reply(client: redis.Redis, key: str, reply: dict[str, Any]) -> None:
+    """The worker's side: push a task's reply to the list its caller waits on."""
+    with client.pipeline(transaction=False) as pipe:
+        pipe.rpush(key, json.dumps(reply))
+        pipe.expire(key, REPLY_TTL_S)
+        pipe.execute()

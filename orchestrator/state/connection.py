@@ -1,0 +1,14 @@
+"""Connections to Redis for the code above state/, which never imports redis itself."""
+
+from __future__ import annotations
+
+import redis
+
+SyncRedis = redis.Redis
+"""A blocking client: the worker's (Celery runs tasks in threads)."""
+
+
+def worker_client(redis_url: str) -> SyncRedis:
+    """The worker process's client: one pool for its Celery threads, its heartbeat and its
+    creation lane (256 connections: more than the threads that can hold one at once)."""
+    return redis.Redis.from_url(redis_url, max_connections=256)

@@ -1,0 +1,165 @@
+"""Every Redis key and Celery queue name of a deployment, spelled once.
+
+Everything a deployment keeps in Redis starts with its prefix (``orch:<deployment>:``), so
+two deployments share one Redis without seeing each other, and ``SCAN orch:<d>:*`` finds
+all of one. Nothing outside this module builds a key from parts: a new key is a method
+here, with what it holds and who writes it.
+
+Per rollout (``rollout:<id>`` and below):
+
+=============================== ====== ===================================================
+key                             type   holds
+=============================== ====== ===================================================
+``rollout:<id>``                hash   the record (state/records.py), fields JSON-encoded
+``rollout:<id>:seq``            string its last trajectory sequence number
+``rollout:<id>:traj``           list   its trajectory steps, in order
+``rollout:<id>:call:<call>``    string the reply already given for ``call`` (idempotency)
+``rollout:<id>:lock:call:<c>``  string the lease of the one request running ``call``
+``rollout:<id>:run:<call>``     hash   the call's run ticket (state/tickets.py)
+``rollout:<id>:starting``       string the lease of the one request creating its sandbox
+``rollout:<id>:e2b:pid``        string the E2B processes' pid counter
+``rollout:<id>:e2b:processes``  hash   pid -> the E2B process record
+=============================== ====== ===================================================
+
+Deployment-wide: the live set and the index of rollouts, recent infrastructure failures,
+hosts and their heartbeats, slots, admission, pools, and the reply lists of queued tasks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from kombu.transport.redis import PRIORITY_STEPS, Channel
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The keys of the deployment whose keys start with ``prefix``."""
+
+    prefix: str
+    deployment: str
+
+    @classmethod
+    def of(cls, deployment: str) -> Keys:
+        return cls(prefix=f"orch:{deployment}:", deployment=deployment)
+
+    # A rollout's keys.
+
+    def rollout(self, rollout_id: str) -> str:
+        return f"{self.prefix}rollout:{rollout_id}"
+
+    def seq(self, rollout_id: str) -> str:
+        return f"{self.prefix}rollout:{rollout_id}:seq"
+
+    def trajectory(self, rollout_id: str) -> str:
+        return f"{self.prefix}rollout:{rollout_id}:traj"
+
+    def call_reply(self, rollout_id: str, call_id: str) -> str:
+        return f"{self.prefix}rollout:{rollout_id}:call:{call_id}"
+
+    def call_lock(self, rollout_id: str, call_id: str) -> str:
+        return f"{self.prefix}rollout:{rollout_id}:lock:call:{call_id}"
+
+    def ticket(self, rollout_id: str, call_id: str) -> str:
+        return f"{self.prefix}rollout:{rollout_id}:run:{call_id}"
+
+    def starting(self, rollout_id: str) -> str:
+        return f"{self.prefix}rollout:{rollout_id}:starting"
+
+    def e2b_pid(self, rollout_id: str) -> str:
+        return f"{self.prefix}rollout:{rollout_id}:e2b:pid"
+
+    def e2b_processes(self, rollout_id: str) -> str:
+        return f"{self.prefix}rollout:{rollout_id}:e2b:processes"
+
+    # Rollouts, deployment-wide.
+
+    @cached_property
+    def live(self) -> str:
+        """Sorted set: rollouts not ended yet (score: creation time)."""
+        return f"{self.prefix}rollouts:live"
+
+    @cached_property
+    def index(self) -> str:
+        """Sorted set: every rollout, newest last, capped (state/records.INDEX_MAX)."""
+        return f"{self.prefix}rollouts:index"
+
+    @cached_property
+    def infra_failures(self) -> str:
+        """List: the latest infrastructure failures, newest first, capped."""
+        return f"{self.prefix}infra-failures"
+
+    # Hosts.
+
+    @cached_property
+    def hosts(self) -> str:
+        """Set: every worker host that ever beat in this deployment."""
+        return f"{self.prefix}hosts"
+
+    def heartbeat(self, host_id: str) -> str:
+        """String: a host's latest heartbeat (state/heartbeat.py), expiring three beats on."""
+        return f"{self.prefix}worker:{host_id}"
+
+    @cached_property
+    def silent_since(self) -> str:
+        """Hash: host -> when the reaper first found it silent."""
+        return f"{self.prefix}hosts:silent-since"
+
+    # Slots and admission (state/admission.py).
+
+    @cached_property
+    def load(self) -> str:
+        """Hash: host -> slots held (sandboxes, pool sandboxes included)."""
+        return f"{self.prefix}host-rollouts"
+
+    @cached_property
+    def transit(self) -> str:
+        """Sorted set: slots held by sandboxes no record or pool list shows yet."""
+        return f"{self.prefix}slots-in-transit"
+
+    @cached_property
+    def waiting(self) -> str:
+        """Sorted set: new rollouts waiting for a slot (scores: their deadlines)."""
+        return f"{self.prefix}admission-waiting"
+
+    # Warm pools (state/pools.py).
+
+    def pool(self, pool: str, part: str) -> str:
+        """List ``ready`` (sandbox handles) or string ``pending`` (creations reserved)."""
+        return f"{self.prefix}pool:{pool}:{part}"
+
+    @cached_property
+    def pool_members(self) -> str:
+        """Set: sandbox ids lying in a pool (the orphan sweep spares them)."""
+        return f"{self.prefix}pool-members"
+
+    def pool_claim(self, sandbox_id: str) -> str:
+        """String: the rollout that took this pool sandbox."""
+        return f"{self.prefix}pool-claim:{sandbox_id}"
+
+    @cached_property
+    def pool_refill_requested(self) -> str:
+        """String: a refill was asked for lately (one ask per interval, not per take)."""
+        return f"{self.prefix}pool-refill-requested"
+
+    # Queues.
+
+    def reply(self, token: str) -> str:
+        """List: the one reply to one queued task (state/replies.py)."""
+        return f"{self.prefix}reply:{token}"
+
+    def host_queue(self, host_id: str) -> str:
+        """The Celery queue of one worker host: calls go to the host holding the sandbox."""
+        return f"orch.{self.deployment}.host.{host_id}"
+
+    @cached_property
+    def shared_queue(self) -> str:
+        """The Celery queue any worker takes from (the reaper, pool refills)."""
+        return f"orch.{self.deployment}.shared"
+
+
+def queue_depth_keys(queue: str) -> list[str]:
+    """The Redis lists kombu keeps one Celery queue's waiting messages in (one per
+    priority step: the queue's own name, then siblings with kombu's separator)."""
+    return [queue if step == 0 else f"{queue}{Channel.sep}{step}" for step in PRIORITY_STEPS]
