@@ -21,6 +21,14 @@ from orchestrator.images.codebases import UnknownCodebase, add_codebase, get_cod
 from orchestrator.local import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
+STACK_ENVIRONMENTS = """\
+environments:
+  - name: bench
+    tools: [shell, read_file]
+    grader: {name: file_f1}
+    idle_timeout_s: 1800
+"""
+"""The environments of the stacks bench.peer and bench.profile start (the one is `bench`)."""
 BENCH_CODEBASE = "bench-cpython-stdlib"
 # The standard library of the Python running the bench: a real, offline, ~1,000-file
 # codebase. Tests, site-packages and binary modules are left out.

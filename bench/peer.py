@@ -58,6 +58,7 @@ from swerex.runtime.abstract import BashAction, Command, CreateBashSessionReques
 
 from bench.common import (
     BENCH_CODEBASE,
+    STACK_ENVIRONMENTS,
     ensure_bench_codebase,
     function_call,
     summary,
@@ -79,13 +80,6 @@ RUN_LABEL = "orchestrator.bench.peer"
 """Label on every container this script starts itself (SWE-ReX's and the plain ones)."""
 COMMANDS = {"true": "true", "grep": "grep -rn 'def __init__' --include=*.py /workspace | wc -l"}
 MODES = ("SWE-ReX session", "SWE-ReX execute", "orchestrator", "docker exec", "exec agent")
-ENVIRONMENTS = """\
-environments:
-  - name: bench
-    tools: [shell, read_file]
-    grader: {name: file_f1}
-    idle_timeout_s: 1800
-"""
 COMMAND_TIMEOUT_S = 60.0
 STARTUP_TIMEOUT_S = 120.0
 START_PARALLEL = 4
@@ -902,7 +896,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
-    stack = throwaway_stack_settings("bench-peer", ENVIRONMENTS)
+    stack = throwaway_stack_settings("bench-peer", STACK_ENVIRONMENTS)
     state = stack.state_dir
     token = stack.api_tokens
     run_id = stack.host_id.removeprefix("bench-")

@@ -254,6 +254,12 @@ class Settings(BaseSettings):
         "(production; the Helm chart sets it).",
     )
     log_level: str = Field("INFO", description="Lowest level logged (DEBUG, INFO, WARNING...).")
+    asyncio_debug: bool = Field(
+        False,
+        description="Run the API's event loop in asyncio's debug mode: every callback that "
+        "holds the loop over 100 ms is logged (asyncio's 'Executing ... took' warning). Slow; "
+        "for finding what blocks the loop, never for production.",
+    )
     worker_metrics_port: int = Field(
         9109,
         ge=0,

@@ -16,7 +16,7 @@ import redis
 
 from orchestrator.config import Settings
 from orchestrator.state.keys import Keys
-from orchestrator.state.records import RolloutStore
+from orchestrator.state.records import CallStartStatus, RolloutStore
 from orchestrator.state.tickets import TicketState, WorkerTickets
 
 pytestmark = pytest.mark.anyio
@@ -41,6 +41,8 @@ def keys() -> Iterator[Keys]:
 @pytest.fixture()
 async def store(keys: Keys) -> AsyncIterator[RolloutStore]:
     store = RolloutStore(Settings().redis_url, keys)
+    # Calls start only in an active rollout (the record's other fields play no part here).
+    await store.redis.hset(keys.rollout("r1"), mapping={"state": "active"})
     yield store
     await store.close()
 
@@ -53,7 +55,7 @@ def workers() -> Iterator[WorkerTickets]:
 
 
 async def _begin(store: RolloutStore, call_id: str = "c1") -> tuple[str, int, str]:
-    start = await store.begin_call("r1", call_id, lock_ttl_s=30, reply_to="reply-list")
+    start = await store.begin_call("r1", call_id, lock_ttl_s=30, reply_to=store.keys.reply("r1"))
     return start.status, start.seq, start.token
 
 
@@ -112,8 +114,11 @@ async def test_the_result_outlives_its_waiter_and_a_retry_settles_it_once(
     _, seq, attempt = await _begin(store)
     key = keys.ticket("r1", "c1")
     workers.claim(key, attempt, "w1", time.time())
-    state, reply_to = workers.finish(key, "w1", json.dumps({"result": None}), time.time())
-    assert (state, reply_to) == ("done", "reply-list")
+    result = json.dumps({"result": None})
+    state, reply_to = workers.finish(key, "w1", result, time.time())
+    assert (state, reply_to) == ("done", keys.reply("r1"))
+    # The result is on the ticket and in the reply list, from the same step.
+    assert await store.redis.lrange(keys.reply("r1"), 0, -1) == [result]
     # The waiter died holding the lock: a retry sees the call busy and its ticket done.
     retry = await store.begin_call("r1", "c1", lock_ttl_s=30, reply_to="other")
     assert (retry.status, retry.ticket) == ("busy", "done")
@@ -135,6 +140,7 @@ async def test_a_result_after_the_call_was_declared_lost_is_evidence_only(
     assert await store.tickets.mark_lost("r1", "c1", "w1") == TicketState.LOST
     state, reply_to = workers.finish(key, "w1", json.dumps({"late": True}), time.time())
     assert (state, reply_to) == ("lost", "")
+    assert await store.redis.llen(keys.reply("r1")) == 0, "nobody is told a late result"
     ticket = await store.tickets.read("r1", "c1")
     assert ticket.result == ""
     retry = await store.begin_call("r1", "c1", lock_ttl_s=30, reply_to="other")
@@ -147,4 +153,4 @@ async def test_concurrent_first_attempts_run_one(store: RolloutStore) -> None:
     starts = await asyncio.gather(
         *(store.begin_call("r1", "c1", lock_ttl_s=30, reply_to=f"l{i}") for i in range(10))
     )
-    assert sorted(s.status for s in starts).count("run") == 1
+    assert [s.status for s in starts].count(CallStartStatus.RUN) == 1

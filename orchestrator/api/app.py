@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -157,6 +158,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         # The deployment's state gauges, read from Redis at each scrape of /metrics.
         app.state.metrics_state = StateCollector(settings, environments)
+        # uvicorn runs its loop with debug off whatever PYTHONASYNCIODEBUG says.
+        loop = asyncio.get_running_loop()
+        if settings.asyncio_debug:
+            loop.set_debug(True)
+        # Said here, so a log without slow-callback lines proves something
+        # (tests/e2e/test_event_loop.py).
+        get_logger(__name__).info("api.started", asyncio_debug=loop.get_debug())
         try:
             yield
         finally:

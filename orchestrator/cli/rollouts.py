@@ -41,7 +41,7 @@ def _with_store(read: Callable[[RolloutStore], Awaitable[T]]) -> T:
     settings = get_settings()
 
     async def run() -> T:
-        store = RolloutStore.connect(settings)
+        store = RolloutStore.connect(settings, role="cli")
         try:
             return await read(store)
         finally:

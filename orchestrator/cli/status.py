@@ -39,7 +39,7 @@ def default_api_url(settings: Settings) -> str:
 
 
 async def _read(settings: Settings, registry: EnvironmentRegistry) -> StatusSnapshot:
-    store = RolloutStore.connect(settings)
+    store = RolloutStore.connect(settings, role="cli")
     try:
         queue = QueueClient(settings, celery_app(), store.redis)
         return await read_state(settings, store, queue, registry)

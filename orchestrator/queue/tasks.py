@@ -167,13 +167,12 @@ def _run_tool(call: ToolCall, started: float) -> dict[str, Any]:
         except Exception as exc:  # our bug: an infra fault with its evidence, not a hang
             log.exception("tool.crashed", rollout_id=call.rollout_id, call_id=call.call_id)
             done = ToolCallDone(infra_error=f"the worker failed to run the call: {exc!r}")
-    state, reply_to = worker.tickets().finish(
+    # The result goes onto the ticket and to the caller's reply list in one step.
+    state, _ = worker.tickets().finish(
         call.ticket, worker.INSTANCE, done.model_dump_json(), time.time()
     )
     reply = done.model_dump(mode="json")
-    if reply_to:
-        worker.push_reply(reply_to, reply)
-    elif state != "done":
+    if state != "done":
         log.warning("tool.result_too_late", rollout_id=call.rollout_id, ticket=state)
     return reply
 

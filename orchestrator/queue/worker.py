@@ -45,7 +45,7 @@ def environments() -> EnvironmentRegistry:
 
 @lru_cache(maxsize=1)
 def redis_client() -> SyncRedis:
-    return worker_client(get_settings().redis_url)
+    return worker_client(get_settings().redis_url, keys().client_name("worker"))
 
 
 @lru_cache(maxsize=1)
@@ -196,7 +196,9 @@ def host_schedulable() -> bool:
 
 @lru_cache(maxsize=1)
 def heartbeats() -> HeartbeatWriter:
-    return HeartbeatWriter(redis_client(), keys(), get_settings().host_id, INSTANCE)
+    # A client of its own: its beats are not the calls' traffic.
+    client = worker_client(get_settings().redis_url, keys().client_name("heartbeat"))
+    return HeartbeatWriter(client, keys(), get_settings().host_id, INSTANCE)
 
 
 def start_heartbeat() -> threading.Thread:
@@ -272,11 +274,7 @@ def abort_in_flight(reason: str) -> int:
             cause=Cause.WORKER_STOPPED,
             evidence={"host": call.handle.host},
         )
-        state, reply_to = tickets().finish(
-            call.ticket, INSTANCE, done.model_dump_json(), time.time()
-        )
-        if reply_to:
-            push_reply(reply_to, done.model_dump(mode="json"))
+        state, _ = tickets().finish(call.ticket, INSTANCE, done.model_dump_json(), time.time())
         aborted += 1
         log.error(
             "tool.aborted",

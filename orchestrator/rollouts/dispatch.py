@@ -22,7 +22,7 @@ from orchestrator.outcomes import Cause
 from orchestrator.rollouts.bounds import call_bound_s
 from orchestrator.rollouts.errors import CallLost, CallNotRun
 from orchestrator.state.heartbeat import Heartbeat
-from orchestrator.state.records import RolloutStore
+from orchestrator.state.records import CallStart, Dispatch, DispatchOutcome, RolloutStore
 from orchestrator.state.replies import QueueClient
 from orchestrator.state.tasks import TaskName, ToolCall, ToolCallDone
 from orchestrator.state.tickets import Ticket, TicketState
@@ -39,21 +39,46 @@ class CallDispatcher:
         self.store = store
         self.queue = queue
 
-    async def run(self, call: ToolCall, *, reply_key: str) -> ToolCallDone:
-        """Send ``call`` (whose ticket is queued for ``call.attempt``) and await its result,
-        for at most its bound: the longest command, the wait for a worker, the exec agent's
-        reply allowance and a probe after it (rollouts/bounds.py)."""
+    def prepare(self, call: ToolCall, budget: int | None) -> Dispatch:
+        """What :meth:`RolloutStore.begin_call` needs to send ``call`` in its own step."""
+        host = call.handle.host
+        queue = self.store.keys.host_queue(host)
+        bound = call_bound_s(self.settings, call.command_timeout_max_s)
+        message = self.queue.message(
+            TaskName.RUN_TOOL, call.model_dump(mode="json"), queue=queue, expires=bound
+        )
+        return Dispatch(
+            heartbeat_key=self.store.keys.heartbeat(host),
+            queue=queue,
+            message=message,
+            budget=budget,
+        )
+
+    async def run(
+        self, call: ToolCall, *, reply_key: str, start: CallStart | None = None
+    ) -> ToolCallDone:
+        r"""Await the result of ``call`` (whose ticket is queued for ``call.attempt``), for
+        at most its bound: the longest command, the wait for a worker, the exec agent's
+        reply allowance and a probe after it (rollouts/bounds.py). ``start``: what its
+        start did with its :meth:`prepare`\ d dispatch; without one, it is sent here."""
         host = call.handle.host
         bound = call_bound_s(self.settings, call.command_timeout_max_s)
-        beat = await self.queue.heartbeats.get(host)
-        if beat is None or beat.draining:
+        outcome = start.dispatch if start is not None else DispatchOutcome.NOT_ASKED
+        beat: Heartbeat | None = None
+        if outcome == DispatchOutcome.NO_WORKER:
+            assert start is not None
+            beat = Heartbeat.model_validate_json(start.heartbeat) if start.heartbeat else None
             await self._cancel(call, f"host {host!r} has no live worker", beat)
-        await self.queue.send(
-            TaskName.RUN_TOOL,
-            call.model_dump(mode="json"),
-            queue=self.store.keys.host_queue(host),
-            expires=bound,
-        )
+        elif outcome == DispatchOutcome.NOT_ASKED:
+            beat = await self.queue.heartbeats.get(host)
+            if beat is None or beat.draining:
+                await self._cancel(call, f"host {host!r} has no live worker", beat)
+            await self.queue.send(
+                TaskName.RUN_TOOL,
+                call.model_dump(mode="json"),
+                queue=self.store.keys.host_queue(host),
+                expires=bound,
+            )
         deadline = time.monotonic() + bound
         while True:
             remaining = deadline - time.monotonic()

@@ -7,10 +7,14 @@ Delivery, deliberately:
   claimed before it runs, so it runs at most once even if a message were delivered twice,
   and a worker that dies mid-call is noticed by its heartbeat and the ticket, not by a
   redelivery that would run the command again.
-- ``visibility_timeout``: a message a worker reserved but never started (the worker was
-  killed) comes back after this long. By then its ``expires`` (the call's own bound) has
-  passed and the API has cancelled its ticket, so it is dropped; it is set just above the
-  longest bound so nothing still wanted is ever dropped early.
+- ``ack_emulation=False``: kombu's emulation of acknowledgements keeps every delivered
+  message in an "unacked" hash until its ack, and puts it back after a visibility timeout
+  if the worker was killed first: two more round trips per message (measured by
+  tests/e2e/test_round_trips.py) for a redelivery we never want. A message a killed worker
+  had reserved is past its ``expires`` (the call's own bound) by the time it would come
+  back, and the API has cancelled its ticket when the heartbeat stopped, so it would be
+  dropped anyway; the API answers such a call 503, never run, and its retry runs it. A
+  worker that stops warmly still gives its reserved messages back.
 - Every publish carries ``expires``; replies go through Redis lists, not the result
   backend (state/replies.py). Results expire after an hour; the rollout store keeps what
   matters.
@@ -18,6 +22,9 @@ Delivery, deliberately:
 
 from __future__ import annotations
 
+import base64
+import json
+import uuid
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -49,7 +56,8 @@ def make_celery(settings: Settings) -> Celery:
         worker_send_task_events=False,
         task_ignore_result=False,
         broker_transport_options={
-            "visibility_timeout": int(settings.command_timeout_max_s + settings.queue_wait_s + 60)
+            "ack_emulation": False,
+            "client_name": keys.client_name("broker"),
         },
         beat_schedule={
             "reap": {
@@ -77,3 +85,50 @@ def task(name: TaskName) -> Callable[[Task], Task]:
     returns a JSON payload, the models of state/tasks.py dumped."""
     decorator: Callable[[Task], Task] = _shared_task(name=name.value)
     return decorator
+
+
+def task_message(
+    app: Celery, task: TaskName, payload: dict[str, Any], *, queue: str, expires_s: float | None
+) -> str:
+    """The message that publishing ``task`` to ``queue`` puts on the queue's Redis list,
+    built without publishing it: Celery's own task message (protocol 2, its headers made by
+    ``app.amqp.as_task_v2``) in kombu's Redis envelope (the body base64, the delivery info
+    naming the queue). Pushed by our own client, it costs one round trip on the event loop
+    instead of a thread hop into kombu's producer, and a Lua script can push it in the same
+    step as the state change it belongs to (state/records.begin_call).
+    tests/test_broker.py checks it against what ``send_task`` pushes, field by field, and
+    every tool call of the suite is delivered this way to a real Celery worker."""
+    task_id = str(uuid.uuid4())
+    # argsrepr is what monitoring shows of the arguments: saferepr of a tool call's whole
+    # payload cost more than the rest of the message.
+    message = app.amqp.as_task_v2(
+        task_id,
+        task.value,
+        args=[payload],
+        kwargs={},
+        expires=expires_s,
+        ignore_result=True,
+        argsrepr=f"[{task.name.lower()}]",
+        kwargsrepr="{}",
+    )
+    properties: dict[str, Any] = {
+        **message.properties,
+        "delivery_mode": 2,
+        "priority": 0,
+        "delivery_info": {"exchange": "", "routing_key": queue},
+        "body_encoding": "base64",
+        "delivery_tag": str(uuid.uuid4()),
+    }
+    if expires_s is not None:
+        properties["expiration"] = str(int(expires_s * 1000))
+    body = json.dumps(message.body, separators=(",", ":")).encode()
+    return json.dumps(
+        {
+            "body": base64.b64encode(body).decode(),
+            "content-encoding": "utf-8",
+            "content-type": "application/json",
+            "headers": message.headers,
+            "properties": properties,
+        },
+        separators=(",", ":"),
+    )

@@ -50,6 +50,7 @@ class StateCollector(Collector):
             socket_timeout=_REDIS_TIMEOUT_S,
             socket_connect_timeout=_REDIS_TIMEOUT_S,
             decode_responses=True,
+            client_name=self.keys.client_name("metrics"),
         )
 
     def collect(self) -> Iterator[Metric]:

@@ -8,7 +8,8 @@ SyncRedis = redis.Redis
 """A blocking client: the worker's (Celery runs tasks in threads)."""
 
 
-def worker_client(redis_url: str) -> SyncRedis:
-    """The worker process's client: one pool for its Celery threads, its heartbeat and its
-    creation lane (256 connections: more than the threads that can hold one at once)."""
-    return redis.Redis.from_url(redis_url, max_connections=256)
+def worker_client(redis_url: str, name: str) -> SyncRedis:
+    """A client of the worker process, its connections named ``name`` (state/keys.Keys.
+    client_name): one pool for its Celery threads and its creation lane (256 connections:
+    more than the threads that can hold one at once)."""
+    return redis.Redis.from_url(redis_url, max_connections=256, client_name=name)

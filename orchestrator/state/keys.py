@@ -158,6 +158,14 @@ class Keys:
         """The Celery queue any worker takes from (the reaper, pool refills)."""
         return f"orch.{self.deployment}.shared"
 
+    # Connections.
+
+    def client_name(self, role: str) -> str:
+        """What a connection of ``role`` (api, worker, heartbeat, broker, reaper, metrics,
+        cli) calls itself (CLIENT SETNAME): ``CLIENT LIST`` shows who holds what, and a
+        test counts each side's round trips by it (tests/e2e/test_round_trips.py)."""
+        return f"orch:{self.deployment}:{role}"
+
 
 def queue_depth_keys(queue: str) -> list[str]:
     """The Redis lists kombu keeps one Celery queue's waiting messages in (one per

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from enum import StrEnum
 from typing import Any, cast
 
 import redis
@@ -162,9 +163,14 @@ return redis.call('HGETALL', KEYS[1])
 _BEGIN_CALL = """
 local stored = redis.call('GET', KEYS[1])
 if stored then return {'stored', stored} end
+local record = redis.call('HMGET', KEYS[4], 'state', 'infra_failure', 'ended_by')
+if record[1] ~= 'active' or (record[2] or 'null') ~= 'null' or (record[3] or 'null') ~= 'null' then
+  return {'ended', record[1] or ''}
+end
 local st = redis.call('HGET', KEYS[6], 'state')
 if redis.call('GET', KEYS[2]) == ARGV[1] and redis.call('HGET', KEYS[6], 'attempt') == ARGV[1] then
-  return {'run', redis.call('HGET', KEYS[6], 'seq')}  -- this very attempt, retried
+  -- This very attempt, run twice (the connection dropped): whether it was sent is unknown.
+  return {'run', redis.call('HGET', KEYS[6], 'seq'), ARGV[7] == '' and '' or 'retried'}
 end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'busy', st or ''} end
 if st == 'running' or st == 'lost' then
@@ -191,7 +197,12 @@ if redis.call('HGET', KEYS[6], 'open') ~= '1' then
 end
 redis.call('HSET', KEYS[4], 'last_activity', ARGV[3])
 redis.call('ZADD', KEYS[5], 'XX', ARGV[3], ARGV[4])
-return {'run', seq}
+if ARGV[7] == '' then return {'run', seq, ''} end
+if ARGV[8] ~= '' and tonumber(seq) > tonumber(ARGV[8]) then return {'run', seq, 'over_budget'} end
+local beat = redis.call('GET', KEYS[7])
+if not beat or cjson.decode(beat)['draining'] then return {'run', seq, 'no_worker', beat or ''} end
+redis.call('LPUSH', KEYS[8], ARGV[7])
+return {'run', seq, 'sent'}
 """
 
 # One round trip to end it; safe to run twice (a retry may finish a call whose first
@@ -231,26 +242,66 @@ def _failure_entry(rollout: Rollout, failure: dict[str, Any]) -> InfraFailureEnt
     )
 
 
+class CallStartStatus(StrEnum):
+    """What :meth:`RolloutStore.begin_call` found."""
+
+    STORED = "stored"
+    """The call's reply, stored already: return it."""
+    RUN = "run"
+    """Go ahead, as attempt ``token`` with sequence number ``seq``."""
+    DONE = "done"
+    """It ran, its result is on the ticket: finish it (as ``token``)."""
+    BUSY = "busy"
+    """Another attempt of it holds its lock; ``ticket`` says how far it is."""
+    RUNNING = "running"
+    """Another attempt's worker runs it now."""
+    LOST = "lost"
+    """Its worker died while running it."""
+    ENDED = "ended"
+    """The rollout is not active (ended, failed, or gone): nothing was changed."""
+
+
+class Dispatch(BaseModel):
+    """Send the call in the same step as its start, where it may run now (the rollout is
+    active, the call is within its budget, the host's worker beats and is not draining)."""
+
+    heartbeat_key: str
+    queue: str
+    message: str = Field(description="The task message (state/broker.task_message).")
+    budget: int | None = Field(None, description="Calls the rollout may make; None: no cap.")
+
+
+class DispatchOutcome(StrEnum):
+    """What happened to the :class:`Dispatch` of a call that may run."""
+
+    NOT_ASKED = ""
+    SENT = "sent"
+    OVER_BUDGET = "over_budget"
+    """Not sent: the call's sequence number is past the rollout's budget."""
+    NO_WORKER = "no_worker"
+    """Not sent: the host has no live worker, or it is draining (``heartbeat``: its last)."""
+    RETRIED = "retried"
+    """The step ran twice (a dropped connection, retried): whether the first sent it is
+    unknown, so the caller waits as for a sent call, whose checks of the ticket and the
+    heartbeat settle it within a second."""
+
+
 class CallStart(BaseModel):
-    """What :meth:`RolloutStore.begin_call` found.
+    """What :meth:`RolloutStore.begin_call` found, and did."""
 
-    ``stored``: the call's reply, stored already. ``run``: go ahead, as attempt ``token``
-    with sequence number ``seq``. ``done``: it ran, its result is on the ticket, finish it
-    (as ``token``). ``busy``/``running``: another attempt of it is under way; ``ticket``
-    says how far. ``lost``: its worker died while running it.
-    """
-
-    status: str
+    status: CallStartStatus
     stored: dict[str, Any] | None = None
     seq: int = 0
     token: str = ""
-    ticket: str = ""
+    ticket: str = Field("", description="busy: the state of the ticket; ended: the record's.")
+    dispatch: DispatchOutcome = DispatchOutcome.NOT_ASKED
+    heartbeat: str = Field("", description="no_worker: the host's heartbeat JSON, if any.")
 
 
 class RolloutStore:
     """Async access to rollout state. One instance per process."""
 
-    def __init__(self, redis_url: str, keys: Keys) -> None:
+    def __init__(self, redis_url: str, keys: Keys, *, role: str = "api") -> None:
         # Strings in and out: every value we keep is text (JSON or a number). Commands
         # are retried on a dropped connection (after a Redis restart every pooled
         # connection is stale once); the scripts are safe to run twice (see each).
@@ -260,6 +311,7 @@ class RolloutStore:
             decode_responses=True,
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            client_name=keys.client_name(role),
         )
         self.keys = keys
         self.tickets = ApiTickets(self.redis, keys)
@@ -269,9 +321,9 @@ class RolloutStore:
         self._end_call_script = self.redis.register_script(_END_CALL)
 
     @classmethod
-    def connect(cls, settings: Settings) -> RolloutStore:
-        """The store of ``settings``' deployment."""
-        return cls(settings.redis_url, Keys.of(settings.deployment))
+    def connect(cls, settings: Settings, role: str = "api") -> RolloutStore:
+        """The store of ``settings``' deployment, its connections named for ``role``."""
+        return cls(settings.redis_url, Keys.of(settings.deployment), role=role)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -405,21 +457,43 @@ class RolloutStore:
         ]
 
     async def begin_call(
-        self, rollout_id: str, call_id: str, *, lock_ttl_s: float, reply_to: str
+        self,
+        rollout_id: str,
+        call_id: str,
+        *,
+        lock_ttl_s: float,
+        reply_to: str,
+        token: str | None = None,
+        dispatch: Dispatch | None = None,
     ) -> CallStart:
-        """In one step: the stored reply of ``call_id`` if there is one; else the call's
-        lock, a queued ticket for this attempt (a new sequence number, or the old one for
-        a call that never ran), the call counted in flight and the rollout active."""
-        token = uuid.uuid4().hex
-        status, value = await self._begin_call_script(
-            keys=self._call_keys(rollout_id, call_id)[:6],
-            args=[token, int(lock_ttl_s * 1000), time.time(), rollout_id, TICKET_TTL_S, reply_to],
-        )
-        if status == "stored":
-            return CallStart(status="stored", stored=json.loads(value))
-        if status in ("run", "done"):
-            return CallStart(status=status, seq=int(value), token=token)
-        return CallStart(status=status, ticket=value)
+        """In one step: the stored reply of ``call_id`` if there is one; else, if the
+        rollout is active, the call's lock, a queued ticket for attempt ``token`` (a new
+        sequence number, or the old one for a call that never ran), the call counted in
+        flight and the rollout's activity; and, given ``dispatch``, the call sent to its
+        host's queue (see :class:`Dispatch`). One round trip on the call path."""
+        token = token or uuid.uuid4().hex
+        keys = self._call_keys(rollout_id, call_id)[:6]
+        args: list[Any] = [
+            token, int(lock_ttl_s * 1000), time.time(), rollout_id, TICKET_TTL_S, reply_to,
+        ]  # fmt: skip
+        if dispatch is None:
+            args += ["", ""]
+            keys += ["", ""]
+        else:
+            budget = "" if dispatch.budget is None else dispatch.budget
+            args += [dispatch.message, budget]
+            keys += [dispatch.heartbeat_key, dispatch.queue]
+        status, value, *rest = await self._begin_call_script(keys=keys, args=args)
+        found = CallStartStatus(status)
+        if found == CallStartStatus.STORED:
+            return CallStart(status=found, stored=json.loads(value))
+        if found in (CallStartStatus.RUN, CallStartStatus.DONE):
+            outcome = DispatchOutcome(rest[0] if rest and dispatch is not None else "")
+            beat = str(rest[1]) if len(rest) > 1 else ""
+            return CallStart(
+                status=found, seq=int(value), token=token, dispatch=outcome, heartbeat=beat
+            )
+        return CallStart(status=found, ticket=value)
 
     async def end_call(
         self,

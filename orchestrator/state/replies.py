@@ -9,7 +9,6 @@ call whose worker is gone fails fast as an infrastructure error instead of hangi
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -20,13 +19,13 @@ import redis.asyncio as aioredis
 from celery import Celery
 
 from orchestrator.config import Settings
+from orchestrator.state.broker import task_message
 from orchestrator.state.heartbeat import Heartbeats
 from orchestrator.state.keys import Keys, queue_depth_keys
 from orchestrator.state.tasks import TaskName
+from orchestrator.state.tickets import REPLY_LIST_TTL_S
 
 HEARTBEAT_CHECK_S = 1.0
-REPLY_TTL_S = 300
-"""A reply nobody popped (its caller gave up) goes after this."""
 
 
 class QueueTimeout(Exception):
@@ -80,16 +79,17 @@ class QueueClient:
         self, task: TaskName, payload: dict[str, Any], *, queue: str, expires: float | None = None
     ) -> None:
         """Publish without waiting for the task (teardown, or a call whose reply is awaited
-        by :meth:`wait_reply`). Celery's publish is a blocking Redis write: it runs in a
-        thread, so a burst of publishes never stalls the event loop."""
-        await asyncio.to_thread(
-            self.app.send_task,
-            task.value,
-            args=[payload],
-            queue=queue,
-            expires=expires,
-            ignore_result=True,
-        )
+        by :meth:`wait_reply`): Celery's message, pushed by the async client in one round
+        trip (state/broker.task_message), so a burst of publishes never stalls the event
+        loop nor waits for a thread."""
+        message = self.message(task, payload, queue=queue, expires=expires)
+        await self.redis.lpush(queue, message)
+
+    def message(
+        self, task: TaskName, payload: dict[str, Any], *, queue: str, expires: float | None
+    ) -> str:
+        """The message :meth:`send` would push, for a script that pushes it itself."""
+        return task_message(self.app, task, payload, queue=queue, expires_s=expires)
 
     async def depth(self, queue: str) -> int:
         """Messages waiting in ``queue`` (its priority sub-queues included)."""
@@ -112,5 +112,5 @@ def push_reply(client: redis.Redis, key: str, reply: dict[str, Any]) -> None:
     """The worker's side: push a task's reply to the list its caller waits on."""
     with client.pipeline(transaction=False) as pipe:
         pipe.rpush(key, json.dumps(reply))
-        pipe.expire(key, REPLY_TTL_S)
+        pipe.expire(key, REPLY_LIST_TTL_S)
         pipe.execute()

@@ -29,6 +29,8 @@ from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_expo
 from orchestrator.state.keys import Keys
 
 TICKET_TTL_S = 86400
+REPLY_LIST_TTL_S = 300
+"""A reply nobody popped (its caller gave up) goes after this."""
 
 
 class TicketState(StrEnum):
@@ -72,15 +74,24 @@ redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'claimed_at',
 return 'running'
 """
 
-# KEYS: ticket. ARGV: worker instance, result JSON, now. Returns {state, reply_to}. Only the
-# worker's own running claim becomes done; a result that comes later than that (the call
-# was declared lost, or aborted at shutdown) is kept apart as evidence, never as the result.
+# KEYS: ticket. ARGV: worker instance, result JSON, now, reply TTL. Returns {state,
+# reply_to}. Only the worker's own running claim becomes done, and its result is pushed to
+# the reply list of the ticket's current attempt in the same step (one round trip for the
+# worker, and no reply without its result on the ticket); a result that comes later than
+# that (the call was declared lost, or aborted at shutdown) is kept apart as evidence,
+# never as the result, and nobody is told.
 FINISH = """
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st then return {'missing', ''} end
 if st == 'running' and redis.call('HGET', KEYS[1], 'worker') == ARGV[1] then
   redis.call('HSET', KEYS[1], 'state', 'done', 'result', ARGV[2], 'finished_at', ARGV[3])
-  return {'done', redis.call('HGET', KEYS[1], 'reply_to') or ''}
+  -- (The list is named by the ticket, not declared in KEYS: a retry may have replaced it.)
+  local reply_to = redis.call('HGET', KEYS[1], 'reply_to') or ''
+  if reply_to ~= '' then
+    redis.call('RPUSH', reply_to, ARGV[2])
+    redis.call('EXPIRE', reply_to, ARGV[4])
+  end
+  return {'done', reply_to}
 end
 redis.call('HSET', KEYS[1], 'late_result', ARGV[2])
 return {st, ''}
@@ -157,10 +168,13 @@ class WorkerTickets:
 
     @_through_outage
     def finish(self, key: str, instance: str, result_json: str, now: float) -> tuple[str, str]:
-        """Store the result; returns the ticket's state and the reply list of its current
-        attempt (the caller waiting now, which may be a retry of the one that sent it),
-        or ``''`` when nobody should be told (the call was declared lost meanwhile)."""
-        state, reply_to = self._finish(keys=[key], args=[instance, result_json, now])
+        """Store the result and push it to the reply list of the ticket's current attempt
+        (the caller waiting now, which may be a retry of the one that sent it); returns the
+        ticket's state and that list, ``''`` when nobody was told (the call was declared
+        lost meanwhile)."""
+        state, reply_to = self._finish(
+            keys=[key], args=[instance, result_json, now, REPLY_LIST_TTL_S]
+        )
         return _text(state), _text(reply_to)
 
 
