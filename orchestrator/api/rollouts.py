@@ -23,7 +23,7 @@ from orchestrator.api.models import (
     Trajectory,
 )
 from orchestrator.grading import extract_answer
-from orchestrator.rollouts.errors import Rejected
+from orchestrator.rollouts.lookup import known
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.state.models import RolloutSource
 from orchestrator.state.records import Rollout
@@ -81,12 +81,12 @@ async def grade_rollout(rollout_id: RolloutId, body: RolloutGradeRequest, svc: S
 
 @router.get("/{rollout_id}", responses=RESPONSES)
 async def get_rollout(rollout_id: RolloutId, svc: Svc) -> RolloutView:
-    return view(await _get(svc, rollout_id), await svc.store.call_count(rollout_id))
+    return view(await known(svc.store, rollout_id), await svc.store.call_count(rollout_id))
 
 
 @router.get("/{rollout_id}/trajectory", responses=RESPONSES)
 async def get_trajectory(rollout_id: RolloutId, svc: Svc) -> Trajectory:
-    await _get(svc, rollout_id)
+    await known(svc.store, rollout_id)
     return Trajectory(rollout_id=rollout_id, steps=await svc.store.trajectory(rollout_id))
 
 
@@ -95,13 +95,6 @@ async def delete_rollout(rollout_id: RolloutId, svc: Svc) -> RolloutView:
     """Destroy the sandbox now; the record stays readable."""
     rollout = await svc.close(rollout_id, "deleted")
     return view(rollout, await svc.store.call_count(rollout_id))
-
-
-async def _get(svc: RolloutService, rollout_id: str) -> Rollout:
-    rollout = await svc.store.get(rollout_id)
-    if rollout is None:
-        raise Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
-    return rollout
 
 
 def view(rollout: Rollout, calls: int) -> RolloutView:

@@ -27,7 +27,9 @@ from orchestrator.e2b.models import (
 from orchestrator.environments.loader import ResolvedEnvironment
 from orchestrator.outcomes import Cause
 from orchestrator.rollouts.errors import InfraError, Rejected
-from orchestrator.rollouts.service import CallReply, RolloutService
+from orchestrator.rollouts.lookup import present
+from orchestrator.rollouts.models import CallReply
+from orchestrator.rollouts.service import RolloutService
 from orchestrator.sandbox.agent.client import READ_FILE_TIMEOUT_S, REPLY_SLACK_S
 from orchestrator.sandbox.backend import FileAction, FileOpResult
 from orchestrator.state.e2b import E2BProcesses
@@ -349,7 +351,8 @@ class E2BSandboxes:
                 f"maximum lifetime of {lifetime} s"
             )
         state = state.model_copy(update={"end_at": end_at})
-        await self.store.update(rollout.rollout_id, e2b=state.model_dump(mode="json"))
+        updated = await self.store.update(rollout.rollout_id, e2b=state.model_dump(mode="json"))
+        present(updated, rollout.rollout_id, "its timeout was set")
         return state
 
     async def _process_record(self, rollout_id: str, pid: int) -> dict[str, Any]:

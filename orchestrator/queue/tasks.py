@@ -185,7 +185,7 @@ _PROBE_AFTER = {"timeout", "memory_limit", "pids_limit", "disk_limit"}
 def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
     queue_ms = max(0.0, (started - call.enqueued_at) * 1000)
     resolved = worker.environment_of(call)
-    # The API let only an E2B client call a client tool (rollouts/service.py).
+    # The API let only an E2B client call a client tool (rollouts/calls.py).
     tool = resolved.tool(call.tool, clients=True)
     if tool is None:
         raise LookupError(f"environment {resolved.environment.name!r} has no tool {call.tool!r}")

@@ -94,3 +94,12 @@ class CallPending(InfraError):
             rollout_id=rollout_id,
             code=Cause.CALL_IN_PROGRESS,
         )
+
+
+class RolloutVanished(InfraError):
+    """The rollout's record went away while we worked on it (records never expire, so
+    Redis lost it): our fault, a 503, and nothing left to score. An id the client never
+    created is :func:`orchestrator.rollouts.lookup.unknown` instead, a 404."""
+
+    def __init__(self, rollout_id: str, during: str) -> None:
+        super().__init__(f"the rollout vanished while {during}", rollout_id=rollout_id)

@@ -148,7 +148,7 @@ async def _reap_one(
     store = service.store
     rollout = await store.get(rollout_id)
     if rollout is None:
-        await store.forget_live(rollout_id)
+        await _forget_vanished(store, rollout_id)
         return None
     bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
     host = rollout.sandbox.host if rollout.sandbox is not None else None
@@ -156,7 +156,11 @@ async def _reap_one(
     if host in failing and rollout.state != RolloutState.INFRA_FAILED:
         host_cause, message, evidence = failing[host]
         await service.mark_infra_failed(rollout_id, host_cause, message, evidence)
-        rollout = await store.get(rollout_id) or rollout
+        failed = await store.get(rollout_id)
+        if failed is None:
+            await _forget_vanished(store, rollout_id)
+            return None
+        rollout = failed
     end = reason_to_end(rollout, service, now)
     if end is None:
         return None
@@ -171,6 +175,12 @@ async def _reap_one(
         # A lost host's sandbox goes when the host's sweep runs again; it is reaped now.
         metrics.SANDBOXES_REAPED.labels(host_cause or end.reason).inc()
     return end.reason
+
+
+async def _forget_vanished(store: RolloutStore, rollout_id: str) -> None:
+    """A live rollout whose record Redis lost has nothing left to end or close (a close
+    would be a 404, ending the pass for every rollout after it): it leaves the live set."""
+    await store.forget_live(rollout_id)
 
 
 async def _failing_hosts(

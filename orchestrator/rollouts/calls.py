@@ -1,0 +1,362 @@
+"""A rollout's tool calls: each one checked for agent mistakes before any state changes,
+counted and run exactly once on the host holding the sandbox (a retry gets the stored
+reply), within the request's bound, and recorded in the trajectory.
+
+Given the start (a call may be a rollout's first: Agent RFT) and the close (a call to a
+rollout that failed or ended is refused; a fault fails the rollout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from orchestrator.config import Settings
+from orchestrator.environments.loader import ResolvedEnvironment
+from orchestrator.observability import metrics
+from orchestrator.observability.logging import bind_sandbox, in_rollout_context
+from orchestrator.outcomes import Outcome
+from orchestrator.rollouts.bounds import (
+    Deadline,
+    agent_rft_settings,
+    call_bound_s,
+    call_overhead_s,
+)
+from orchestrator.rollouts.closes import Closer
+from orchestrator.rollouts.dispatch import CallDispatcher
+from orchestrator.rollouts.errors import (
+    CallLost,
+    CallNotRun,
+    CallPending,
+    InfraError,
+    Rejected,
+)
+from orchestrator.rollouts.lookup import unknown
+from orchestrator.rollouts.models import CallReply
+from orchestrator.rollouts.starts import Starter
+from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
+from orchestrator.state.records import CallStart, Rollout, RolloutStore
+from orchestrator.state.replies import QueueClient
+from orchestrator.state.tasks import ToolCall, ToolCallDone
+from orchestrator.state.tickets import TicketState
+from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
+
+
+@dataclass(frozen=True)
+class PendingCall:
+    """One counted tool call on its way through :meth:`ToolCalls.call_tool`."""
+
+    rollout: Rollout
+    resolved: ResolvedEnvironment
+    tool: str
+    arguments: Any
+    call_id: str
+    received: float  # time.monotonic() when the request came
+    started_at: datetime
+    settings: Settings
+    """The deployment's settings as this call's tools see them (Agent RFT: capped)."""
+    deadline: Deadline
+
+
+@dataclass(frozen=True)
+class CallCheck:
+    """What :meth:`ToolCalls._check_call` found: an agent mistake to answer now
+    (``early``), or how long the call's command may take."""
+
+    early: CallReply | None = None
+    command_timeout_s: float = 0.0
+
+
+class ToolCalls:
+    def __init__(
+        self,
+        settings: Settings,
+        store: RolloutStore,
+        queue: QueueClient,
+        dispatcher: CallDispatcher,
+        starter: Starter,
+        closer: Closer,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.queue = queue
+        self.keys = store.keys
+        self.dispatcher = dispatcher
+        self.starter = starter
+        self.closer = closer
+        self._agent_rft_settings = agent_rft_settings(settings)
+
+    @in_rollout_context
+    async def call_tool(
+        self,
+        rollout_id: str,
+        tool_name: str,
+        arguments: Any,
+        *,
+        call_id: str | None,
+        item: dict[str, Any] | None = None,
+        source: RolloutSource = RolloutSource.API,
+    ) -> CallReply:
+        """Run one tool call. ``item`` given (Agent RFT) means: start the rollout if new.
+
+        Agent mistakes (unknown tool, bad arguments, spent budget) come back as
+        ``agent_error`` replies without touching the sandbox; infrastructure faults raise
+        :class:`InfraError` and mark the rollout ``infra_failed``.
+        """
+        received = time.monotonic()
+        started_at = datetime.now(UTC)
+        call_id = call_id or f"auto_{time.time_ns()}"
+        deadline = Deadline.for_source(self.settings, source)
+        settings = self._settings_for(source)
+        # Only a client that drives its sandbox itself may run a client tool: never a model.
+        clients = source == RolloutSource.E2B
+        existing = await self.store.get(rollout_id)
+        if existing is None:
+            if item is None:
+                raise unknown(rollout_id)
+            # A new rollout (Agent RFT): agent mistakes are answered before anything exists.
+            resolved = await self.starter.aresolve(item)
+            check = self._check_call(
+                resolved, settings, tool_name, arguments, call_id, received, clients=clients
+            )
+            if check.early is not None:
+                return check.early
+            rollout = await self.starter.start(
+                rollout_id,
+                item,
+                source=source,
+                resolved=resolved,
+                deadline=deadline,
+                reserve_s=check.command_timeout_s + call_overhead_s(settings),
+            )
+        else:
+            resolved = self.starter.environment_of(existing)
+            check = self._check_call(
+                resolved, settings, tool_name, arguments, call_id, received, clients=clients
+            )
+            if check.early is not None:
+                return check.early
+            reserve = check.command_timeout_s + call_overhead_s(settings)
+            rollout = await self.starter.wait_ready(existing, deadline, reserve)
+        bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
+        if rollout.state != RolloutState.ACTIVE or rollout.infra_failure:
+            # A retry gets its stored reply even after the rollout ended or failed.
+            stored = await self.store.stored_reply(rollout_id, call_id)
+            if stored is not None:
+                return CallReply.model_validate(stored)
+            await self._refuse_ended(rollout)
+        if deadline.cap(math.inf) < check.command_timeout_s + call_overhead_s(settings):
+            # Waiting for the sandbox took the time this call's command needs: cutting the
+            # command short would score our delay as the agent's timeout. Never run; the
+            # retry (a request with its own time) runs it whole.
+            raise CallNotRun(
+                "too little of this request's time is left to run the call within the "
+                "platform's bound after its sandbox was made; retry",
+                rollout_id=rollout_id,
+            )
+        pending = PendingCall(
+            rollout=rollout,
+            resolved=resolved,
+            tool=tool_name,
+            arguments=arguments,
+            call_id=call_id,
+            received=received,
+            started_at=started_at,
+            settings=settings,
+            deadline=deadline,
+        )
+        try:
+            return await self._call_once(pending)
+        except InfraError:
+            metrics.TOOL_CALLS.labels(tool_name, Outcome.INFRA_ERROR).inc()
+            raise
+
+    async def _call_once(self, call: PendingCall) -> CallReply:
+        """Run the call once, or give back what its other attempt did (a retry racing
+        its original, or one whose first waiter died: the result is on its ticket)."""
+        rollout, rollout_id, call_id = call.rollout, call.rollout.rollout_id, call.call_id
+        lock_ttl = call_bound_s(call.settings) + 60
+        deadline = time.monotonic() + lock_ttl
+        reply_key = self.queue.reply_key()
+        delay = 0.02
+        while True:
+            start = await self.store.begin_call(
+                rollout_id, call_id, lock_ttl_s=lock_ttl, reply_to=reply_key
+            )
+            if start.status == "stored":
+                assert start.stored is not None
+                return CallReply.model_validate(start.stored)
+            if start.status == "lost" or start.ticket == "lost":
+                raise await self._lost(
+                    CallLost("the worker running this call died", rollout_id=rollout_id)
+                )
+            if start.status in ("run", "done"):
+                break
+            # Another attempt of this call is under way.
+            ticket = await self.store.tickets.read(rollout_id, call_id)
+            if ticket.state == TicketState.DONE:
+                finished = ToolCallDone.model_validate_json(ticket.result)
+                return await self._settle(call, ticket.seq, "", finished)
+            if ticket.state == TicketState.RUNNING and rollout.sandbox is not None:
+                try:
+                    await self.dispatcher.check_running(
+                        rollout_id, call_id, rollout.sandbox.host, ticket
+                    )
+                except CallLost as exc:
+                    raise await self._lost(exc) from exc
+            if time.monotonic() > deadline:
+                raise InfraError(f"call {call_id} never finished", rollout_id=rollout_id)
+            if call.deadline.remaining() <= 0:
+                raise CallPending(rollout_id)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+        done: ToolCallDone | None = None
+        try:
+            if start.status == "done":
+                ticket = await self.store.tickets.read(rollout_id, call_id)
+                done = ToolCallDone.model_validate_json(ticket.result)
+            else:
+                done = await self._dispatch(call, start, reply_key)
+        except CallLost as exc:
+            raise await self._lost(exc) from exc
+        finally:
+            if done is None:  # nothing to store: out of flight, lock released
+                await self.store.end_call(rollout_id, call_id, start.token, reply=None, step=None)
+        return await self._settle(call, start.seq, start.token, done)
+
+    async def _dispatch(self, call: PendingCall, start: CallStart, reply_key: str) -> ToolCallDone:
+        """The call's result: from its host's worker, or the spent budget's answer."""
+        rollout, resolved = call.rollout, call.resolved
+        budget = resolved.environment.tool_call_budget
+        if budget is not None and start.seq > budget:
+            return ToolCallDone(
+                result=agent_error(
+                    f"the tool-call budget of {budget} calls for this rollout is spent; "
+                    "give your final answer now",
+                    "budget_exhausted",
+                    budget=resolved.environment.effective_output_budget(self.settings),
+                )
+            )
+        assert rollout.sandbox is not None
+        payload = ToolCall(
+            rollout_id=rollout.rollout_id,
+            trace_id=rollout.rollout_id,
+            call_id=call.call_id,
+            ticket=self.keys.ticket(rollout.rollout_id, call.call_id),
+            attempt=start.token,
+            environment=resolved.environment.name,
+            environment_digest=resolved.environment.digest,
+            handle=rollout.sandbox,
+            tool=call.tool,
+            arguments=call.arguments,
+            command_timeout_max_s=call.settings.command_timeout_max_s,
+            enqueued_at=time.time(),
+        )
+        return await self.dispatcher.run(payload, reply_key=reply_key)
+
+    async def _lost(self, exc: CallLost) -> CallLost:
+        await self.closer.mark_infra_failed(exc.rollout_id, exc.cause, exc.message, exc.evidence)
+        return exc
+
+    def _settings_for(self, source: RolloutSource) -> Settings:
+        """The settings a request's tools see: Agent RFT's commands are capped so that its
+        calls fit the platform's bound (rollouts/bounds.py)."""
+        return self._agent_rft_settings if source == RolloutSource.AGENT_RFT else self.settings
+
+    def _check_call(
+        self,
+        resolved: ResolvedEnvironment,
+        settings: Settings,
+        tool_name: str,
+        arguments: Any,
+        call_id: str,
+        received: float,
+        *,
+        clients: bool,
+    ) -> CallCheck:
+        """Agent mistakes caught before any state changes: no sandbox, no budget spent."""
+        budget = resolved.environment.effective_output_budget(settings)
+        tool = resolved.tool(tool_name, clients=clients)
+        if tool is None:
+            known = ", ".join(sorted(resolved.tools))
+            result = agent_error(
+                f"unknown tool {tool_name!r}; this environment's tools are: {known}",
+                "unknown_tool",
+                budget=budget,
+            )
+        else:
+            tool_settings = resolved.tool_settings(settings)
+            try:
+                args = tool.parse(arguments, tool_settings)
+                return CallCheck(command_timeout_s=tool.command_timeout_s(args, tool_settings))
+            except InvalidArguments as exc:
+                result = agent_error(exc.message, "invalid_arguments", budget=budget)
+        # An unknown name is the agent's free text: never a label value.
+        metrics.TOOL_CALLS.labels(tool_name if tool else "(unknown)", result.outcome).inc()
+        return CallCheck(early=_reply(call_id, 0, result, (time.monotonic() - received) * 1000))
+
+    async def _refuse_ended(self, rollout: Rollout) -> None:
+        """Refuse a call to a rollout that is over: a 503 naming the cause when it failed
+        or when we ended it before its grade (it must be discarded, never scored); a 409
+        when the trainer itself ended it (graded, or closed through the rollout API)."""
+        await self.closer.refuse_failed(rollout, "rollout failed earlier")
+        if rollout.state in (RolloutState.GRADED, RolloutState.CLOSED):
+            raise Rejected(409, f"rollout {rollout.rollout_id} is {rollout.state}", code="ended")
+
+    async def _settle(
+        self, call: PendingCall, seq: int, token: str, done: ToolCallDone
+    ) -> CallReply:
+        """Store a finished call's reply and trajectory step (the first stored wins) and
+        return it; an infrastructure fault marks the rollout infra_failed instead."""
+        rollout, rollout_id, call_id = call.rollout, call.rollout.rollout_id, call.call_id
+        if done.result is None:
+            await self.store.end_call(rollout_id, call_id, token, reply=None, step=None)
+            message = done.infra_error or "tool call failed"
+            raise await self.closer.fail(rollout_id, done.cause, message, done.evidence)
+        result = done.result
+        ran = rollout.sandbox is not None and (done.queue_ms or done.exec_ms)
+        queue_ms = round(done.queue_ms, 2) if ran else None
+        exec_ms = round(done.exec_ms, 2) if ran else None
+        duration_ms = (time.monotonic() - call.received) * 1000
+        reply = _reply(call_id, seq, result, duration_ms)
+        step = TrajectoryStep(
+            seq=seq,
+            call_id=call_id,
+            tool=call.tool,
+            arguments=call.arguments,
+            outcome=result.outcome,
+            exit_code=result.exit_code,
+            output=result.output,
+            truncated=result.truncated,
+            error_kind=result.error_kind,
+            started_at=call.started_at,
+            duration_ms=round(duration_ms, 2),
+            queue_ms=queue_ms,
+            exec_ms=exec_ms,
+        )
+        stored = await self.store.end_call(
+            rollout_id, call_id, token, reply=reply.model_dump(mode="json"), step=step
+        )
+        metrics.TOOL_CALLS.labels(call.tool, result.outcome).inc()
+        metrics.TOOL_CALL_SECONDS.labels("total").observe(duration_ms / 1000)
+        if queue_ms is not None and exec_ms is not None:
+            metrics.TOOL_CALL_SECONDS.labels("queue").observe(queue_ms / 1000)
+            metrics.TOOL_CALL_SECONDS.labels("exec").observe(exec_ms / 1000)
+        return CallReply.model_validate(stored) if stored is not None else reply
+
+
+def _reply(call_id: str, seq: int, result: ToolResult, duration_ms: float) -> CallReply:
+    return CallReply(
+        call_id=call_id,
+        seq=seq,
+        output=result.output,
+        outcome=result.outcome,
+        exit_code=result.exit_code,
+        duration_ms=round(duration_ms, 2),
+        truncated=result.truncated,
+        error_kind=result.error_kind,
+    )

@@ -1,0 +1,135 @@
+"""The end of a rollout: closing it (its sandbox destroyed, its record closed) and failing
+it (infra_failed, sticky: never graded, only 503s from then on).
+
+The call loop and the grading are given this part: both refuse a rollout that failed, or
+that the orchestrator ended before its grade (:meth:`Closer.refuse_failed`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from orchestrator.observability import metrics
+from orchestrator.observability.logging import bind_sandbox, get_logger, in_rollout_context
+from orchestrator.outcomes import Cause, Outcome
+from orchestrator.rollouts.errors import InfraError
+from orchestrator.rollouts.lookup import known, present
+from orchestrator.state.admission import Admission
+from orchestrator.state.models import RolloutState
+from orchestrator.state.records import Rollout, RolloutStore
+from orchestrator.state.replies import QueueClient, QueueTimeout
+from orchestrator.state.tasks import DestroySandbox, TaskName
+
+log = get_logger(__name__)
+
+
+class Closer:
+    def __init__(self, store: RolloutStore, queue: QueueClient, admission: Admission) -> None:
+        self.store = store
+        self.queue = queue
+        self.keys = store.keys
+        self.admission = admission
+
+    @in_rollout_context
+    async def close(
+        self,
+        rollout_id: str,
+        reason: str,
+        *,
+        wait: bool = True,
+        ended_by: Cause | None = None,
+        why: str = "",
+    ) -> Rollout:
+        """Destroy the sandbox and close the record (an infra-failed rollout stays so).
+
+        ``ended_by``: the orchestrator ends the rollout on its own (``why`` says what
+        happened, for the trainer): a call or grade that comes later finds it failed with
+        that cause, so the trainer discards it instead of scoring it."""
+        rollout = await known(self.store, rollout_id)
+        bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
+        if rollout.sandbox is not None and rollout.closed_at is None:
+            payload = DestroySandbox(handle=rollout.sandbox, reason=reason).model_dump(mode="json")
+            queue = self.keys.host_queue(rollout.sandbox.host)
+            if wait:
+                try:
+                    await self.queue.call(
+                        TaskName.DESTROY_SANDBOX,
+                        payload,
+                        queue=queue,
+                        timeout_s=30,
+                        host_id=rollout.sandbox.host,
+                    )
+                except QueueTimeout as exc:
+                    # The host's label sweep destroys it when the worker is back.
+                    log.warning("rollout.destroy_deferred", rollout_id=rollout_id, error=str(exc))
+            else:
+                await self.queue.send(TaskName.DESTROY_SANDBOX, payload, queue=queue)
+        if rollout.sandbox is not None and rollout.closed_at is None:
+            await self.admission.release(rollout.sandbox.host)
+        state = rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED
+        fields: dict[str, Any] = {"state": state, "closed_at": time.time()}
+        if ended_by is not None and rollout.score is None:
+            fields["ended_by"] = {
+                "cause": ended_by,
+                "message": f"the orchestrator ended this rollout before its grade: {why}",
+                "at": time.time(),
+            }
+        if rollout.outcome is None:
+            # Ended without a grade and without a fault (idle, lifetime, closed by the
+            # trainer): nothing went wrong on our side.
+            fields["outcome"] = (
+                Outcome.INFRA_ERROR if state == RolloutState.INFRA_FAILED else Outcome.OK
+            )
+        updated = present(
+            await self.store.update(rollout_id, **fields), rollout_id, "it was closed"
+        )
+        if rollout.closed_at is None:  # counted once, by the close that ended it
+            metrics.ROLLOUTS_FINISHED.labels(updated.outcome or Outcome.OK).inc()
+            metrics.TOOL_CALLS_PER_ROLLOUT.observe(await self.store.call_count(rollout_id))
+        log.info("rollout.closed", rollout_id=rollout_id, reason=reason)
+        return updated
+
+    async def fail(
+        self, rollout_id: str, cause: str, message: str, evidence: dict[str, Any]
+    ) -> InfraError:
+        """:meth:`mark_infra_failed`, then the error to raise for it."""
+        await self.mark_infra_failed(rollout_id, cause, message, evidence)
+        return InfraError(message, rollout_id=rollout_id, evidence=evidence, code=cause)
+
+    async def mark_infra_failed(
+        self, rollout_id: str, cause: str, message: str, evidence: dict[str, Any]
+    ) -> None:
+        """Sticky: the rollout will never be graded, only 503s from now on.
+
+        A record that vanished has nothing left to mark, and this raises nothing for it:
+        every caller is already on its way to a 503 of its own, whose cause (the fault
+        that failed the rollout) says more than a vanished record would, and the reaper's
+        pass goes on to the next rollout."""
+        failure = {"cause": cause, "message": message, "evidence": evidence, "at": time.time()}
+        metrics.INFRA_ERRORS.labels(cause).inc()
+        marked = await self.store.mark_infra_failed(
+            rollout_id, failure, outcome=Outcome.INFRA_ERROR
+        )
+        log.error("rollout.infra_failed", rollout_id=rollout_id, cause=cause, error=message)
+        if marked is None:
+            log.error("rollout.vanished", rollout_id=rollout_id, during="it was failed")
+
+    async def refuse_failed(self, rollout: Rollout, context: str) -> None:
+        """Raise the rollout's :class:`InfraError` if it failed, or if the orchestrator
+        ended it before a score was stored (which fails it now, sticky, with the cause
+        of its end: the trainer was still working on it and must discard it)."""
+        failure = rollout.infra_failure
+        if failure is None and rollout.ended_by is not None and rollout.score is None:
+            ended = rollout.ended_by
+            cause, message = str(ended.get("cause")), str(ended.get("message"))
+            await self.mark_infra_failed(rollout.rollout_id, cause, message, {"ended_by": ended})
+            failure = {"cause": cause, "message": message}
+        if failure is None and rollout.state != RolloutState.INFRA_FAILED:
+            return
+        failure = failure or {}
+        raise InfraError(
+            f"{context}: {failure.get('message', 'infrastructure failure')}; it must not be scored",
+            rollout_id=rollout.rollout_id,
+            code=str(failure.get("cause") or Cause.INFRA_ERROR),
+        )

@@ -1,0 +1,169 @@
+"""Grading a rollout, once: a retry (even a concurrent one) gets the score stored first;
+a rollout that failed, or whose sandbox died behind the agent's back, is a 503 and never
+a score; a grader that raises is a 503, never a zero.
+
+Given the start (a grade waits for the rollout's sandbox, and reads its pinned
+environment) and the close (a fault found before grading fails the rollout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from pydantic import BaseModel
+
+from orchestrator.config import Settings
+from orchestrator.environments.loader import ResolvedEnvironment
+from orchestrator.grading import Grader, GraderConfigError, ItemError, get_grader
+from orchestrator.observability import metrics
+from orchestrator.observability.logging import bind_sandbox, get_logger, in_rollout_context
+from orchestrator.outcomes import Cause, Outcome
+from orchestrator.rollouts.bounds import Deadline
+from orchestrator.rollouts.closes import Closer
+from orchestrator.rollouts.errors import GraderFailed, Rejected, RolloutVanished
+from orchestrator.rollouts.lookup import present, unknown
+from orchestrator.rollouts.models import new_record
+from orchestrator.rollouts.starts import Starter
+from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
+from orchestrator.state.records import Rollout, RolloutStore
+from orchestrator.state.replies import QueueTimeout
+
+log = get_logger(__name__)
+
+
+class GradeReply(BaseModel):
+    score: float
+    details: dict[str, Any]
+
+
+class Grading:
+    def __init__(
+        self, settings: Settings, store: RolloutStore, starter: Starter, closer: Closer
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.starter = starter
+        self.closer = closer
+
+    @in_rollout_context
+    async def grade(
+        self,
+        rollout_id: str,
+        answer: str,
+        item: dict[str, Any] | None,
+        *,
+        source: RolloutSource,
+    ) -> GradeReply:
+        """Grade once; a retry (even a concurrent one) gets the score stored first. An
+        infra-failed rollout is a 503. A rejected grade (422) stores nothing."""
+        rollout = await self.store.get(rollout_id)
+        if rollout is None:
+            if source != RolloutSource.AGENT_RFT or item is None:
+                raise unknown(rollout_id)
+            # A rollout may end without a single tool call: grade it on an empty trajectory,
+            # and keep a record only once the grade succeeded.
+            resolved = await self.starter.aresolve(item)
+            graded = await self._run_grader(self._grader(resolved), rollout_id, answer, item, [])
+            record = new_record(
+                rollout_id,
+                source,
+                resolved,
+                item,
+                state=RolloutState.GRADED,
+                graded_at=time.time(),
+                score=graded.score,
+                grade_details=graded.details,
+                outcome=Outcome.OK,
+            )
+            if await self.store.create(record):
+                return graded
+            rollout = present(await self.store.get(rollout_id), rollout_id, "it was graded")
+        rollout = await self.starter.wait_ready(rollout, Deadline.for_source(self.settings, source))
+        bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
+        await self.closer.refuse_failed(rollout, "rollout failed")
+        if rollout.score is not None:
+            return GradeReply(score=rollout.score, details=rollout.grade_details or {})
+        grader = self._grader(self.starter.environment_of(rollout))
+        if grader.needs_sandbox:
+            # Only a grader that reads the sandbox needs it alive; one that scores the
+            # answer against the row and the trajectory (file_f1, numeric_match) does not,
+            # so a sandbox that is slow, or dead after its last call, changes nothing.
+            await self._probe_before_grading(rollout)
+        trajectory = await self.store.trajectory(rollout_id)
+        graded = await self._run_grader(
+            grader, rollout_id, answer, item if item is not None else rollout.item, trajectory
+        )
+        fields: dict[str, Any] = {
+            "score": graded.score,
+            "grade_details": graded.details,
+            "graded_at": time.time(),
+            "outcome": Outcome.OK,
+            "last_activity": time.time(),
+        }
+        if rollout.state != RolloutState.CLOSED:
+            fields["state"] = RolloutState.GRADED
+        updated = await self.store.update(rollout_id, once=True, **fields)
+        if updated is None or updated.score is None:
+            raise RolloutVanished(rollout_id, "it was graded")
+        metrics.ROLLOUTS_GRADED.inc()
+        metrics.GRADE_SCORE.observe(updated.score)
+        log.info(
+            "rollout.graded", rollout_id=rollout_id, score=updated.score, tool_calls=len(trajectory)
+        )
+        return GradeReply(score=updated.score, details=updated.grade_details or {})
+
+    async def _probe_before_grading(self, rollout: Rollout) -> None:
+        """For a grader that needs the sandbox: a sandbox that died behind the agent's
+        back (not by its own doing) makes the score unsound, so the rollout is
+        infra_failed rather than scored. A slow sandbox is a live one."""
+        handle = rollout.sandbox
+        if handle is None or rollout.closed_at is not None:
+            return
+        try:
+            probe = await self.starter.probe(handle)
+        except QueueTimeout as exc:
+            raise await self.closer.fail(
+                rollout.rollout_id,
+                Cause.PROBE_FAILED,
+                f"the sandbox could not be checked before grading: {exc}",
+                {},
+            ) from exc
+        if (probe.alive and probe.agent_ok) or probe.agent_caused:
+            return
+        evidence = {"probe": probe.model_dump(mode="json")}
+        message = f"the sandbox is not healthy: {probe.detail or probe.state}"
+        raise await self.closer.fail(rollout.rollout_id, Cause.SANDBOX_DEAD, message, evidence)
+
+    def _grader(self, resolved: ResolvedEnvironment) -> Grader:
+        """The rollout's grader; a misconfigured one is a 503 (checked at start, so only a
+        pinned environment from an older configuration can get here)."""
+        config = resolved.environment.grader
+        try:
+            return get_grader(config.name, config.options)
+        except GraderConfigError as exc:
+            metrics.GRADER_ERRORS.inc()
+            raise GraderFailed(f"grader misconfigured: {exc}") from exc
+
+    async def _run_grader(
+        self,
+        grader: Grader,
+        rollout_id: str,
+        answer: str,
+        row: dict[str, Any],
+        trajectory: list[TrajectoryStep],
+    ) -> GradeReply:
+        try:
+            graded = await asyncio.to_thread(grader.grade, answer, row, trajectory)
+        except ItemError as exc:
+            raise Rejected(
+                422, f"the dataset row cannot be graded: {exc}", code="invalid_item"
+            ) from exc
+        except Exception as exc:  # any grader bug is a 503, never a 0
+            metrics.GRADER_ERRORS.inc()
+            log.exception("grade.failed", rollout_id=rollout_id)
+            raise GraderFailed(f"grader {grader.name} failed: {exc!r}") from exc
+        return GradeReply(
+            score=graded.score, details={**graded.details, "tool_calls": len(trajectory)}
+        )

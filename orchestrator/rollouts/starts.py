@@ -1,0 +1,391 @@
+"""The start of a rollout: resolving its environment, and acquiring and starting its
+sandbox on its first call (a warm one from its pool, or a cold one on a host with a free
+slot), exactly once however many first calls race.
+
+The call loop and the grading are given this part: both wait for a rollout's sandbox
+(:meth:`Starter.wait_ready`) and read its pinned environment (:meth:`Starter.environment_of`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.config import Settings
+from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
+from orchestrator.observability import metrics
+from orchestrator.observability.logging import bind_sandbox, get_logger, in_rollout_context
+from orchestrator.outcomes import Cause
+from orchestrator.rollouts.bounds import Deadline
+from orchestrator.rollouts.closes import Closer
+from orchestrator.rollouts.errors import InfraError, Rejected, StillStarting
+from orchestrator.rollouts.lookup import present
+from orchestrator.rollouts.models import new_record
+from orchestrator.sandbox.agent.client import PROBE_MAX_S
+from orchestrator.sandbox.backend import ProbeResult, SandboxHandle
+from orchestrator.state.admission import Admission
+from orchestrator.state.models import RolloutSource, RolloutState
+from orchestrator.state.pools import PoolClaims
+from orchestrator.state.records import Rollout, RolloutStore
+from orchestrator.state.replies import QueueClient, QueueTimeout
+from orchestrator.state.tasks import (
+    CreateSandbox,
+    DestroySandbox,
+    ProbeSandbox,
+    SandboxCreated,
+    TaskName,
+)
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Acquired:
+    """Where a new rollout's sandbox comes from: a warm one (``handle``), or a cold one
+    to create on ``host``, whose slot is taken."""
+
+    host: str
+    handle: SandboxHandle | None
+    started: float  # time.monotonic() when the acquisition began
+
+
+class Starter:
+    def __init__(
+        self,
+        settings: Settings,
+        store: RolloutStore,
+        environments: EnvironmentRegistry,
+        queue: QueueClient,
+        admission: Admission,
+        pools: PoolClaims,
+        closer: Closer,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.environments = environments
+        self.queue = queue
+        self.keys = store.keys
+        self.admission = admission
+        self.pools = pools
+        self.closer = closer
+
+    # -- resolving ---------------------------------------------------------------------------
+
+    def resolve(
+        self, item: dict[str, Any], *, environment: str | None = None, codebase: str | None = None
+    ) -> ResolvedEnvironment:
+        """The environment and codebase a rollout runs on; 422 naming what is unknown."""
+        row = dict(item)
+        if environment is not None:
+            row["environment"] = environment
+        if codebase is not None:
+            row["codebase"] = codebase
+        try:
+            return self.environments.resolve(row)
+        except LookupError as exc:
+            raise Rejected(422, _message(exc), code="unknown_environment_or_codebase") from exc
+        except ValueError as exc:
+            raise Rejected(422, _message(exc), code="invalid_item") from exc
+
+    async def aresolve(
+        self, item: dict[str, Any], *, environment: str | None = None, codebase: str | None = None
+    ) -> ResolvedEnvironment:
+        """:meth:`resolve` off the event loop: a codebase lookup may ask the daemon."""
+        return await asyncio.to_thread(
+            self.resolve, item, environment=environment, codebase=codebase
+        )
+
+    def environment_of(self, rollout: Rollout) -> ResolvedEnvironment:
+        """The rollout's environment, tools and image as pinned when it started, whatever
+        the configuration says now. No I/O: this is on every call's path."""
+        if rollout.environment_digest is None:  # written before rollouts were pinned
+            try:
+                return self.environments.for_rollout(
+                    rollout.environment, rollout.image, rollout.codebase
+                )
+            except LookupError as exc:
+                raise InfraError(
+                    f"the rollout's environment is no longer configured: {exc}",
+                    rollout_id=rollout.rollout_id,
+                    code=Cause.ENVIRONMENT_REMOVED,
+                ) from exc
+        snapshot = rollout.environment_config or ""
+        return self.environments.pinned(
+            rollout.environment_digest,
+            lambda: snapshot,
+            image=rollout.image,
+            codebase=rollout.codebase,
+        )
+
+    # -- start -------------------------------------------------------------------------------
+
+    @in_rollout_context
+    async def start(
+        self,
+        rollout_id: str,
+        item: dict[str, Any],
+        *,
+        source: RolloutSource,
+        environment: str | None = None,
+        codebase: str | None = None,
+        exclusive: bool = False,
+        resolved: ResolvedEnvironment | None = None,
+        deadline: Deadline | None = None,
+        reserve_s: float = 0.0,
+        fields: dict[str, Any] | None = None,
+    ) -> Rollout:
+        """Return the rollout, creating it and its sandbox if it is new.
+
+        Concurrent first calls of one id create exactly one sandbox: one caller wins the
+        record, the others wait for its sandbox. ``exclusive`` (the rollout API) makes an
+        existing id a 409 instead. ``resolved``: the row, already resolved by the caller.
+        ``deadline``: the request's bound, of which ``reserve_s`` is kept for the call
+        that follows; a sandbox not ready by then is a 503 (:class:`StillStarting`) while
+        it goes on being made for the request's retry. ``fields``: more of the record, set
+        when it is created (the E2B API's state).
+        """
+        deadline = deadline or Deadline(None)
+        if resolved is None:
+            resolved = await self.aresolve(item, environment=environment, codebase=codebase)
+        existing = await self.store.get(rollout_id)
+        if existing is not None:
+            if exclusive:
+                raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
+            return await self.wait_ready(existing, deadline, reserve_s)
+        # One first call of a rollout acquires its sandbox; its parallel first calls wait
+        # for the record instead of each taking a warm sandbox or a slot to give back.
+        bound = self.settings.admission_wait_s + self.settings.sandbox_create_timeout_s + 30
+        while not await self.store.take_start_lease(rollout_id, bound):
+            current = await self.store.get(rollout_id)
+            if current is not None:
+                if exclusive:
+                    raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
+                return await self.wait_ready(current, deadline, reserve_s)
+            await asyncio.sleep(0.02)  # (its starter failed: the lock is gone, we start it)
+        try:
+            # The starter before us may have finished: its record is there, the lock gone.
+            acquired = None
+            if await self.store.get(rollout_id) is None:
+                # The sandbox's place first (a warm sandbox, or a host's slot for a cold
+                # one), the record after: a rollout refused at capacity leaves nothing
+                # behind, and its retry starts afresh.
+                acquired = await self._acquire(rollout_id, resolved, deadline, reserve_s)
+            record = new_record(
+                rollout_id,
+                source,
+                resolved,
+                item,
+                state=RolloutState.CREATING,
+                host=acquired.host if acquired else None,
+                **(fields or {}),
+            )
+            created = False
+            if acquired is not None:
+                try:
+                    created = await self.store.create(record)
+                except BaseException:  # Redis failed us: the slot must not stay taken
+                    await self._give_back(acquired, rollout_id)
+                    raise
+            if acquired is None or not created:
+                if acquired is not None:
+                    await self._give_back(acquired, rollout_id)
+                if exclusive:
+                    raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
+                current = present(await self.store.get(rollout_id), rollout_id, "it started")
+                return await self.wait_ready(current, deadline, reserve_s)
+            if acquired.handle is None:  # the record names the host: it counts the slot now
+                await self.admission.settled(acquired.host, rollout_id)
+        finally:
+            await self.store.end_start_lease(rollout_id)
+        # Shielded: a request out of time leaves, the sandbox goes on being made for its
+        # retry (which finds the record and waits for it).
+        starting_task = asyncio.ensure_future(self._start_sandbox(record, resolved, acquired))
+        starting_task.add_done_callback(_retrieve)
+        try:
+            return await asyncio.wait_for(
+                asyncio.shield(starting_task), deadline.left(reserve=reserve_s)
+            )
+        except TimeoutError:
+            raise StillStarting(rollout_id) from None
+
+    async def _acquire(
+        self,
+        rollout_id: str,
+        resolved: ResolvedEnvironment,
+        deadline: Deadline,
+        reserve_s: float,
+    ) -> Acquired | None:
+        """A warm sandbox from the rollout's pool (probed first), else a host slot for a
+        cold one, waiting within the admission bound (and the request's deadline, less
+        ``reserve_s``). None: the rollout appeared meanwhile (a concurrent first call made
+        it)."""
+        started = time.monotonic()
+        for _ in range(3):
+            handle = await self.pools.take(resolved)
+            if handle is None:
+                break
+            if await self._usable(handle, resolved):
+                return Acquired(host=handle.host, handle=handle, started=started)
+            await self._discard(handle, "unusable pool sandbox")
+        if not await self.queue.heartbeats.live():
+            raise InfraError("no live worker host to create the sandbox on", rollout_id=rollout_id)
+
+        async def rollout_exists() -> bool:
+            return await self.store.get(rollout_id) is not None
+
+        wait_s = deadline.cap(self.settings.admission_wait_s, reserve=reserve_s)
+        host = await self.admission.take(rollout_id, give_up=rollout_exists, wait_s=wait_s)
+        return Acquired(host=host, handle=None, started=started) if host else None
+
+    async def _usable(self, handle: SandboxHandle, resolved: ResolvedEnvironment) -> bool:
+        """A pool sandbox may be handed out: far from its expiry, and a probe passes."""
+        lifetime = resolved.environment.effective_lifetime_s(self.settings)
+        if handle.expires_at.timestamp() - time.time() < lifetime / 2:
+            return False
+        try:
+            probe = await self.probe(handle)
+        except QueueTimeout:
+            return False
+        return probe.alive and probe.agent_ok
+
+    async def probe(self, handle: SandboxHandle) -> ProbeResult:
+        """Probe a sandbox through its host's worker; QueueTimeout when none answers
+        within the longest a probe takes plus the wait for a worker."""
+        raw = await self.queue.call(
+            TaskName.PROBE_SANDBOX,
+            ProbeSandbox(handle=handle).model_dump(mode="json"),
+            queue=self.keys.host_queue(handle.host),
+            timeout_s=PROBE_MAX_S + self.settings.queue_wait_s,
+            host_id=handle.host,
+        )
+        return ProbeResult.model_validate(raw)
+
+    async def _discard(self, handle: SandboxHandle, reason: str) -> None:
+        await self.pools.forget(handle)
+        payload = DestroySandbox(handle=handle, reason=reason).model_dump(mode="json")
+        await self.queue.send(
+            TaskName.DESTROY_SANDBOX, payload, queue=self.keys.host_queue(handle.host)
+        )
+        await self.admission.release(handle.host)
+
+    async def _give_back(self, acquired: Acquired, rollout_id: str) -> None:
+        """Undo :meth:`_acquire` (the rollout was created by someone else meanwhile)."""
+        if acquired.handle is not None:
+            await self._discard(acquired.handle, "claimed by a rollout that lost its race")
+        else:
+            await self.admission.release(acquired.host, rollout_id)
+
+    async def _start_sandbox(
+        self, record: Rollout, resolved: ResolvedEnvironment, acquired: Acquired
+    ) -> Rollout:
+        handle = acquired.handle
+        if handle is not None:
+            lifetime = resolved.environment.effective_lifetime_s(self.settings)
+            await self.pools.bind(handle, record.rollout_id, ttl_s=lifetime)
+            await self._request_refill()
+        else:
+            handle = await self._create_cold(record, resolved, acquired.host)
+        bind_sandbox(handle.sandbox_id)
+        updated = present(
+            await self.store.update(
+                record.rollout_id,
+                state=RolloutState.ACTIVE,
+                sandbox=handle,
+                host=handle.host,
+                pool_hit=acquired.handle is not None,
+                sandbox_ready_at=time.time(),
+                last_activity=time.time(),
+            ),
+            record.rollout_id,
+            "its sandbox started",
+        )
+        waited = time.monotonic() - acquired.started
+        source = "pool" if acquired.handle is not None else "cold"
+        metrics.SANDBOX_CREATE_SECONDS.labels(source).observe(waited)
+        metrics.ROLLOUTS_STARTED.labels(record.source).inc()
+        log.info(
+            "rollout.started",
+            rollout_id=record.rollout_id,
+            sandbox_id=handle.sandbox_id,
+            sandbox_host=handle.host,
+            environment=record.environment,
+            pool_hit=acquired.handle is not None,
+            ms=round(waited * 1000, 1),
+        )
+        if updated.state == RolloutState.INFRA_FAILED:
+            raise InfraError(
+                "rollout failed while its sandbox started", rollout_id=record.rollout_id
+            )
+        return updated
+
+    async def _create_cold(
+        self, record: Rollout, resolved: ResolvedEnvironment, host: str
+    ) -> SandboxHandle:
+        spec = resolved.sandbox_spec(self.settings, record.rollout_id)
+        try:
+            raw = await self.queue.call(
+                TaskName.CREATE_SANDBOX,
+                CreateSandbox(
+                    rollout_id=record.rollout_id, trace_id=record.rollout_id, spec=spec
+                ).model_dump(mode="json"),
+                queue=self.keys.host_queue(host),
+                timeout_s=self.settings.sandbox_create_timeout_s,
+                host_id=host,
+            )
+            created = SandboxCreated.model_validate(raw)
+        except QueueTimeout as exc:
+            created = SandboxCreated(error=f"no worker created the sandbox: {exc}")
+        if created.handle is None:
+            # A creation that timed out may still finish: the orphan sweep takes it then.
+            await self.admission.release(host)
+            raise await self.closer.fail(
+                record.rollout_id,
+                Cause.SANDBOX_CREATE_FAILED,
+                f"could not create the sandbox: {created.error or 'unknown'}",
+                {},
+            )
+        return created.handle
+
+    async def _request_refill(self) -> None:
+        """Top the pools up after a claim (queue/tasks.refill_pools). One request a second
+        at most: the task tops up every pool, a burst of claims needs one of it."""
+        if await self.pools.refill_due():
+            await self.queue.send(TaskName.REFILL_POOLS, {}, queue=self.keys.shared_queue)
+
+    async def wait_ready(
+        self, rollout: Rollout, deadline: Deadline | None = None, reserve_s: float = 0.0
+    ) -> Rollout:
+        """The rollout once its sandbox is ready (or it failed). Past the request's
+        deadline (less ``reserve_s``) a 503 that leaves the rollout as it is."""
+        bound = time.monotonic() + self.settings.sandbox_create_timeout_s + 5
+        left = deadline.left(reserve=reserve_s) if deadline is not None else None
+        out_of_time = left is not None and time.monotonic() + left < bound
+        if left is not None:
+            bound = min(bound, time.monotonic() + left)
+        delay = 0.005
+        while rollout.state == RolloutState.CREATING:
+            if time.monotonic() >= bound:
+                if out_of_time:
+                    raise StillStarting(rollout.rollout_id)
+                raise InfraError("sandbox creation did not finish", rollout_id=rollout.rollout_id)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+            rollout = present(
+                await self.store.get(rollout.rollout_id),
+                rollout.rollout_id,
+                "its sandbox was being made",
+            )
+        return rollout
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Consume a shielded task's exception: its request may have stopped waiting."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _message(exc: Exception) -> str:
+    text = str(exc)
+    return text[1:-1] if text.startswith(("'", '"')) and text.endswith(("'", '"')) else text
