@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -39,7 +41,7 @@ from orchestrator.rollouts.lookup import unknown
 from orchestrator.rollouts.models import CallReply
 from orchestrator.rollouts.starts import Starter
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
-from orchestrator.state.records import CallStart, Rollout, RolloutStore
+from orchestrator.state.records import CallStartStatus, DispatchOutcome, Rollout, RolloutStore
 from orchestrator.state.replies import QueueClient
 from orchestrator.state.tasks import ToolCall, ToolCallDone
 from orchestrator.state.tickets import TicketState
@@ -89,6 +91,7 @@ class ToolCalls:
         self.starter = starter
         self.closer = closer
         self._agent_rft_settings = agent_rft_settings(settings)
+        self._active = ActiveRollouts()
 
     @in_rollout_context
     async def call_tool(
@@ -114,6 +117,21 @@ class ToolCalls:
         settings = self._settings_for(source)
         # Only a client that drives its sandbox itself may run a client tool: never a model.
         clients = source == RolloutSource.E2B
+        known = self._active.get(rollout_id)
+        if known is not None:
+            # Active with its sandbox when last seen here: the start of the call checks
+            # that it still is, in the same step (RolloutStore.begin_call).
+            rollout, resolved = known
+            bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
+            check = self._check_call(
+                resolved, settings, tool_name, arguments, call_id, received, clients=clients
+            )
+            if check.early is not None:
+                return check.early
+            return await self._run(
+                rollout, resolved, tool_name, arguments, call_id, received, started_at,
+                settings, deadline,
+            )  # fmt: skip
         existing = await self.store.get(rollout_id)
         if existing is None:
             if item is None:
@@ -158,6 +176,25 @@ class ToolCalls:
                 "platform's bound after its sandbox was made; retry",
                 rollout_id=rollout_id,
             )
+        if rollout.sandbox is not None:
+            self._active.put(rollout, resolved)
+        return await self._run(
+            rollout, resolved, tool_name, arguments, call_id, received, started_at, settings,
+            deadline,
+        )  # fmt: skip
+
+    async def _run(
+        self,
+        rollout: Rollout,
+        resolved: ResolvedEnvironment,
+        tool_name: str,
+        arguments: Any,
+        call_id: str,
+        received: float,
+        started_at: datetime,
+        settings: Settings,
+        deadline: Deadline,
+    ) -> CallReply:
         pending = PendingCall(
             rollout=rollout,
             resolved=resolved,
@@ -182,19 +219,30 @@ class ToolCalls:
         lock_ttl = call_bound_s(call.settings) + 60
         deadline = time.monotonic() + lock_ttl
         reply_key = self.queue.reply_key()
+        budget = call.resolved.environment.tool_call_budget
         delay = 0.02
         while True:
+            # The call is sent by the step that starts it, where it may run now: one round
+            # trip (tests/e2e/test_round_trips.py).
+            payload = self._payload(call, attempt=uuid.uuid4().hex)
             start = await self.store.begin_call(
-                rollout_id, call_id, lock_ttl_s=lock_ttl, reply_to=reply_key
+                rollout_id,
+                call_id,
+                lock_ttl_s=lock_ttl,
+                reply_to=reply_key,
+                token=payload.attempt,
+                dispatch=self.dispatcher.prepare(payload, budget),
             )
-            if start.status == "stored":
+            if start.status == CallStartStatus.STORED:
                 assert start.stored is not None
                 return CallReply.model_validate(start.stored)
-            if start.status == "lost" or start.ticket == "lost":
+            if start.status == CallStartStatus.ENDED:
+                raise await self._ended(rollout_id)
+            if start.status == CallStartStatus.LOST or start.ticket == TicketState.LOST:
                 raise await self._lost(
                     CallLost("the worker running this call died", rollout_id=rollout_id)
                 )
-            if start.status in ("run", "done"):
+            if start.status in (CallStartStatus.RUN, CallStartStatus.DONE):
                 break
             # Another attempt of this call is under way.
             ticket = await self.store.tickets.read(rollout_id, call_id)
@@ -216,11 +264,13 @@ class ToolCalls:
             delay = min(delay * 2, 0.25)
         done: ToolCallDone | None = None
         try:
-            if start.status == "done":
+            if start.status == CallStartStatus.DONE:
                 ticket = await self.store.tickets.read(rollout_id, call_id)
                 done = ToolCallDone.model_validate_json(ticket.result)
+            elif start.dispatch == DispatchOutcome.OVER_BUDGET:
+                done = self._over_budget(call)
             else:
-                done = await self._dispatch(call, start, reply_key)
+                done = await self.dispatcher.run(payload, reply_key=reply_key, start=start)
         except CallLost as exc:
             raise await self._lost(exc) from exc
         finally:
@@ -228,26 +278,28 @@ class ToolCalls:
                 await self.store.end_call(rollout_id, call_id, start.token, reply=None, step=None)
         return await self._settle(call, start.seq, start.token, done)
 
-    async def _dispatch(self, call: PendingCall, start: CallStart, reply_key: str) -> ToolCallDone:
-        """The call's result: from its host's worker, or the spent budget's answer."""
-        rollout, resolved = call.rollout, call.resolved
-        budget = resolved.environment.tool_call_budget
-        if budget is not None and start.seq > budget:
-            return ToolCallDone(
-                result=agent_error(
-                    f"the tool-call budget of {budget} calls for this rollout is spent; "
-                    "give your final answer now",
-                    "budget_exhausted",
-                    budget=resolved.environment.effective_output_budget(self.settings),
-                )
+    def _over_budget(self, call: PendingCall) -> ToolCallDone:
+        """The answer to a call past its rollout's tool-call budget: never sent."""
+        environment = call.resolved.environment
+        return ToolCallDone(
+            result=agent_error(
+                f"the tool-call budget of {environment.tool_call_budget} calls for this "
+                "rollout is spent; give your final answer now",
+                "budget_exhausted",
+                budget=environment.effective_output_budget(self.settings),
             )
+        )
+
+    def _payload(self, call: PendingCall, *, attempt: str) -> ToolCall:
+        """The task of this attempt of the call, for its host's worker."""
+        rollout, resolved = call.rollout, call.resolved
         assert rollout.sandbox is not None
-        payload = ToolCall(
+        return ToolCall(
             rollout_id=rollout.rollout_id,
             trace_id=rollout.rollout_id,
             call_id=call.call_id,
             ticket=self.keys.ticket(rollout.rollout_id, call.call_id),
-            attempt=start.token,
+            attempt=attempt,
             environment=resolved.environment.name,
             environment_digest=resolved.environment.digest,
             handle=rollout.sandbox,
@@ -256,7 +308,15 @@ class ToolCalls:
             command_timeout_max_s=call.settings.command_timeout_max_s,
             enqueued_at=time.time(),
         )
-        return await self.dispatcher.run(payload, reply_key=reply_key)
+
+    async def _ended(self, rollout_id: str) -> Exception:
+        """Why a call to a rollout no longer active is refused (its start found it so)."""
+        self._active.drop(rollout_id)
+        rollout = await self.store.get(rollout_id)
+        if rollout is None:
+            return unknown(rollout_id)
+        await self._refuse_ended(rollout)
+        return Rejected(409, f"rollout {rollout_id} is {rollout.state}", code="ended")
 
     async def _lost(self, exc: CallLost) -> CallLost:
         await self.closer.mark_infra_failed(exc.rollout_id, exc.cause, exc.message, exc.evidence)
@@ -360,3 +420,30 @@ def _reply(call_id: str, seq: int, result: ToolResult, duration_ms: float) -> Ca
         truncated=result.truncated,
         error_kind=result.error_kind,
     )
+
+
+class ActiveRollouts:
+    """The rollouts this process last saw active with a sandbox, and their environments:
+    a steady call needs neither re-read, as both are fixed once a rollout is active (its
+    sandbox is bound once; its environment is pinned by snapshot). Whether it is still
+    active is checked by the call's start, in Redis, in the same step; a rollout found
+    ended is dropped. Least recently used first out, so a long run's memory stays flat."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._size = size
+        self._known: OrderedDict[str, tuple[Rollout, ResolvedEnvironment]] = OrderedDict()
+
+    def get(self, rollout_id: str) -> tuple[Rollout, ResolvedEnvironment] | None:
+        known = self._known.get(rollout_id)
+        if known is not None:
+            self._known.move_to_end(rollout_id)
+        return known
+
+    def put(self, rollout: Rollout, resolved: ResolvedEnvironment) -> None:
+        self._known[rollout.rollout_id] = (rollout, resolved)
+        self._known.move_to_end(rollout.rollout_id)
+        while len(self._known) > self._size:
+            self._known.popitem(last=False)
+
+    def drop(self, rollout_id: str) -> None:
+        self._known.pop(rollout_id, None)
