@@ -81,6 +81,7 @@ bench: setup
 	$(BIN)/python -m bench.tool_call
 	$(BIN)/python -m bench.burst
 	$(BIN)/python -m bench.peer
+	$(BIN)/python -m bench.profile
 
 clean-sandboxes: venv
 	$(BIN)/orchestrator sandbox gc --all

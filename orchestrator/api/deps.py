@@ -27,5 +27,8 @@ def state(request: Request) -> AppState:
     return app_state
 
 
-def service(request: Request) -> RolloutService:
+async def service(request: Request) -> RolloutService:
+    """The service, as a dependency. Async: FastAPI runs a plain ``def`` dependency in its
+    thread pool, a thread hop per request for an attribute read (bench/profile.py showed
+    the pool's locks in every call)."""
     return state(request).service

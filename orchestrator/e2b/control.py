@@ -46,7 +46,7 @@ async def require_api_key(request: Request) -> None:
         raise E2BError(401, "missing or wrong X-API-KEY")
 
 
-def sandboxes(request: Request) -> E2BSandboxes:
+async def sandboxes(request: Request) -> E2BSandboxes:
     found: E2BSandboxes = state(request).e2b
     return found
 

@@ -65,7 +65,7 @@ _FILE_CODES = {
 _FILE_STATUS = {"not_found": 404, "permission": 403, "too_large": 413, "no_space": 507}
 
 
-def sandboxes(request: Request) -> E2BSandboxes:
+async def sandboxes(request: Request) -> E2BSandboxes:
     found: E2BSandboxes = state(request).e2b
     return found
 
