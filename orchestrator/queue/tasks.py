@@ -42,6 +42,7 @@ from orchestrator.state.tasks import (
     ToolCall,
     ToolCallDone,
 )
+from orchestrator.state.tickets import TicketState
 from orchestrator.tools.base import ToolResult, agent_error
 
 log = get_logger(__name__)
@@ -158,7 +159,7 @@ def run_tool(payload: dict[str, Any]) -> dict[str, Any]:
 
 def _run_tool(call: ToolCall, started: float) -> dict[str, Any]:
     claimed = worker.tickets().claim(call.ticket, call.attempt, worker.INSTANCE, started)
-    if claimed != "running":
+    if claimed != TicketState.RUNNING:
         log.info("tool.skipped", rollout_id=call.rollout_id, call_id=call.call_id, ticket=claimed)
         return {"skipped": claimed}
     with worker.in_flight.running(call):
@@ -172,7 +173,7 @@ def _run_tool(call: ToolCall, started: float) -> dict[str, Any]:
         call.ticket, worker.INSTANCE, done.model_dump_json(), time.time()
     )
     reply = done.model_dump(mode="json")
-    if state != "done":
+    if state != TicketState.DONE:
         log.warning("tool.result_too_late", rollout_id=call.rollout_id, ticket=state)
     return reply
 

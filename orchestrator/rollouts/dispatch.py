@@ -54,31 +54,19 @@ class CallDispatcher:
             budget=budget,
         )
 
-    async def run(
-        self, call: ToolCall, *, reply_key: str, start: CallStart | None = None
-    ) -> ToolCallDone:
-        r"""Await the result of ``call`` (whose ticket is queued for ``call.attempt``), for
-        at most its bound: the longest command, the wait for a worker, the exec agent's
-        reply allowance and a probe after it (rollouts/bounds.py). ``start``: what its
-        start did with its :meth:`prepare`\ d dispatch; without one, it is sent here."""
+    async def run(self, call: ToolCall, *, reply_key: str, start: CallStart) -> ToolCallDone:
+        """Await the result of ``call`` (whose ticket is queued for ``call.attempt``, and
+        which ``start`` sent, or found no live worker to send to), for at most its bound:
+        the longest command, the wait for a worker, the exec agent's reply allowance and a
+        probe after it (rollouts/bounds.py)."""
         host = call.handle.host
         bound = call_bound_s(self.settings, call.command_timeout_max_s)
-        outcome = start.dispatch if start is not None else DispatchOutcome.NOT_ASKED
         beat: Heartbeat | None = None
-        if outcome == DispatchOutcome.NO_WORKER:
-            assert start is not None
+        if start.dispatch == DispatchOutcome.NO_WORKER:
             beat = Heartbeat.model_validate_json(start.heartbeat) if start.heartbeat else None
             await self._cancel(call, f"host {host!r} has no live worker", beat)
-        elif outcome == DispatchOutcome.NOT_ASKED:
-            beat = await self.queue.heartbeats.get(host)
-            if beat is None or beat.draining:
-                await self._cancel(call, f"host {host!r} has no live worker", beat)
-            await self.queue.send(
-                TaskName.RUN_TOOL,
-                call.model_dump(mode="json"),
-                queue=self.store.keys.host_queue(host),
-                expires=bound,
-            )
+        else:
+            assert start.dispatch in (DispatchOutcome.SENT, DispatchOutcome.RETRIED), start
         deadline = time.monotonic() + bound
         while True:
             remaining = deadline - time.monotonic()

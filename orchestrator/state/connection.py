@@ -10,6 +10,6 @@ SyncRedis = redis.Redis
 
 def worker_client(redis_url: str, name: str) -> SyncRedis:
     """A client of the worker process, its connections named ``name`` (state/keys.Keys.
-    client_name): one pool for its Celery threads and its creation lane (256 connections:
-    more than the threads that can hold one at once)."""
+    client_name). Its pool holds up to 256 connections: more than the worker's threads
+    (Celery's, the creation lane's) that can hold one at once."""
     return redis.Redis.from_url(redis_url, max_connections=256, client_name=name)

@@ -157,9 +157,12 @@ return redis.call('HGETALL', KEYS[1])
 """
 
 
-# One round trip to start a call. KEYS: stored reply, call lock, seq counter, record, live
-# set, run ticket (see tickets.py). ARGV: attempt (also the lock token), lock ttl (ms), now,
-# rollout id, ticket ttl (s), reply list of this attempt.
+# One round trip to start a call, and send it. KEYS: stored reply, call lock, seq counter,
+# record, live set, run ticket (see tickets.py), the host's heartbeat, the host's queue (the
+# last two '' when not sending). ARGV: attempt (also the lock token), lock ttl (ms), now,
+# rollout id, ticket ttl (s), reply list of this attempt, the task message ('': do not
+# send), the rollout's call budget ('': none). Returns {status, value[, dispatch outcome
+# [, heartbeat]]} (CallStart). Nothing changes for a rollout that is not active.
 _BEGIN_CALL = """
 local stored = redis.call('GET', KEYS[1])
 if stored then return {'stored', stored} end
