@@ -70,11 +70,7 @@ def reply(payload: dict[str, Any], result: dict[str, Any]) -> None:
     """Push a task's reply to the list its caller waits on (see state/replies.py)."""
     key = payload.get("reply_to")
     if key:
-        push_reply(str(key), result)
-
-
-def push_reply(key: str, result: dict[str, Any]) -> None:
-    replies.push_reply(redis_client(), key, result)
+        replies.push_reply(redis_client(), str(key), result)
 
 
 # This worker process, as named in the heartbeat and on the tickets it claims: a worker

@@ -117,84 +117,58 @@ class ToolCalls:
         settings = self._settings_for(source)
         # Only a client that drives its sandbox itself may run a client tool: never a model.
         clients = source == RolloutSource.E2B
+        # Active with its sandbox when last seen here: no record to read. The start of the
+        # call checks that it still is, in the same step (RolloutStore.begin_call).
         known = self._active.get(rollout_id)
+        existing = None if known is not None else await self.store.get(rollout_id)
         if known is not None:
-            # Active with its sandbox when last seen here: the start of the call checks
-            # that it still is, in the same step (RolloutStore.begin_call).
             rollout, resolved = known
-            bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
-            check = self._check_call(
-                resolved, settings, tool_name, arguments, call_id, received, clients=clients
-            )
-            if check.early is not None:
-                return check.early
-            return await self._run(
-                rollout, resolved, tool_name, arguments, call_id, received, started_at,
-                settings, deadline,
-            )  # fmt: skip
-        existing = await self.store.get(rollout_id)
-        if existing is None:
-            if item is None:
-                raise unknown(rollout_id)
-            # A new rollout (Agent RFT): agent mistakes are answered before anything exists.
-            resolved = await self.starter.aresolve(item)
-            check = self._check_call(
-                resolved, settings, tool_name, arguments, call_id, received, clients=clients
-            )
-            if check.early is not None:
-                return check.early
-            rollout = await self.starter.start(
-                rollout_id,
-                item,
-                source=source,
-                resolved=resolved,
-                deadline=deadline,
-                reserve_s=check.command_timeout_s + call_overhead_s(settings),
-            )
-        else:
+        elif existing is not None:
             resolved = self.starter.environment_of(existing)
-            check = self._check_call(
-                resolved, settings, tool_name, arguments, call_id, received, clients=clients
-            )
-            if check.early is not None:
-                return check.early
+        elif item is None:
+            raise unknown(rollout_id)
+        else:
+            resolved = await self.starter.aresolve(item)
+        # Agent mistakes are answered before any state changes (a new rollout's: before
+        # anything of it exists).
+        check = self._check_call(
+            resolved, settings, tool_name, arguments, call_id, received, clients=clients
+        )
+        if check.early is not None:
+            return check.early
+        if known is None:
             reserve = check.command_timeout_s + call_overhead_s(settings)
-            rollout = await self.starter.wait_ready(existing, deadline, reserve)
+            if existing is None:  # a new rollout (Agent RFT)
+                assert item is not None
+                rollout = await self.starter.start(
+                    rollout_id,
+                    item,
+                    source=source,
+                    resolved=resolved,
+                    deadline=deadline,
+                    reserve_s=reserve,
+                )
+            else:
+                rollout = await self.starter.wait_ready(existing, deadline, reserve)
         bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
-        if rollout.state != RolloutState.ACTIVE or rollout.infra_failure:
-            # A retry gets its stored reply even after the rollout ended or failed.
-            stored = await self.store.stored_reply(rollout_id, call_id)
-            if stored is not None:
-                return CallReply.model_validate(stored)
-            await self._refuse_ended(rollout)
-        if deadline.cap(math.inf) < check.command_timeout_s + call_overhead_s(settings):
-            # Waiting for the sandbox took the time this call's command needs: cutting the
-            # command short would score our delay as the agent's timeout. Never run; the
-            # retry (a request with its own time) runs it whole.
-            raise CallNotRun(
-                "too little of this request's time is left to run the call within the "
-                "platform's bound after its sandbox was made; retry",
-                rollout_id=rollout_id,
-            )
-        if rollout.sandbox is not None:
-            self._active.put(rollout, resolved)
-        return await self._run(
-            rollout, resolved, tool_name, arguments, call_id, received, started_at, settings,
-            deadline,
-        )  # fmt: skip
-
-    async def _run(
-        self,
-        rollout: Rollout,
-        resolved: ResolvedEnvironment,
-        tool_name: str,
-        arguments: Any,
-        call_id: str,
-        received: float,
-        started_at: datetime,
-        settings: Settings,
-        deadline: Deadline,
-    ) -> CallReply:
+        if known is None:
+            if rollout.state != RolloutState.ACTIVE or rollout.infra_failure:
+                # A retry gets its stored reply even after the rollout ended or failed.
+                stored = await self.store.stored_reply(rollout_id, call_id)
+                if stored is not None:
+                    return CallReply.model_validate(stored)
+                await self._refuse_ended(rollout)
+            if deadline.cap(math.inf) < check.command_timeout_s + call_overhead_s(settings):
+                # Waiting for the sandbox took the time this call's command needs: cutting
+                # the command short would score our delay as the agent's timeout. Never
+                # run; the retry (a request with its own time) runs it whole.
+                raise CallNotRun(
+                    "too little of this request's time is left to run the call within the "
+                    "platform's bound after its sandbox was made; retry",
+                    rollout_id=rollout_id,
+                )
+            if rollout.sandbox is not None:
+                self._active.put(rollout, resolved)
         pending = PendingCall(
             rollout=rollout,
             resolved=resolved,
