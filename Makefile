@@ -11,14 +11,28 @@ TRAINERS_STAMP := $(TRAINERS_VENV)/.installed
 # Stock Harbor, on Python >= 3.12 when the machine has one (scripts/harbor-venv.sh).
 HARBOR_VENV := .venv-harbor
 
-.PHONY: up test demo setup host venv trainers-venv harbor-venv images tools lint typecheck pytest bench clean-sandboxes
+.PHONY: up test demo setup test-setup host venv trainers-venv harbor-venv images kube tools lint typecheck pytest bench clean-sandboxes
 
 up: setup
 	$(BIN)/orchestrator up
 
-test: setup trainers-venv harbor-venv lint typecheck pytest
+test: test-setup trainers-venv harbor-venv lint typecheck pytest
 
 setup: host venv images tools
+
+# The tests also need a real Kubernetes control plane (scripts/kube-build.sh: built from
+# Debian's source package once per version, about 5.5 minutes cold, cached outside the
+# repository). It builds while the sandbox images do: one waits on the Go compiler, the
+# other mostly on dockerd.
+test-setup: host venv tools
+	@./scripts/kube-build.sh > $(VENV)/kube-build.log 2>&1 & kube=$$!; \
+	  $(BIN)/orchestrator image build; images=$$?; \
+	  wait $$kube; built=$$?; \
+	  if [ $$built != 0 ]; then tail -n 40 $(VENV)/kube-build.log; fi; \
+	  test $$images = 0 && test $$built = 0
+
+kube: host
+	./scripts/kube-build.sh
 
 host:
 	./scripts/host-setup.sh

@@ -1,6 +1,6 @@
 """A whole deployment on the Kubernetes backend against the fake cluster: the real API,
 Celery worker and beat as subprocesses with ``ORCH_SANDBOX_BACKEND=kubernetes``, talking to
-the fake control plane of fake_cluster.py (run in this process, on loopback) through a
+the fake control plane of k8s_cluster.py (run in this process, on loopback) through a
 kubeconfig file, with codebases from a catalogue file and no Docker daemon they can reach.
 
 The stack reuses the end-to-end suite's ``Stack``; what differs is its environment and its
@@ -25,7 +25,7 @@ from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
 from tests import agent_caused
 from tests.e2e.conftest import TOKEN, Stack, flush_redis, reaper_environments_yaml, stack_env
-from tests.k8s.fake_cluster import FakeCluster
+from tests.k8s.cluster import TestCluster
 
 NAMESPACE = "orchestrator-sandboxes"
 # Anything on the Kubernetes path that still asks a Docker daemon fails loudly here.
@@ -36,7 +36,7 @@ class K8sStack(Stack):
     """The e2e ``Stack`` on pods: its cluster, and a backend of its deployment that looks
     at the pods from outside the stack's processes."""
 
-    cluster: FakeCluster
+    cluster: TestCluster
     k8s: KubernetesBackend
     image: str  # the codebase's image, as the catalogue names it
 
@@ -46,12 +46,12 @@ class K8sStack(Stack):
 
 
 @pytest.fixture(scope="module")
-def fake_cluster(settings: Settings, client: docker.DockerClient) -> Iterator[FakeCluster]:
+def k8s_cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
     """The fake control plane in a thread of this process; it outlives the stack."""
     # Its containers carry a deployment of their own (still this run's, for the leak
     # check), so no Docker backend's label sweep takes them for its sandboxes.
-    with FakeCluster(client, docker_deployment=f"{settings.deployment}-kubelet-stack") as fake:
-        yield fake
+    with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet-stack") as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +98,14 @@ def _environments(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def k8s_stack(
     settings: Settings,
-    fake_cluster: FakeCluster,
+    k8s_cluster: TestCluster,
     requests_image: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[K8sStack]:
     """API, worker and beat of a deployment of its own whose sandboxes are pods."""
     root = tmp_path_factory.mktemp("k8s-stack")
     kubeconfig = root / "kubeconfig"
-    kubeconfig.write_text(json.dumps(fake_cluster.kubeconfig(NAMESPACE)))  # JSON is YAML
+    kubeconfig.write_text(json.dumps(k8s_cluster.kubeconfig(NAMESPACE)))  # JSON is YAML
     catalogue = root / "codebases.yaml"
     # The image as the local daemon names it: relative to an empty k8s_image_registry.
     catalogue.write_text(yaml.safe_dump({REQUESTS_CODEBASE: requests_image}))
@@ -144,9 +144,9 @@ def k8s_stack(
         codebase=REQUESTS_CODEBASE,
         logs=root,
     )
-    stack.cluster = fake_cluster
+    stack.cluster = k8s_cluster
     stack.image = requests_image
-    stack.k8s = KubernetesBackend(stack_settings, client=fake_cluster.client(NAMESPACE))
+    stack.k8s = KubernetesBackend(stack_settings, client=k8s_cluster.client(NAMESPACE))
     from orchestrator.cli.serve import api_command, beat_command, worker_command
 
     try:
@@ -160,5 +160,5 @@ def k8s_stack(
         for name in sorted(stack.procs, key=lambda name: name != "beat"):
             stack.stop(name)
         collect_expired(stack.k8s, everything=True)
-        fake_cluster.settle()
+        k8s_cluster.settle()
         flush_redis(stack_settings)

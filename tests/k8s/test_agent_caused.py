@@ -21,22 +21,22 @@ import pytest
 from orchestrator.config import Settings
 from tests.agent_caused import ACTS, GOLD, LIMITS, Act, run_act
 from tests.e2e.conftest import TOKEN
+from tests.k8s.cluster import TestCluster
 from tests.k8s.conftest import ACTS as ACTS_ENVIRONMENT
 from tests.k8s.conftest import K8sStack
-from tests.k8s.fake_cluster import FakeCluster
 
-pytestmark = pytest.mark.xdist_group("k8s-fake")
+pytestmark = pytest.mark.xdist_group("k8s")
 
 
 @pytest.fixture(scope="module")
-def fake_cluster(settings: Settings, client: docker.DockerClient) -> Iterator[FakeCluster]:
+def k8s_cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
     """conftest.py's cluster, whose kubelet caps every pod at the acts' pids limit."""
-    with FakeCluster(
+    with TestCluster(
         client,
         docker_deployment=f"{settings.deployment}-kubelet-acts",
         pod_pids_limit=LIMITS["pids"],
-    ) as fake:
-        yield fake
+    ) as cluster:
+        yield cluster
 
 
 @pytest.mark.parametrize("act", ACTS, ids=[a.name for a in ACTS])

@@ -1,15 +1,20 @@
-"""KubernetesBackend against a real cluster: runs when KUBECONFIG points to one, else is
-skipped with the reason printed. The cluster needs the namespace (ORCH_K8S_NAMESPACE, default
-orchestrator-sandboxes), the sandbox base image pullable under ORCH_K8S_IMAGE_REGISTRY, and
-this machine able to reach pod IPs (run it from inside the cluster, or on a kind/k3s node)."""
+"""KubernetesBackend against a whole cluster, through KUBECONFIG as a worker outside the
+cluster finds it: the cluster KUBECONFIG names when it is set (it needs the namespace,
+ORCH_K8S_NAMESPACE, default orchestrator-sandboxes, the sandbox base image pullable under
+ORCH_K8S_IMAGE_REGISTRY, and this machine able to reach pod IPs: run it from inside the
+cluster, or on a kind/k3s node), else the test suite's own control plane and node
+(cluster.py: a real API server, scheduler and controllers; the test kubelet), as the chart's
+worker ServiceAccount."""
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import docker
 import pytest
 from lightkube.resources.core_v1 import Pod, Secret
 
@@ -17,19 +22,43 @@ from orchestrator.config import Settings
 from orchestrator.sandbox.backend import SandboxSpec
 from orchestrator.sandbox.k8s import pods
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
+from tests.k8s.cluster import TestCluster
+
+pytestmark = pytest.mark.xdist_group("k8s")
 
 
 @pytest.fixture(scope="module")
-def cluster_backend() -> Iterator[KubernetesBackend]:
-    if not os.environ.get("KUBECONFIG"):
-        reason = "KUBECONFIG is unset: no Kubernetes cluster to run the backend against"
-        print(f"\nskipped: {reason}")
-        pytest.skip(reason)
+def kubeconfig(
+    settings: Settings, client: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """KUBECONFIG's cluster, else one of the suite's own (its worker's kubeconfig)."""
+    named = os.environ.get("KUBECONFIG")
+    if named:
+        yield named
+        return
+    with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet-e2e") as cluster:
+        path = tmp_path_factory.mktemp("k8s-e2e") / "kubeconfig"
+        path.write_text(json.dumps(cluster.kubeconfig()))  # JSON is YAML
+        yield str(path)
+        cluster.settle()
+
+
+@pytest.fixture(scope="module")
+def cluster_backend(
+    kubeconfig: str, base_image: str, monkeypatch_module: pytest.MonkeyPatch
+) -> Iterator[KubernetesBackend]:
+    monkeypatch_module.setenv("KUBECONFIG", kubeconfig)
     settings = Settings(sandbox_backend="kubernetes", deployment=f"k8s-e2e-{uuid.uuid4().hex[:6]}")
     backend = KubernetesBackend(settings)
     yield backend
     for handle in backend.list_owned():
         backend.destroy(handle)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
 
 
 def test_sandbox_pod_lifecycle(cluster_backend: KubernetesBackend) -> None:

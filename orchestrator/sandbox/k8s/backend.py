@@ -395,6 +395,10 @@ class KubernetesBackend(agent.AgentBackend):
             )
         except KUBE_FAILURES:
             return ""
+        # The API server lists by name, not by time: the latest are found by their stamps
+        # (to the second), then by name (the recorders name an event `<pod>.<ns since
+        # epoch, hex>`, so within a second names are in time order too).
+        events.sort(key=_event_order)
         lines = [
             f"{e.reason}: {(e.message or '').strip()}"
             for e in events[-EVIDENCE_EVENTS:]
@@ -490,6 +494,15 @@ def _free_bytes(path: Path) -> int:
     except OSError:
         return 0
     return st.f_bavail * st.f_frsize
+
+
+def _event_order(event: Event) -> tuple[datetime, str]:
+    """When the event last happened (its newest stamp), then its name."""
+    meta = event.metadata
+    stamps = [event.lastTimestamp, event.eventTime, event.firstTimestamp]
+    stamps.append(meta.creationTimestamp if meta else None)
+    at = next((s for s in stamps if s is not None), datetime.min.replace(tzinfo=UTC))
+    return at, (meta.name if meta and meta.name else "")
 
 
 def _status_code(exc: httpx2.HTTPStatusError) -> int:

@@ -1,47 +1,44 @@
-"""A fake Kubernetes control plane with a real data plane, for testing ``KubernetesBackend``
-where no cluster can be had.
+"""A test kubelet: the one part of a node the real control plane of control_plane.py lacks,
+written here as a real client of the real API server.
 
-Real here:
+It authenticates as its node (``system:node:test-node``, so the Node authorizer and the
+NodeRestriction admission plugin judge each of its requests as they judge a kubelet's),
+registers its Node, watches the pods the real scheduler binds to it, and runs each as real
+Docker containers on the local daemon, reporting through ``pods/status``:
 
-- the HTTP API as lightkube speaks it: paths, query parameters (``labelSelector``,
-  ``fieldSelector``, ``gracePeriodSeconds``, ``watch``, ``resourceVersion``,
-  ``timeoutSeconds``), bearer authentication, object, list and watch-event JSON, and errors as
-  ``Status`` objects (401, 404, 409, 410 in a watch stream, 403 for an unknown RuntimeClass);
-- the pods: a fake kubelet runs each pod as real Docker containers of the pod's image, with
-  the pod's command, uid/gid and ``fsGroup``, read-only root, capabilities dropped, no new
-  privileges, memory and CPU limits; the Secret's keys as read-only files where the pod mounts
-  them; ``emptyDir`` volumes as Docker volumes (tmpfs for ``medium: Memory``); the init
-  container run first, on the shared workspace volume; readiness is a TCP connect to the
-  probe's port, as the kubelet's ``tcpSocket`` probe.
+- the pod's image, command, uid/gid and ``fsGroup``, read-only root, capabilities dropped,
+  no new privileges, memory and CPU limits; the Secret's keys as read-only files where the
+  pod mounts them (read through the API as the node, which the Node authorizer allows only
+  for pods bound to it); ``emptyDir`` volumes as Docker volumes (tmpfs for
+  ``medium: Memory``); the init container run first, on the shared workspace volume;
+  readiness as a TCP connect to the probe's port, as the kubelet's ``tcpSocket`` probe;
+- a deletion as a kubelet does it: the API server sets ``deletionTimestamp``, the kubelet
+  stops the containers and confirms with a delete of grace 0 (uid precondition).
 
-Fake, and said so:
+Not a kubelet, and said so:
 
-- one node (``NODE_NAME``, ``NODE_LABELS``) and a scheduler that only checks ``nodeSelector``;
 - no registry: an image missing from the local daemon fails as a pull does (``ErrImagePull``,
-  then ``ImagePullBackOff``);
-- no admission, defaulting or schema validation beyond what is named above; no NetworkPolicy,
-  CNI, RuntimeClass handlers (only ``runc``), node-pressure evictions, or
-  ``activeDeadlineSeconds``; the one eviction there is: a disk-backed emptyDir past its
-  ``sizeLimit`` evicts its pod, as the kubelet's eviction manager does (checked every
-  ``PROBE_PERIOD_S``, not every 10 s); the kubelet's ``podPidsLimit`` (``pod_pids_limit``)
-  caps each pod's processes;
-- the pod network: a real pod has a network namespace of its own; here the main container
-  shares the host's (Docker's host networking), so every connection to a pod stays on
-  loopback, where tests may send traffic (never to a bridge address, which CI may not route).
-  Each pod gets an address of its own in 127.0.0.0/8 (``loopback.claim``), the kubelet
-  rewrites the agent's ``--listen tcp:0.0.0.0:PORT`` to that address, reports it as
-  ``status.podIP`` and probes it there; ``hand_out`` gives a chosen address to the next pod,
-  as a CNI reuses a terminated pod's IP. So the sandbox is not network-isolated in these
-  tests (it can reach anything on the host's loopback; the init container has no network),
-  and no test here may rely on it being so; the NetworkPolicy is not enforced either way;
-- the garbage collector runs at once, not in the background; the watch history is kept until
-  ``expire_next_watch`` drops it; probes run every ``PROBE_PERIOD_S``, not every second;
-- on cgroup v1 (no ``memory.oom.group``) the kubelet stands in for it: an OOM kill in a
-  container kills the whole container, as Kubernetes >= 1.28 does on cgroup v2.
+  then ``ImagePullBackOff``); only the ``runc`` handler (a RuntimeClass of another handler is
+  admitted by the API server, then run as runc);
+- no CNI and no NetworkPolicy: the main container shares the host's network (Docker's host
+  networking), so every connection to a pod stays on loopback, where tests may send traffic
+  (never to a bridge address, which CI may not route). Each pod gets an address of its own
+  in 127.0.0.0/8 (``loopback.claim``); the kubelet rewrites the agent's
+  ``--listen tcp:0.0.0.0:PORT`` to it, reports it as ``status.podIP`` and probes it there;
+  ``hand_out`` gives a chosen address to the next pod, as a CNI reuses a terminated pod's
+  IP. So the sandbox is not network-isolated in these tests (it can reach the host's
+  loopback; the init container has no network) and no test may rely on it being so;
+- one eviction: a disk-backed emptyDir past its ``sizeLimit`` evicts its pod, as the
+  eviction manager does (checked every ``PROBE_PERIOD_S``); ``pod_pids_limit`` caps each
+  pod's processes, as the kubelet's ``podPidsLimit``; no node-pressure evictions, no
+  ``activeDeadlineSeconds``; on cgroup v1 (no ``memory.oom.group``) an OOM kill in a
+  container kills the whole container, as Kubernetes >= 1.28 does on cgroup v2;
+- a lost node is played per pod (``lose_node``): the kubelet stops reporting for it, and the
+  test does, as an administrator, what the node lifecycle controller's taint manager would.
 
 Every Docker container and volume it makes carries the labels the suite's leak check reads
-(``orchestrator.managed``, ``orchestrator.deployment`` = ``docker_deployment``), and the
-fake removes them when a pod goes and when it is closed.
+(``orchestrator.managed``, ``orchestrator.deployment`` = ``docker_deployment``), and it
+removes them when a pod goes and when it is closed.
 """
 
 from __future__ import annotations
@@ -52,46 +49,44 @@ import copy
 import itertools
 import json
 import os
-import re
 import shutil
 import socket
+import ssl
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import parse_qs, urlsplit
 
 import docker
+import httpx
 from docker.errors import ImageNotFound, NotFound
 from docker.models.containers import Container
 from docker.types import Mount
-from lightkube import Client, KubeConfig
+from lightkube import Client
 
 from orchestrator.sandbox import labels
 from tests.k8s import loopback
+from tests.k8s.control_plane import NODE_NAME, ControlPlane
+from tests.k8s.rbac import RELEASE_NAMESPACE, SANDBOX_NAMESPACE, apply_worker_rbac
 
 Obj = dict[str, Any]
 MountKind = Literal["bind", "volume"]
 
-NODE_NAME = "fake-node"
 NODE_IP = "127.0.0.1"
 NODE_LABELS = {"kubernetes.io/hostname": NODE_NAME, "kubernetes.io/os": "linux"}
-POD_UID_LABEL = "fake-kubelet.pod-uid"
-POD_NAME_LABEL = "fake-kubelet.pod"
+# What the node offers the scheduler: room for every pod a test makes (the containers'
+# own limits are what bounds them on this machine).
+NODE_CAPACITY = {"cpu": "64", "memory": "256Gi", "pods": "1000", "ephemeral-storage": "500Gi"}
+POD_UID_LABEL = "test-kubelet.pod-uid"
+POD_NAME_LABEL = "test-kubelet.pod"
 PROBE_PERIOD_S = 0.2
 PULL_BACKOFF_S = 0.5
 SECRET_MISSING_EVENT_S = 2.0
-KINDS = {"pods": "Pod", "secrets": "Secret", "events": "Event"}
-_PATH = re.compile(
-    r"^/api/v1/namespaces/(?P<ns>[^/]+)/(?P<plural>pods|secrets|events)"
-    r"(?:/(?P<name>[^/]+))?(?:/(?P<sub>status))?$"
-)
+WATCH_TIMEOUT_S = 30
 _QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "k": 10**3, "M": 10**6, "G": 10**9}
 
 
@@ -110,241 +105,69 @@ def quantity(text: str) -> float:
     return float(text)
 
 
-def status_object(code: int, reason: str, message: str, **details: str) -> Obj:
-    """A ``Status`` as the API server answers a refused request."""
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Failure",
-        "message": message,
-        "reason": reason,
-        "details": details,
-        "code": code,
-    }
+class ApiError(Exception):
+    """The API server refused a request (its Status code and message)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
 
 
-class ApiFailure(Exception):
-    """A request the API server refuses, with its Status."""
+class Api:
+    """A small JSON client of the API server over TLS with a client certificate: what the
+    kubelet and the tests' own reads need, on plain dicts."""
 
-    def __init__(self, code: int, reason: str, message: str, **details: str) -> None:
-        super().__init__(message)
-        self.status = status_object(code, reason, message, **details)
+    def __init__(self, plane: ControlPlane, user: str) -> None:
+        pki = plane.pki
+        context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        context.load_cert_chain(str(pki / f"{user}.crt"), str(pki / f"{user}.key"))
+        self.http = httpx.Client(
+            base_url=plane.url, verify=context, timeout=httpx.Timeout(10.0), trust_env=False
+        )
 
+    def request(self, method: str, path: str, body: Obj | None = None, **params: Any) -> Obj:
+        response = self.http.request(
+            method, path, json=body, params={k: v for k, v in params.items() if v is not None}
+        )
+        if response.status_code >= 400:
+            try:
+                message = response.json().get("message", response.text)
+            except ValueError:
+                message = response.text
+            raise ApiError(response.status_code, message)
+        found: Obj = response.json()
+        return found
 
-def not_found(plural: str, name: str) -> ApiFailure:
-    return ApiFailure(404, "NotFound", f'{plural} "{name}" not found', name=name, kind=plural)
-
-
-def parse_label_selector(text: str) -> Callable[[dict[str, str]], bool]:
-    """Equality-based selectors (``a=b``, ``a==b``, ``a!=b``, ``a``, ``!a``)."""
-    terms: list[tuple[str, str, str]] = []  # (operator, key, value)
-    for term in filter(None, (t.strip() for t in text.split(","))):
-        if "!=" in term:
-            key, value = term.split("!=", 1)
-            terms.append(("!=", key, value))
-        elif "=" in term:
-            key, value = term.replace("==", "=").split("=", 1)
-            terms.append(("=", key, value))
-        elif term.startswith("!"):
-            terms.append(("absent", term[1:], ""))
-        elif re.fullmatch(r"[A-Za-z0-9./_-]+", term):
-            terms.append(("present", term, ""))
-        else:
-            raise ApiFailure(400, "BadRequest", f"unable to parse requirement: {term!r}")
-
-    def matches(got: dict[str, str]) -> bool:
-        for op, key, value in terms:
-            ok = {
-                "!=": got.get(key) != value,
-                "=": got.get(key) == value,
-                "absent": key not in got,
-                "present": key in got,
-            }[op]
-            if not ok:
-                return False
-        return True
-
-    return matches
-
-
-def parse_field_selector(text: str) -> Callable[[Obj], bool]:
-    """``path.to.field=value`` terms (and ``!=``), as the API server supports for a few
-    fields of each kind."""
-    checks: list[Callable[[Obj], bool]] = []
-    for term in filter(None, (t.strip() for t in text.split(","))):
-        negate = "!=" in term
-        path, value = term.replace("!=", "=").replace("==", "=").split("=", 1)
-
-        def check(obj: Obj, path: str = path, value: str = value, negate: bool = negate) -> bool:
-            found: Any = obj
-            for part in path.split("."):
-                found = found.get(part) if isinstance(found, dict) else None
-            return (
-                (str(found) if found is not None else "") != value
-                if negate
-                else (found is not None and str(found) == value)
-            )
-
-        checks.append(check)
-    return lambda obj: all(check(obj) for check in checks)
-
-
-@dataclass
-class Change:
-    """One entry of the watch history."""
-
-    version: int
-    plural: str
-    namespace: str
-    type: str
-    obj: Obj
-
-
-class Store:
-    """The API server's storage: objects by kind, namespace and name; a resourceVersion
-    counter; and the history of changes that watches replay from a version."""
-
-    def __init__(self, namespaces: set[str]) -> None:
-        self.namespaces = namespaces
-        self.changed = threading.Condition()
-        self.objects: dict[tuple[str, str, str], Obj] = {}
-        self.version = 0
-        self.history: list[Change] = []
-        self.oldest = 0  # a watch from before this version gets 410 Gone
-        self.expire_next = False
-        self.on_removed: Callable[[str, Obj], None] = lambda plural, obj: None
-
-    def _record(self, plural: str, namespace: str, kind: str, obj: Obj) -> None:
-        self.version += 1
-        obj["metadata"]["resourceVersion"] = str(self.version)
-        self.history.append(Change(self.version, plural, namespace, kind, copy.deepcopy(obj)))
-        self.changed.notify_all()
-
-    def _check_namespace(self, namespace: str) -> None:
-        if namespace not in self.namespaces:
-            raise not_found("namespaces", namespace)
-
-    def create(self, plural: str, namespace: str, body: Obj) -> Obj:
-        self._check_namespace(namespace)
-        meta = body.setdefault("metadata", {})
-        name = meta.get("name")
-        if not name:
-            raise ApiFailure(422, "Invalid", f"{KINDS[plural]} is invalid: metadata.name: Required")
-        if meta.get("namespace", namespace) != namespace:
-            raise ApiFailure(400, "BadRequest", "the namespace of the object does not match")
-        with self.changed:
-            if (plural, namespace, name) in self.objects:
-                raise ApiFailure(
-                    409,
-                    "AlreadyExists",
-                    f'{plural} "{name}" already exists',
-                    name=name,
-                    kind=plural,
-                )
-            obj = copy.deepcopy(body)
-            obj.update(kind=KINDS[plural], apiVersion="v1")
-            obj["metadata"].update(
-                namespace=namespace, uid=str(uuid.uuid4()), creationTimestamp=timestamp()
-            )
-            self.objects[(plural, namespace, name)] = obj
-            self._record(plural, namespace, "ADDED", obj)
-            return copy.deepcopy(obj)
-
-    def get(self, plural: str, namespace: str, name: str) -> Obj:
-        with self.changed:
-            obj = self.objects.get((plural, namespace, name))
-            if obj is None:
-                raise not_found(plural, name)
-            return copy.deepcopy(obj)
-
-    def list(
-        self, plural: str, namespace: str, select: Callable[[Obj], bool]
-    ) -> tuple[str, list[Obj]]:
-        self._check_namespace(namespace)
-        with self.changed:
-            items = [
-                copy.deepcopy(obj)
-                for (kind, ns, _), obj in self.objects.items()
-                if kind == plural and ns == namespace and select(obj)
-            ]
-            return str(self.version), items
-
-    def update(
-        self, plural: str, namespace: str, name: str, uid: str, change: Callable[[Obj], None]
-    ) -> Obj | None:
-        """Apply ``change`` to the object if it is still the one with ``uid``."""
-        with self.changed:
-            obj = self.objects.get((plural, namespace, name))
-            if obj is None or obj["metadata"]["uid"] != uid:
+    def get(self, path: str) -> Obj | None:
+        try:
+            return self.request("GET", path)
+        except ApiError as exc:
+            if exc.code == 404:
                 return None
-            change(obj)
-            self._record(plural, namespace, "MODIFIED", obj)
-            return copy.deepcopy(obj)
+            raise
 
-    def remove(self, plural: str, namespace: str, name: str) -> Obj:
-        with self.changed:
-            obj = self.objects.pop((plural, namespace, name), None)
-            if obj is None:
-                raise not_found(plural, name)
-            self._record(plural, namespace, "DELETED", obj)
-        self.on_removed(plural, obj)
-        return copy.deepcopy(obj)
+    def watch(self, path: str, **params: Any) -> Iterator[Obj]:
+        """One watch request's events, until the server closes it."""
+        query = {"watch": "true", "timeoutSeconds": WATCH_TIMEOUT_S, **params}
+        timeout = httpx.Timeout(10.0, read=WATCH_TIMEOUT_S + 10)
+        with self.http.stream("GET", path, params=query, timeout=timeout) as response:
+            if response.status_code >= 400:
+                raise ApiError(response.status_code, response.read().decode(errors="replace"))
+            for line in response.iter_lines():
+                if line.strip():
+                    yield json.loads(line)
 
-    def watch(
-        self,
-        plural: str,
-        namespace: str,
-        select: Callable[[Obj], bool],
-        version: str | None,
-        timeout_s: float,
-        closed: threading.Event,
-    ) -> Iterator[Obj]:
-        """Watch events after ``version`` (or the current objects as ADDED, then changes),
-        until ``timeout_s``; a version older than the history is an ERROR event (410)."""
-        deadline = time.monotonic() + timeout_s
-        expired: Obj | None = None
-        with self.changed:
-            if self.expire_next and version not in (None, "", "0"):
-                # As when etcd compacted its history between the client's read and its watch.
-                self.expire_next = False
-                self.oldest = self.version + 1
-            if version in (None, "", "0"):
-                cursor = self.version
-                first = [
-                    {"type": "ADDED", "object": copy.deepcopy(obj)}
-                    for (kind, ns, _), obj in self.objects.items()
-                    if kind == plural and ns == namespace and select(obj)
-                ]
-            else:
-                cursor = int(version)
-                first = []
-                if cursor < self.oldest - 1:
-                    message = f"too old resource version: {cursor} ({self.oldest - 1})"
-                    expired = status_object(410, "Expired", message)
-        if expired is not None:
-            # The API server answers 200 and ends the stream with an ERROR event.
-            yield {"type": "ERROR", "object": expired}
-            return
-        yield from first
-        while not closed.is_set():
-            with self.changed:
-                pending = [c for c in self.history if c.version > cursor]
-                if not pending:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return
-                    self.changed.wait(min(left, 0.5))
-                    continue
-                cursor = pending[-1].version
-            for change in pending:
-                if change.plural == plural and change.namespace == namespace and select(change.obj):
-                    yield {"type": change.type, "object": change.obj}
+    def close(self) -> None:
+        self.http.close()
+
+
+def pod_path(namespace: str, name: str = "") -> str:
+    return f"/api/v1/namespaces/{namespace}/pods" + (f"/{name}" if name else "")
 
 
 @dataclass
 class PodRun:
-    """One pod on the fake node: the kubelet's thread and what it knows."""
+    """One pod on the node: the kubelet's thread and what it knows."""
 
     namespace: str
     name: str
@@ -355,71 +178,83 @@ class PodRun:
     main: Container | None = None
 
 
-class FakeCluster:
-    """The API server (``url``, ``client()``) and the fake kubelet of one node."""
+class TestCluster:
+    """A cluster of one node: a real control plane of its own (``plane``) and the test
+    kubelet of its node (its registration, its pods' lives), with what tests look at
+    behind the backend's back (through the real API server, as an administrator)."""
+
+    __test__ = False  # not a test class, whatever pytest thinks of the name
 
     def __init__(
         self,
         docker_client: docker.DockerClient,
         *,
         docker_deployment: str,
-        namespaces: tuple[str, ...] = ("orchestrator-sandboxes",),
-        runtime_classes: tuple[str, ...] = (),
         pod_pids_limit: int = 1024,
+        runtime_classes: tuple[str, ...] = (),
+        namespaces: tuple[str, ...] = (RELEASE_NAMESPACE, SANDBOX_NAMESPACE),
     ) -> None:
+        self.plane = plane = ControlPlane(namespaces=namespaces).start()
         self.docker = docker_client
         self.pod_pids_limit = pod_pids_limit
         self.docker_deployment = docker_deployment
-        self.runtime_classes = set(runtime_classes)
-        self.token = uuid.uuid4().hex
-        self.store = Store(set(namespaces))
-        self.store.on_removed = self._removed
-        self.requests: list[tuple[str, str]] = []
+        self.api = Api(plane, "node")  # the kubelet's own identity
+        self.admin = Api(plane, "admin")  # the tests', and the controllers' they play
         self.runs: dict[str, PodRun] = {}
         self.runs_lock = threading.Lock()
         self.next_addresses: list[str] = []  # under runs_lock
         self.closed = threading.Event()
-        self.scratch = Path(tempfile.mkdtemp(prefix="orch-fake-kubelet-"))
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        self.server.daemon_threads = True
-        self.server.cluster = self  # type: ignore[attr-defined]
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._serving = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._serving.start()
+        self.scratch = Path(tempfile.mkdtemp(prefix="orch-test-kubelet-"))
+        try:
+            self._register(runtime_classes)
+            self.worker_user, self.worker_token = apply_worker_rbac(self.admin)
+        except BaseException:
+            plane.close()
+            raise
+        self._watching = threading.Thread(target=self._watch_pods, name="kubelet", daemon=True)
+        self._watching.start()
 
     # -- clients ---------------------------------------------------------------------------
 
-    def kubeconfig(self, namespace: str = "orchestrator-sandboxes") -> Obj:
-        """A kubeconfig pointing at this API server with its bearer token."""
-        return {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "worker", "user": {"token": self.token}}],
-            "contexts": [
-                {
-                    "name": "fake",
-                    "context": {"cluster": "fake", "user": "worker", "namespace": namespace},
-                }
-            ],
-            "current-context": "fake",
-        }
+    def kubeconfig(self, namespace: str = SANDBOX_NAMESPACE) -> Obj:
+        """A kubeconfig of this API server as the chart's worker (its ServiceAccount's
+        token, bound by the chart's Role: rbac.py)."""
+        return self.plane.kubeconfig_for("worker", namespace, token=self.worker_token)
 
-    def client(self, namespace: str = "orchestrator-sandboxes") -> Client:
-        """A lightkube client of this API server, configured as a worker's would be."""
-        config = KubeConfig.from_dict(self.kubeconfig(namespace))
-        return Client(config=config, field_manager="orchestrator", trust_env=False)
+    def client(self, namespace: str = SANDBOX_NAMESPACE) -> Client:
+        """A lightkube client of this API server, as the chart's worker."""
+        return self.plane.client("worker", namespace, token=self.worker_token)
+
+    @property
+    def requests(self) -> list[tuple[str, str]]:
+        """(method, request URI) of every request the worker made that the API server
+        completed (its audit log), in the HTTP method names a client sends."""
+        methods = {"get": "GET", "list": "GET", "watch": "GET", "create": "POST"}
+        methods |= {"update": "PUT", "patch": "PATCH", "delete": "DELETE"}
+        return [
+            (methods.get(verb, verb.upper()), uri)
+            for user, verb, uri in self.plane.requests()
+            if user == self.worker_user
+        ]
 
     # -- looking behind the backend's back -------------------------------------------------
 
-    def read(self, plural: str, name: str, namespace: str = "orchestrator-sandboxes") -> Obj | None:
-        try:
-            return self.store.get(plural, namespace, name)
-        except ApiFailure:
-            return None
+    def read(self, plural: str, name: str, namespace: str = SANDBOX_NAMESPACE) -> Obj | None:
+        return self.admin.get(f"/api/v1/namespaces/{namespace}/{plural}/{name}")
 
-    def names(self, plural: str, namespace: str = "orchestrator-sandboxes") -> set[str]:
-        return {obj["metadata"]["name"] for obj in self.store.list(plural, namespace, _all)[1]}
+    def names(self, plural: str, namespace: str = SANDBOX_NAMESPACE) -> set[str]:
+        found = self.admin.request("GET", f"/api/v1/namespaces/{namespace}/{plural}")
+        return {obj["metadata"]["name"] for obj in found.get("items") or []}
+
+    def wait_gone(
+        self, plural: str, name: str, namespace: str = SANDBOX_NAMESPACE, timeout_s: float = 30
+    ) -> None:
+        """Until the object is gone from the API (a garbage collector's or kubelet's work
+        is asynchronous); AssertionError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self.read(plural, name, namespace) is not None:
+            assert time.monotonic() < deadline, f"{plural}/{name} still there"
+            time.sleep(0.1)
 
     def docker_objects(self, pod_name: str | None = None) -> list[str]:
         """Containers and volumes the kubelet made (of one pod, or all) that still exist."""
@@ -465,16 +300,16 @@ class FakeCluster:
         self.main_container(pod_name).kill()
 
     def lose_node(self, pod_name: str) -> None:
-        """The node stops answering: the pod's containers freeze (its IP accepts connections
-        that nobody answers), its kubelet stops reporting, and the control plane does what
-        it does after the toleration: Ready=False, DisruptionTarget, deletion pending (a
-        lost kubelet never confirms it)."""
+        """The node stops answering for this pod: its containers freeze (its IP accepts
+        connections that nobody answers), its kubelet stops reporting, and the control plane
+        does what the taint manager does after the toleration (played here, as an
+        administrator, through the API): Ready=False, DisruptionTarget, a graceful deletion
+        that the lost kubelet never confirms."""
         with self.runs_lock:
             run = next(r for r in self.runs.values() if r.name == pod_name)
         run.node_lost.set()
         if run.main is not None:
             run.main.pause()
-        now = timestamp()
 
         def lost(pod: Obj) -> None:
             conditions = [c for c in pod["status"].get("conditions", []) if c["type"] != "Ready"]
@@ -488,10 +323,13 @@ class FakeCluster:
                 ),
             ]
             pod["status"]["conditions"] = conditions
-            pod["metadata"]["deletionTimestamp"] = now
-            pod["metadata"]["deletionGracePeriodSeconds"] = 1
 
-        self.store.update("pods", run.namespace, run.name, run.uid, lost)
+        update_status(self.admin, run.namespace, run.name, run.uid, lost)
+        self.admin.request(
+            "DELETE",
+            pod_path(run.namespace, run.name),
+            {"gracePeriodSeconds": 1, "preconditions": {"uid": run.uid}},
+        )
 
     def hand_out(self, address: str) -> None:
         """The next pod to start gets ``address`` as its IP, as a CNI hands a terminated
@@ -499,90 +337,123 @@ class FakeCluster:
         with self.runs_lock:
             self.next_addresses.append(address)
 
-    def expire_next_watch(self) -> None:
-        """The next watch from a resourceVersion finds it compacted (410 Gone)."""
-        with self.store.changed:
-            self.store.expire_next = True
+    def expire_watches(self) -> None:
+        """etcd compacts its history: a watch from any resourceVersion read before now gets
+        410 Gone from the API server."""
+        self.plane.compact()
 
-    def backdate(self, plural: str, name: str, seconds: float) -> None:
-        """Make an object look ``seconds`` older (its creationTimestamp)."""
-        obj = self.store.get(plural, "orchestrator-sandboxes", name)
-        born = datetime.now(UTC) - timedelta(seconds=seconds)
+    # -- the node --------------------------------------------------------------------------
 
-        def older(found: Obj) -> None:
-            found["metadata"]["creationTimestamp"] = timestamp(born)
-
-        self.store.update(plural, obj["metadata"]["namespace"], name, obj["metadata"]["uid"], older)
-
-    # -- the API server's verbs ------------------------------------------------------------
-
-    def create(self, plural: str, namespace: str, body: Obj) -> Obj:
-        if plural == "pods":
-            handler = (body.get("spec") or {}).get("runtimeClassName")
-            if handler and handler not in self.runtime_classes:
-                raise ApiFailure(
-                    403,
-                    "Forbidden",
-                    f'pod rejected: RuntimeClass "{handler}" not found',
-                )
-        obj = self.store.create(plural, namespace, body)
-        if plural == "pods":
-            self._admit(obj)
-        elif plural == "secrets":
-            self._collect_orphan(obj)
-        return obj
-
-    def delete(self, plural: str, namespace: str, name: str, grace_s: int | None) -> Obj:
-        if plural != "pods":
-            obj = self.store.remove(plural, namespace, name)
-            details = {"name": name, "kind": plural, "uid": obj["metadata"]["uid"]}
-            return {**status_object(200, "", ""), "status": "Success", "details": details}
-        pod = self.store.get(plural, namespace, name)
-        if grace_s == 0:
-            return self.store.remove(plural, namespace, name)
+    def _register(self, runtime_classes: tuple[str, ...]) -> None:
+        """The Node as a kubelet registers it (as the node), Ready; then, as the node
+        lifecycle controller would once it reports Ready, its not-ready taint lifted."""
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": NODE_NAME, "labels": NODE_LABELS},
+        }
+        with contextlib.suppress(ApiError):  # a second kubelet of the same plane
+            self.api.request("POST", "/api/v1/nodes", node)
         now = timestamp()
 
-        def terminating(found: Obj) -> None:
-            found["metadata"].setdefault("deletionTimestamp", now)
-            found["metadata"]["deletionGracePeriodSeconds"] = grace_s or 1
+        def ready(found: Obj) -> None:
+            found["status"] = {
+                "capacity": NODE_CAPACITY,
+                "allocatable": NODE_CAPACITY,
+                "addresses": [
+                    {"type": "InternalIP", "address": NODE_IP},
+                    {"type": "Hostname", "address": NODE_NAME},
+                ],
+                "conditions": [
+                    {
+                        "type": "Ready",
+                        "status": "True",
+                        "reason": "KubeletReady",
+                        "message": "kubelet is posting ready status",
+                        "lastHeartbeatTime": now,
+                        "lastTransitionTime": now,
+                    }
+                ],
+                "nodeInfo": {
+                    "architecture": "amd64",
+                    "operatingSystem": "linux",
+                    "kubeletVersion": "v1.20.2",
+                    "kubeProxyVersion": "v1.20.2",
+                    "containerRuntimeVersion": "docker://local",
+                    "bootID": "",
+                    "kernelVersion": os.uname().release,
+                    "machineID": "",
+                    "osImage": "test kubelet",
+                    "systemUUID": "",
+                },
+            }
 
-        updated = self.store.update(plural, namespace, name, pod["metadata"]["uid"], terminating)
+        _read_modify_write(self.api, f"/api/v1/nodes/{NODE_NAME}", ready, "status")
+
+        def untainted(found: Obj) -> None:
+            found["spec"]["taints"] = []
+
+        _read_modify_write(self.admin, f"/api/v1/nodes/{NODE_NAME}", untainted)
+        for handler in runtime_classes:
+            body = {
+                "apiVersion": "node.k8s.io/v1",
+                "kind": "RuntimeClass",
+                "metadata": {"name": handler},
+                "handler": handler,
+            }
+            with contextlib.suppress(ApiError):
+                self.admin.request("POST", "/apis/node.k8s.io/v1/runtimeclasses", body)
+
+    def _watch_pods(self) -> None:
+        """Every pod bound to this node: start its run when it appears, tell it when the
+        API server marks it for deletion or it is gone."""
+        version: str | None = None
+        bound: dict[str, Any] = {"fieldSelector": f"spec.nodeName={NODE_NAME}"}
+        while not self.closed.is_set():
+            try:
+                if version is None:
+                    listed = self.api.request("GET", "/api/v1/pods", **bound)
+                    version = listed["metadata"]["resourceVersion"]
+                    for pod in listed.get("items") or []:
+                        self._seen("ADDED", pod)
+                for event in self.api.watch("/api/v1/pods", resourceVersion=version, **bound):
+                    if event["type"] == "ERROR":
+                        version = None  # 410 (a compaction): list again
+                        break
+                    pod = event["object"]
+                    version = pod["metadata"]["resourceVersion"]
+                    self._seen(event["type"], pod)
+            except (httpx.HTTPError, ApiError):
+                # The API server is down or restarting: a kubelet retries, keeps its pods.
+                if self.closed.wait(0.5):
+                    return
+                version = None
+
+    def _seen(self, kind: str, pod: Obj) -> None:
+        meta = pod["metadata"]
         with self.runs_lock:
-            run = self.runs.get(pod["metadata"]["uid"])
-        if run is not None and not run.node_lost.is_set():
-            run.deleted.set()  # the kubelet kills the containers, then confirms the deletion
-        return updated or pod
-
-    def _removed(self, plural: str, obj: Obj) -> None:
-        uid = obj["metadata"]["uid"]
-        if plural != "pods":
+            run = self.runs.get(meta["uid"])
+            if run is None and kind != "DELETED" and not meta.get("deletionTimestamp"):
+                run = PodRun(meta["namespace"], meta["name"], meta["uid"])
+                run.thread = threading.Thread(
+                    target=_Kubelet(self, run, pod).run,
+                    name=f"kubelet-{meta['name']}",
+                    daemon=True,
+                )
+                self.runs[run.uid] = run
+                run.thread.start()
+                return
+        if run is None:
             return
-        with self.runs_lock:
-            run = self.runs.get(uid)
-        if run is not None:
-            run.deleted.set()
-        # The garbage collector: dependents owned by the pod go with it.
-        namespace = obj["metadata"]["namespace"]
-        _, owned = self.store.list("secrets", namespace, lambda s: _owned_by(s, uid))
-        for secret in owned:
-            with contextlib.suppress(ApiFailure):
-                self.store.remove("secrets", namespace, secret["metadata"]["name"])
-
-    def _collect_orphan(self, secret: Obj) -> None:
-        """The garbage collector deletes a dependent whose owner does not exist."""
-        namespace = secret["metadata"]["namespace"]
-        owners = secret["metadata"].get("ownerReferences") or []
-        _, live = self.store.list("pods", namespace, _all)
-        uids = {pod["metadata"]["uid"] for pod in live}
-        if owners and not any(o.get("uid") in uids for o in owners):
-            with contextlib.suppress(ApiFailure):
-                self.store.remove("secrets", namespace, secret["metadata"]["name"])
+        if kind == "DELETED" or (meta.get("deletionTimestamp") and not run.node_lost.is_set()):
+            run.deleted.set()  # the kubelet kills the containers, then confirms the deletion
 
     def event(self, pod: Obj, reason: str, message: str, kind: str = "Normal") -> None:
         meta = pod["metadata"]
         now = timestamp()
         body = {
-            "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}"},
+            # Named as the recorders name events: in time order.
+            "metadata": {"name": f"{meta['name']}.{time.time_ns():x}"},
             "involvedObject": {
                 "kind": "Pod",
                 "apiVersion": "v1",
@@ -593,31 +464,17 @@ class FakeCluster:
             "reason": reason,
             "message": message,
             "type": kind,
-            "source": {
-                "component": "default-scheduler" if "Scheduling" in reason else "kubelet",
-                "host": NODE_NAME,
-            },
+            "source": {"component": "kubelet", "host": NODE_NAME},
             "firstTimestamp": now,
             "lastTimestamp": now,
             "count": 1,
         }
-        with contextlib.suppress(ApiFailure):
-            self.store.create("events", meta["namespace"], body)
-
-    # -- the kubelet -----------------------------------------------------------------------
-
-    def _admit(self, pod: Obj) -> None:
-        meta = pod["metadata"]
-        run = PodRun(meta["namespace"], meta["name"], meta["uid"])
-        run.thread = threading.Thread(
-            target=_Kubelet(self, run, pod).run, name=f"kubelet-{meta['name']}", daemon=True
-        )
-        with self.runs_lock:
-            self.runs[run.uid] = run
-        run.thread.start()
+        with contextlib.suppress(ApiError, httpx.HTTPError):
+            self.api.request("POST", f"/api/v1/namespaces/{meta['namespace']}/events", body)
 
     def close(self) -> None:
-        """Stop the API server; the kubelet removes every pod's containers and volumes."""
+        """Stop the kubelet (every pod's containers and volumes are removed), then the
+        control plane."""
         self.closed.set()
         with self.runs_lock:
             runs = list(self.runs.values())
@@ -626,16 +483,56 @@ class FakeCluster:
         for run in runs:
             if run.thread is not None:
                 run.thread.join(60)
-        self.server.shutdown()
-        self.server.server_close()
         _remove_labelled(self.docker, [f"{labels.DEPLOYMENT}={self.docker_deployment}"])
         shutil.rmtree(self.scratch, ignore_errors=True)
+        self.plane.close()  # which also ends the kubelet's watch
+        self._watching.join(WATCH_TIMEOUT_S + 15)
+        self.api.close()
+        self.admin.close()
 
-    def __enter__(self) -> FakeCluster:
+    def __enter__(self) -> TestCluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _read_modify_write(
+    api: Api, path: str, change: Callable[[Obj], None], subresource: str = ""
+) -> Obj | None:
+    """GET the object, change it, PUT it (or its ``subresource``, which a kubelet may
+    write but not read) with the read's resourceVersion; again on a conflict (409). None
+    when the object is gone."""
+    while True:
+        found = api.get(path)
+        if found is None:
+            return None
+        change(found)
+        try:
+            return api.request("PUT", f"{path}/{subresource}" if subresource else path, found)
+        except ApiError as exc:
+            if exc.code != 409:
+                raise
+
+
+def update_status(
+    api: Api, namespace: str, name: str, uid: str, change: Callable[[Obj], None]
+) -> Obj | None:
+    """Apply ``change`` to the pod's status if it is still the pod with ``uid``."""
+
+    def mine(pod: Obj) -> None:
+        if pod["metadata"]["uid"] != uid:
+            raise _NotMine
+        pod.setdefault("status", {})
+        change(pod)
+
+    with contextlib.suppress(_NotMine):
+        return _read_modify_write(api, pod_path(namespace, name), mine, "status")
+    return None
+
+
+class _NotMine(Exception):
+    """The pod of that name is another one now (same name, new uid)."""
 
 
 def _all(obj: Obj) -> bool:
@@ -716,7 +613,7 @@ class _Kubelet:
     """Runs one pod: schedule, wait for its Secret, check its images, make its volumes, run
     its init containers then its container, probe it, report; tear down when it goes."""
 
-    def __init__(self, cluster: FakeCluster, run: PodRun, pod: Obj) -> None:
+    def __init__(self, cluster: TestCluster, run: PodRun, pod: Obj) -> None:
         self.cluster = cluster
         self.run_ = run
         self.pod = pod
@@ -737,11 +634,19 @@ class _Kubelet:
     # status helpers
 
     def publish(self, change: Callable[[Obj], None]) -> None:
-        if self.run_.node_lost.is_set():
-            return  # a lost node's kubelet reports nothing
-        self.cluster.store.update(
-            "pods", self.run_.namespace, self.run_.name, self.run_.uid, change
-        )
+        run = self.run_
+        while not run.node_lost.is_set():  # a lost node's kubelet reports nothing
+            try:
+                update_status(self.cluster.api, run.namespace, run.name, run.uid, change)
+                return
+            except httpx.HTTPError:
+                # The API server is away (restarting): a kubelet reports again later.
+                if run.deleted.wait(0.2):
+                    return
+            except ApiError as exc:
+                if exc.code in (404, 409):
+                    return  # gone, or a deleted pod whose status is final
+                raise
 
     def set_status(self, **fields: Any) -> None:
         def change(pod: Obj) -> None:
@@ -801,32 +706,19 @@ class _Kubelet:
         try:
             self._run()
         except Exception as exc:  # noqa: BLE001 - reported in the pod, whatever it is
-            # A fake kubelet that broke must say so in the pod, not hang the test.
-            self.event("FakeKubeletError", f"{type(exc).__name__}: {exc}", "Warning")
-            self.set_status(phase="Failed", reason="FakeKubeletError", message=str(exc))
+            # A test kubelet that broke must say so in the pod, not hang the test.
+            self.event("TestClusterError", f"{type(exc).__name__}: {exc}", "Warning")
+            self.set_status(phase="Failed", reason="TestClusterError", message=str(exc))
             self.run_.deleted.wait()
         finally:
             self.teardown()
 
     def _run(self) -> None:
-        deleted = self.run_.deleted
-        selector = self.spec.get("nodeSelector") or {}
-        if any(NODE_LABELS.get(k) != v for k, v in selector.items()):
-            message = (
-                "0/1 nodes are available: 1 node(s) didn't match Pod's node affinity/selector. "
-                "preemption: 0/1 nodes are available: 1 Preemption is not helpful for scheduling."
-            )
-            self.set_status(
-                phase="Pending",
-                conditions=[_condition("PodScheduled", "False", "Unschedulable", message)],
-            )
-            self.event("FailedScheduling", message, "Warning")
-            deleted.wait()
-            return
+        # The real scheduler bound the pod to this node (that is how it got here).
 
         def scheduled(pod: Obj) -> None:
-            pod["spec"]["nodeName"] = NODE_NAME
             pod["status"] = {
+                **pod.get("status", {}),
                 "phase": "Pending",
                 "conditions": [
                     _condition("PodReadyToStartContainers", "False"),
@@ -838,15 +730,10 @@ class _Kubelet:
                 "hostIP": NODE_IP,
                 "hostIPs": [{"ip": NODE_IP}],
                 "startTime": self.started,
-                "qosClass": "Guaranteed",
                 **self.initializing(),
             }
 
         self.publish(scheduled)
-        self.event(
-            "Scheduled",
-            f"Successfully assigned {self.run_.namespace}/{self.run_.name} to {NODE_NAME}",
-        )
         if not self.mount_secrets():
             return
         for container in [*(self.spec.get("initContainers") or []), *self.spec["containers"]]:
@@ -869,7 +756,7 @@ class _Kubelet:
             if source is None:
                 continue
             while True:
-                secret = self.cluster.read("secrets", source["secretName"], self.run_.namespace)
+                secret = self.read_secret(source["secretName"])
                 if secret is not None:
                     break
                 if not warned and time.monotonic() - waited_since > SECRET_MISSING_EVENT_S:
@@ -900,6 +787,19 @@ class _Kubelet:
             self.volumes[volume["name"]] = (str(target), "bind", True)
         return True
 
+    def read_secret(self, name: str) -> Obj | None:
+        """The Secret, read as the node (None while it does not exist, or while the Node
+        authorizer does not yet know this pod mounts it)."""
+        path = f"/api/v1/namespaces/{self.run_.namespace}/secrets/{name}"
+        try:
+            return self.cluster.api.get(path)
+        except ApiError as exc:
+            if exc.code == 403:
+                return None
+            raise
+        except httpx.HTTPError:
+            return None
+
     def pull(self, container: Obj) -> bool:
         """IfNotPresent with no registry: a local image or a failed pull, for good."""
         image = container["image"]
@@ -911,7 +811,7 @@ class _Kubelet:
             pass
         message = (
             f'Failed to pull image "{image}": rpc error: code = NotFound desc = '
-            f"failed to pull and unpack image: {image}: not found (the fake cluster has no "
+            f"failed to pull and unpack image: {image}: not found (the test node has no "
             "registry)"
         )
         self.event("Pulling", f'Pulling image "{image}"')
@@ -1212,12 +1112,16 @@ class _Kubelet:
         _remove_labelled(self.cluster.docker, [f"{POD_UID_LABEL}={run.uid}"])
         self.release_address()
         shutil.rmtree(self.cluster.scratch / run.uid, ignore_errors=True)
-        # A pod deleted gracefully is gone from the API once its containers are.
-        pod = self.cluster.read("pods", run.name, run.namespace)
-        mine = pod is not None and pod["metadata"]["uid"] == run.uid
-        if mine and pod and pod["metadata"].get("deletionTimestamp") and not run.node_lost.is_set():
-            with contextlib.suppress(ApiFailure):
-                self.cluster.store.remove("pods", run.namespace, run.name)
+        if run.node_lost.is_set():
+            return  # a lost kubelet never confirms a deletion
+        # A pod deleted gracefully is gone from the API once its containers are: the
+        # kubelet confirms with a delete of grace 0, for this pod only (uid precondition).
+        with contextlib.suppress(ApiError, httpx.HTTPError):
+            self.cluster.api.request(
+                "DELETE",
+                pod_path(run.namespace, run.name),
+                {"gracePeriodSeconds": 0, "preconditions": {"uid": run.uid}},
+            )
 
 
 _PodInitializing: Obj = {"waiting": {"reason": "PodInitializing"}}
@@ -1247,131 +1151,3 @@ def _connects(ip: str, port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-class _Handler(BaseHTTPRequestHandler):
-    """The API server's HTTP side: routes, auth, Status errors, chunked watch streams."""
-
-    protocol_version = "HTTP/1.1"
-    server_version = "fake-kube-apiserver"
-
-    @property
-    def cluster(self) -> FakeCluster:
-        cluster: FakeCluster = self.server.cluster  # type: ignore[attr-defined]
-        return cluster
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # the request log is self.cluster.requests
-
-    def do_GET(self) -> None:
-        self.dispatch("GET")
-
-    def do_POST(self) -> None:
-        self.dispatch("POST")
-
-    def do_DELETE(self) -> None:
-        self.dispatch("DELETE")
-
-    def do_PUT(self) -> None:
-        self.dispatch("PUT")
-
-    def do_PATCH(self) -> None:
-        self.dispatch("PATCH")
-
-    def dispatch(self, method: str) -> None:
-        url = urlsplit(self.path)
-        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
-        self.cluster.requests.append((method, self.path))
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
-        try:
-            if self.headers.get("Authorization") != f"Bearer {self.cluster.token}":
-                raise ApiFailure(401, "Unauthorized", "Unauthorized")
-            route = _PATH.match(url.path)
-            if route is None:
-                raise ApiFailure(
-                    404, "NotFound", "the server could not find the requested resource"
-                )
-            self.route(method, route, query, raw)
-        except ApiFailure as failure:
-            self.send_json(failure.status["code"], failure.status)
-
-    def route(self, method: str, route: re.Match[str], query: dict[str, str], raw: bytes) -> None:
-        ns, plural, name, sub = route["ns"], route["plural"], route["name"], route["sub"]
-        store = self.cluster.store
-        if sub is not None and (plural != "pods" or method != "GET"):
-            raise ApiFailure(405, "MethodNotAllowed", "the server does not allow this method")
-        if name is None and method == "GET":
-            select = self.selector(query)
-            if query.get("watch") in ("true", "1"):
-                self.stream(plural, ns, select, query)
-                return
-            version, items = store.list(plural, ns, select)
-            body = {
-                "kind": f"{KINDS[plural]}List",
-                "apiVersion": "v1",
-                "metadata": {"resourceVersion": version},
-                "items": items,
-            }
-            self.send_json(200, body)
-        elif name is None and method == "POST":
-            try:
-                body = json.loads(raw)
-            except ValueError as exc:
-                raise ApiFailure(400, "BadRequest", f"invalid JSON: {exc}") from exc
-            if not isinstance(body, dict) or body.get("kind") not in (None, KINDS[plural]):
-                raise ApiFailure(400, "BadRequest", f"the body is not a {KINDS[plural]}")
-            self.send_json(201, self.cluster.create(plural, ns, body))
-        elif name is None and method == "DELETE":
-            _, doomed = store.list(plural, ns, self.selector(query))
-            grace = query.get("gracePeriodSeconds")
-            for obj in doomed:
-                with contextlib.suppress(ApiFailure):
-                    self.cluster.delete(
-                        plural, ns, obj["metadata"]["name"], None if grace is None else int(grace)
-                    )
-            self.send_json(200, {**status_object(200, "", ""), "status": "Success"})
-        elif name is not None and method == "GET":
-            self.send_json(200, store.get(plural, ns, name))
-        elif name is not None and method == "DELETE":
-            grace = query.get("gracePeriodSeconds")
-            self.send_json(
-                200, self.cluster.delete(plural, ns, name, None if grace is None else int(grace))
-            )
-        else:
-            raise ApiFailure(405, "MethodNotAllowed", f"{method} is not served by the fake")
-
-    def selector(self, query: dict[str, str]) -> Callable[[Obj], bool]:
-        by_labels = parse_label_selector(query.get("labelSelector", ""))
-        by_fields = parse_field_selector(query.get("fieldSelector", ""))
-        return lambda obj: by_labels(obj["metadata"].get("labels") or {}) and by_fields(obj)
-
-    def stream(
-        self, plural: str, ns: str, select: Callable[[Obj], bool], query: dict[str, str]
-    ) -> None:
-        timeout_s = float(query.get("timeoutSeconds", 1800))
-        events = self.cluster.store.watch(
-            plural, ns, select, query.get("resourceVersion"), timeout_s, self.cluster.closed
-        )
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
-        try:
-            for event in events:
-                line = json.dumps(event).encode() + b"\n"
-                self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
-
-    def send_json(self, code: int, body: Obj) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(code)
-        # Exactly this: lightkube turns an error into ApiError only for this content type.
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)

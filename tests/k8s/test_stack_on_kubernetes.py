@@ -1,6 +1,6 @@
 """The whole stack on the Kubernetes backend: a trainer's calls go API → Redis/Celery →
 worker → ``KubernetesBackend`` → the pod's exec agent over TCP, against the fake cluster of
-fake_cluster.py (conftest.py's ``k8s_stack``). The API, worker and beat have no Docker
+k8s_cluster.py (conftest.py's ``k8s_stack``). The API, worker and beat have no Docker
 daemon to reach (``ORCH_DOCKER_HOST`` names none), so anything on this path that still
 asks Docker fails here.
 
@@ -38,7 +38,7 @@ from tests.e2e.conftest import TOKEN
 from tests.e2e.helpers import error_code, file_f1, function_call, new_trace, wait_for
 from tests.k8s.conftest import POOLED, K8sStack
 
-pytestmark = pytest.mark.xdist_group("k8s-fake")
+pytestmark = pytest.mark.xdist_group("k8s")
 
 GOLD = ["src/requests/sessions.py", "src/requests/adapters.py"]
 

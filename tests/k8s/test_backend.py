@@ -1,4 +1,4 @@
-"""``KubernetesBackend`` end to end against the fake control plane of fake_cluster.py, whose
+"""``KubernetesBackend`` end to end against the fake control plane of k8s_cluster.py, whose
 kubelet runs each pod as real Docker containers: create (pod, Secret, watch until Ready,
 agent ping), commands and files through the agent at the pod IP with the token, probes of
 healthy, killed, OOM-killed and node-lost sandboxes, failed starts that leave nothing
@@ -14,7 +14,9 @@ import contextlib
 import ipaddress
 import json
 import socket
+import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +38,13 @@ from orchestrator.sandbox.backend import (
     SandboxSpec,
     SandboxUnavailable,
 )
+from orchestrator.sandbox.k8s import backend as backend_module
 from orchestrator.sandbox.k8s import pods
 from orchestrator.sandbox.k8s.backend import Endpoint, KubernetesBackend
-from tests.k8s.fake_cluster import FakeCluster
+from orchestrator.sandbox.k8s.watch import watch_pod
+from tests.k8s.cluster import TestCluster
 
-pytestmark = pytest.mark.xdist_group("k8s-fake")
+pytestmark = pytest.mark.xdist_group("k8s")
 
 NAMESPACE = "orchestrator-sandboxes"
 
@@ -52,11 +56,11 @@ def codebase_image(settings: Settings, base_image: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(settings: Settings, client: docker.DockerClient) -> Iterator[FakeCluster]:
+def cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
     # The kubelet's containers carry a deployment of their own (still this run's, for the
     # leak check), so the Docker backend's label sweeps never take them for its sandboxes.
-    with FakeCluster(client, docker_deployment=f"{settings.deployment}-kubelet") as fake:
-        yield fake
+    with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet") as cluster:
+        yield cluster
 
 
 def k8s_settings(settings: Settings, **overrides: Any) -> Settings:
@@ -72,7 +76,7 @@ def k8s_settings(settings: Settings, **overrides: Any) -> Settings:
 
 
 @pytest.fixture(scope="module")
-def k8s(settings: Settings, cluster: FakeCluster) -> Iterator[KubernetesBackend]:
+def k8s(settings: Settings, cluster: TestCluster) -> Iterator[KubernetesBackend]:
     backend = KubernetesBackend(k8s_settings(settings), client=cluster.client())
     yield backend
     for handle in backend.list_owned():
@@ -89,7 +93,7 @@ def sandbox(k8s: KubernetesBackend, codebase_image: str) -> Iterator[SandboxHand
 
 
 @pytest.fixture()
-def make(k8s: KubernetesBackend, cluster: FakeCluster, base_image: str) -> Iterator[Any]:
+def make(k8s: KubernetesBackend, cluster: TestCluster, base_image: str) -> Iterator[Any]:
     """Sandboxes of the base image for one test, destroyed (and checked gone) afterwards."""
     made: list[SandboxHandle] = []
 
@@ -114,7 +118,7 @@ def spec(image: str, rollout_id: str, **limits: Any) -> SandboxSpec:
     )
 
 
-def pod_ip(cluster: FakeCluster, handle: SandboxHandle) -> str:
+def pod_ip(cluster: TestCluster, handle: SandboxHandle) -> str:
     pod = cluster.read("pods", handle.native_id)
     assert pod is not None
     ip: str = pod["status"]["podIP"]
@@ -126,7 +130,7 @@ def phase_is(phase: str) -> Any:
 
 
 def test_a_sandbox_runs_commands_and_reads_the_codebase(
-    k8s: KubernetesBackend, cluster: FakeCluster, sandbox: SandboxHandle
+    k8s: KubernetesBackend, cluster: TestCluster, sandbox: SandboxHandle
 ) -> None:
     before = len(cluster.requests)
     result = k8s.exec(
@@ -150,7 +154,7 @@ def test_a_sandbox_runs_commands_and_reads_the_codebase(
 
 def test_the_pod_is_what_the_backend_rendered_and_owns_its_secret(
     k8s: KubernetesBackend,
-    cluster: FakeCluster,
+    cluster: TestCluster,
     client: docker.DockerClient,
     sandbox: SandboxHandle,
 ) -> None:
@@ -187,8 +191,26 @@ def test_the_pod_is_what_the_backend_rendered_and_owns_its_secret(
     assert address.is_loopback and address not in ipaddress.ip_network("127.0.0.0/16")
 
 
+def test_the_garbage_collector_takes_the_secret_with_its_pod(
+    cluster: TestCluster, make: Any
+) -> None:
+    """The agent token's Secret is owned by its pod: deleted without the backend (as by an
+    operator's ``kubectl delete pod``), the pod takes it along through the real garbage
+    collector of kube-controller-manager."""
+    handle = make(rollout_id="k8s-gc")
+    secret = cluster.read("secrets", handle.native_id)
+    assert secret is not None and secret["metadata"]["ownerReferences"][0]["kind"] == "Pod"
+    cluster.admin.request(
+        "DELETE",
+        f"/api/v1/namespaces/{NAMESPACE}/pods/{handle.native_id}",
+        {"gracePeriodSeconds": 0},
+    )
+    cluster.wait_gone("secrets", handle.native_id)
+    cluster.wait_gone("pods", handle.native_id)
+
+
 def test_the_agent_refuses_requests_without_the_sandbox_token(
-    k8s: KubernetesBackend, cluster: FakeCluster, sandbox: SandboxHandle
+    k8s: KubernetesBackend, cluster: TestCluster, sandbox: SandboxHandle
 ) -> None:
     ip = pod_ip(cluster, sandbox)
     port = k8s.settings.k8s_agent_port
@@ -216,7 +238,7 @@ def test_a_healthy_sandbox_probes_healthy(k8s: KubernetesBackend, sandbox: Sandb
 
 
 def test_another_worker_reaches_the_sandbox_through_the_api(
-    settings: Settings, cluster: FakeCluster, k8s: KubernetesBackend, sandbox: SandboxHandle
+    settings: Settings, cluster: TestCluster, k8s: KubernetesBackend, sandbox: SandboxHandle
 ) -> None:
     """A worker that did not create the sandbox reads its IP and token from the API, and the
     heartbeat of each worker counts only its own sandboxes."""
@@ -232,7 +254,7 @@ def test_another_worker_reaches_the_sandbox_through_the_api(
 
 
 def test_list_owned_reads_back_every_label_and_destroy_is_idempotent(
-    k8s: KubernetesBackend, cluster: FakeCluster, make: Any, base_image: str
+    k8s: KubernetesBackend, cluster: TestCluster, make: Any, base_image: str
 ) -> None:
     odd = "trace_" + "x" * 70 + "/odd"  # not label-safe: kept as an annotation
     first = make(rollout_id="fake-cluster-one")
@@ -262,7 +284,7 @@ def test_list_owned_reads_back_every_label_and_destroy_is_idempotent(
 
 
 def test_a_killed_sandbox_probes_as_exited_not_by_the_agent(
-    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+    k8s: KubernetesBackend, cluster: TestCluster, make: Any
 ) -> None:
     handle = make()
     cluster.kill(handle.native_id)
@@ -281,7 +303,7 @@ def test_a_killed_sandbox_probes_as_exited_not_by_the_agent(
 
 
 def test_a_reused_pod_ip_is_not_taken_for_the_sandbox(
-    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+    k8s: KubernetesBackend, cluster: TestCluster, make: Any
 ) -> None:
     """Pod IPs are reused: a worker remembering a dead pod's IP may reach another sandbox's
     agent, which refuses the token. That is "unreachable" with the pod's state, and the
@@ -297,7 +319,7 @@ def test_a_reused_pod_ip_is_not_taken_for_the_sandbox(
 
 
 def test_a_killed_pods_ip_handed_to_a_new_pod_reaches_nothing_of_the_old_sandbox(
-    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+    k8s: KubernetesBackend, cluster: TestCluster, make: Any
 ) -> None:
     """The pod dies, the network hands its IP to a new pod, and a worker still remembers
     the old address: the new pod's agent refuses the old token, so no command of the dead
@@ -319,7 +341,7 @@ def test_a_killed_pods_ip_handed_to_a_new_pod_reaches_nothing_of_the_old_sandbox
 
 
 def test_an_oom_killed_sandbox_is_the_agents_doing(
-    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+    k8s: KubernetesBackend, cluster: TestCluster, make: Any
 ) -> None:
     handle = make(memory_mb=128)
     # The whole container may go before the agent replies.
@@ -338,7 +360,7 @@ def test_an_oom_killed_sandbox_is_the_agents_doing(
 
 
 def test_a_lost_node_is_an_infrastructure_fault(
-    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+    k8s: KubernetesBackend, cluster: TestCluster, make: Any
 ) -> None:
     handle = make()
     cluster.lose_node(handle.native_id)
@@ -348,7 +370,7 @@ def test_a_lost_node_is_an_infrastructure_fault(
 
 
 def test_an_image_that_cannot_be_pulled_fails_the_create_and_leaves_nothing(
-    k8s: KubernetesBackend, cluster: FakeCluster
+    k8s: KubernetesBackend, cluster: TestCluster
 ) -> None:
     pods_before, secrets_before = cluster.names("pods"), cluster.names("secrets")
     objects_before = set(cluster.docker_objects())
@@ -364,7 +386,7 @@ def test_an_image_that_cannot_be_pulled_fails_the_create_and_leaves_nothing(
 
 
 def test_a_pod_that_never_gets_ready_times_out_and_leaves_nothing(
-    settings: Settings, cluster: FakeCluster, base_image: str
+    settings: Settings, cluster: TestCluster, base_image: str
 ) -> None:
     pending = KubernetesBackend(
         k8s_settings(settings, k8s_pending_timeout_s=1.5, k8s_node_selector={"pool": "gpu"}),
@@ -382,36 +404,54 @@ def test_a_pod_that_never_gets_ready_times_out_and_leaves_nothing(
 
 
 def test_create_survives_an_expired_watch(
-    k8s: KubernetesBackend, cluster: FakeCluster, make: Any
+    k8s: KubernetesBackend,
+    cluster: TestCluster,
+    make: Any,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The API server's history is compacted between the create and the watch: the watch
-    gets 410 Gone as an ERROR event, and the backend starts again from a fresh read."""
-    cluster.expire_next_watch()
-    handle = make(rollout_id="fake-cluster-expired")
-    assert any(
-        method == "GET" and path.endswith(f"/pods/{handle.native_id}")
-        for method, path in cluster.requests
-    )
+    """etcd compacts its history between the create and the watch: the API server answers
+    the watch from the create's resourceVersion with 410 Gone, and the backend starts again
+    from a fresh read of the pod."""
+    compactions: list[int] = []
+
+    def watch_after_a_compaction(*args: Any, **kw: Any) -> Any:
+        if not compactions:
+            compactions.append(cluster.plane.compact())
+        return watch_pod(*args, **kw)
+
+    monkeypatch.setattr(backend_module, "watch_pod", watch_after_a_compaction)
+    handle = make(rollout_id="k8s-expired")
+    assert compactions
+    path = f"/api/v1/namespaces/{NAMESPACE}/pods/{handle.native_id}"
+    assert any(method == "GET" and uri == path for method, uri in cluster.requests)
     assert k8s.exec(handle, "echo up", timeout_s=10, output_budget_bytes=64).stdout.head == "up\n"
 
 
 def test_sweep_leftovers_removes_only_settled_orphan_secrets(
-    k8s: KubernetesBackend, cluster: FakeCluster, sandbox: SandboxHandle
+    settings: Settings, cluster: TestCluster, sandbox: SandboxHandle
 ) -> None:
-    orphan = pods.pod_name(k8s.settings, "sbx-orphan00000")
-    meta = ObjectMeta(name=orphan, labels=dict(pods.selector(k8s.settings)))
-    k8s.client.create(Secret(metadata=meta, type="Opaque", data={}), namespace=NAMESPACE)
-    assert k8s.sweep_leftovers() == 0  # young: its pod may be on its way
+    """A Secret whose pod never came: left while its pod may be on its way (younger than
+    twice the start timeout, by the API server's own creationTimestamp), swept after."""
+    sweeper = KubernetesBackend(
+        k8s_settings(settings, sandbox_start_timeout_s=1), client=cluster.client()
+    )
+    orphan = pods.pod_name(sweeper.settings, "sbx-orphan00000")
+    meta = ObjectMeta(name=orphan, labels=dict(pods.selector(sweeper.settings)))
+    made = sweeper.client.create(Secret(metadata=meta, type="Opaque", data={}), namespace=NAMESPACE)
+    assert sweeper.sweep_leftovers() == 0  # young: its pod may be on its way
     assert cluster.read("secrets", orphan) is not None
-    cluster.backdate("secrets", orphan, seconds=3600)
-    assert k8s.sweep_leftovers() == 1
+    # The API server stamps creation to the second; wait until it is past the settle age.
+    assert made.metadata is not None and made.metadata.creationTimestamp is not None
+    settled_at = made.metadata.creationTimestamp + timedelta(seconds=3)
+    time.sleep(max(0.0, (settled_at - datetime.now(UTC)).total_seconds()))
+    assert sweeper.sweep_leftovers() == 1
     assert cluster.read("secrets", orphan) is None
     assert cluster.read("secrets", sandbox.native_id) is not None  # its pod lives
 
 
 def test_the_backend_finds_the_api_server_through_kubeconfig(
     settings: Settings,
-    cluster: FakeCluster,
+    cluster: TestCluster,
     sandbox: SandboxHandle,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -428,7 +468,7 @@ def test_the_backend_finds_the_api_server_through_kubeconfig(
 
 
 def test_an_api_server_that_refuses_or_is_gone_is_reported_not_raised_by_the_heartbeat(
-    settings: Settings, cluster: FakeCluster, sandbox: SandboxHandle
+    settings: Settings, cluster: TestCluster, sandbox: SandboxHandle
 ) -> None:
     config = cluster.kubeconfig()
     config["users"][0]["user"]["token"] = "wrong"
@@ -456,7 +496,7 @@ def test_an_api_server_that_refuses_or_is_gone_is_reported_not_raised_by_the_hea
 
 
 def test_a_failed_workspace_seed_fails_the_create_with_its_evidence(
-    k8s: KubernetesBackend, cluster: FakeCluster
+    k8s: KubernetesBackend, cluster: TestCluster
 ) -> None:
     """An image without /workspace: the init container's copy fails, so does the pod."""
     pods_before, secrets_before = cluster.names("pods"), cluster.names("secrets")
