@@ -2,14 +2,15 @@
 # A real Kubernetes control plane for the test suite, from Debian's own packages only:
 # etcd from `etcd-server`, and kube-apiserver, kube-controller-manager and kube-scheduler
 # built from Debian bookworm's `kubernetes` source package (the full upstream tree with
-# vendor/, built offline with Debian's Go). No registry ships these binaries (see
-# docs/kubernetes-tests.md), so they are built once per version and cached on the machine,
-# outside the repository:
+# vendor/, built offline with Debian's Go). No registry ships these binaries, so they are
+# built once per version and cached on the machine, outside the repository:
 #
 #   $KUBE_CACHE/<debian version>/bin/{kube-apiserver,kube-controller-manager,kube-scheduler}
 #
 # Idempotent: with the binaries cached and etcd installed it does nothing (well under a
-# second). A cold build takes about 5.5 minutes on 2 cores. Prints the bin directory.
+# second). A cold build takes about 7 minutes on 2 cores (75 s with a warm Go cache).
+# Prints the bin directory. docs/kubernetes-backend.md ("Tested against a real control
+# plane") says what the tests do with it.
 set -euo pipefail
 
 # The source package's version, pinned: the cache is keyed by it and a bump rebuilds.
