@@ -87,6 +87,10 @@ PROBE_PERIOD_S = 0.2
 PULL_BACKOFF_S = 0.5
 SECRET_MISSING_EVENT_S = 2.0
 WATCH_TIMEOUT_S = 30
+# A status update the API server could not take (away, or up and not serving yet, as while
+# it restarts) is sent again after this long, as a kubelet's status manager does.
+STATUS_RETRY_S = 0.2
+SERVER_NOT_READY = frozenset({429, 500, 503})
 _QUANTITY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "k": 10**3, "M": 10**6, "G": 10**9}
 
 
@@ -275,13 +279,19 @@ class TestCluster:
         return run.main
 
     def settle(self, timeout_s: float = 60.0) -> None:
-        """Wait until the kubelet has torn down every pod that is gone from the API."""
+        """Wait until the kubelet has torn down every pod that is gone from the API;
+        AssertionError after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
+        # Gone by the API, not by what the kubelet has seen: a delete the caller just made
+        # may not have reached the kubelet's watch yet, and its pod must be waited for too.
+        listed = self.admin.request("GET", "/api/v1/pods")
+        live = {pod["metadata"]["uid"] for pod in listed.get("items") or []}
         with self.runs_lock:
-            gone = [r for r in self.runs.values() if r.deleted.is_set()]
+            gone = [r for r in self.runs.values() if r.deleted.is_set() or r.uid not in live]
         for run in gone:
             if run.thread is not None:
                 run.thread.join(max(0.0, deadline - time.monotonic()))
+                assert not run.thread.is_alive(), f"the kubelet still tears down pod {run.name}"
 
     def wait_for_pod(self, name: str, check: Callable[[Obj], bool], timeout_s: float = 30.0) -> Obj:
         """The pod once ``check`` holds for it (raises AssertionError after ``timeout_s``)."""
@@ -414,8 +424,12 @@ class TestCluster:
                 if version is None:
                     listed = self.api.request("GET", "/api/v1/pods", **bound)
                     version = listed["metadata"]["resourceVersion"]
-                    for pod in listed.get("items") or []:
+                    items = listed.get("items") or []
+                    for pod in items:
                         self._seen("ADDED", pod)
+                    # A pod deleted while the watch was down (a restart, a 410) sent no
+                    # DELETED event to this kubelet: gone from the list is gone.
+                    self._forget_missing({pod["metadata"]["uid"] for pod in items})
                 for event in self.api.watch("/api/v1/pods", resourceVersion=version, **bound):
                     if event["type"] == "ERROR":
                         version = None  # 410 (a compaction): list again
@@ -428,6 +442,12 @@ class TestCluster:
                 if self.closed.wait(0.5):
                     return
                 version = None
+
+    def _forget_missing(self, listed: set[str]) -> None:
+        with self.runs_lock:
+            missing = [run for uid, run in self.runs.items() if uid not in listed]
+        for run in missing:
+            run.deleted.set()
 
     def _seen(self, kind: str, pod: Obj) -> None:
         meta = pod["metadata"]
@@ -641,12 +661,15 @@ class _Kubelet:
                 return
             except httpx.HTTPError:
                 # The API server is away (restarting): a kubelet reports again later.
-                if run.deleted.wait(0.2):
-                    return
+                pass
             except ApiError as exc:
                 if exc.code in (404, 409):
                     return  # gone, or a deleted pod whose status is final
-                raise
+                if exc.code not in SERVER_NOT_READY:
+                    raise
+                # Up but not serving yet (its storage or caches still starting): again later.
+            if run.deleted.wait(STATUS_RETRY_S):
+                return
 
     def set_status(self, **fields: Any) -> None:
         def change(pod: Obj) -> None:
@@ -788,13 +811,14 @@ class _Kubelet:
         return True
 
     def read_secret(self, name: str) -> Obj | None:
-        """The Secret, read as the node (None while it does not exist, or while the Node
-        authorizer does not yet know this pod mounts it)."""
+        """The Secret, read as the node (None while it does not exist, while the Node
+        authorizer does not yet know this pod mounts it, or while the API server is away
+        or not serving yet)."""
         path = f"/api/v1/namespaces/{self.run_.namespace}/secrets/{name}"
         try:
             return self.cluster.api.get(path)
         except ApiError as exc:
-            if exc.code == 403:
+            if exc.code == 403 or exc.code in SERVER_NOT_READY:
                 return None
             raise
         except httpx.HTTPError:

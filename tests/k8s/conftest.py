@@ -64,12 +64,16 @@ POOLED = "pooled-planning"
 """An environment with one warm pod of the `requests` codebase."""
 ACTS = "agent-acts"
 """The agent-caused table's environment (tests/agent_caused.py's limits)."""
+OUTAGE = "outage-planning"
+"""Planning on the `requests` codebase for a trainer that calls on through an API server
+outage: not reaped as idle for longer than a restart takes (the trainer's calls are not
+what keeps it alive), no call budget, and the reaper's short grace after grading."""
 
 
 def _environments(path: Path) -> Path:
     """The default environments with an idle timeout and a grace after grading of a few
-    seconds (the reaper ends rollouts within a test's patience), plus ``POOLED`` and
-    ``ACTS``."""
+    seconds (the reaper ends rollouts within a test's patience), plus ``POOLED``, ``ACTS``
+    and ``OUTAGE``."""
     reaper_environments_yaml(path)
     data = yaml.safe_load(path.read_text())
     data["environments"].append(
@@ -89,6 +93,16 @@ def _environments(path: Path) -> Path:
             "tools": ["shell"],
             "limits": agent_caused.LIMITS,
             "grader": {"name": "file_f1"},
+        }
+    )
+    data["environments"].append(
+        {
+            "name": OUTAGE,
+            "codebase": REQUESTS_CODEBASE,
+            "tools": ["shell", "read_file"],
+            "grader": {"name": "file_f1"},
+            "idle_timeout_s": 120,
+            "grace_after_grade_s": 2,
         }
     )
     path.write_text(yaml.safe_dump(data, sort_keys=False))

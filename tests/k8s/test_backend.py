@@ -1,11 +1,13 @@
-"""``KubernetesBackend`` end to end against the fake control plane of k8s_cluster.py, whose
-kubelet runs each pod as real Docker containers: create (pod, Secret, watch until Ready,
-agent ping), commands and files through the agent at the pod IP with the token, probes of
-healthy, killed, OOM-killed and node-lost sandboxes, failed starts that leave nothing
-behind, destroy, listing, the leftover sweep and the heartbeat's count.
+"""``KubernetesBackend`` end to end against a real control plane (control_plane.py) and the
+test kubelet of cluster.py, which runs each pod as real Docker containers: create (pod,
+Secret, watch until Ready, agent ping), commands and files through the agent at the pod IP
+with the token, probes of healthy, killed, OOM-killed and node-lost sandboxes, failed starts
+that leave nothing behind, destroy, listing, the leftover sweep and the heartbeat's count;
+a create's watch expired (410), cut by an API server restart, or cut by an outage that
+outlasts its deadline; an API server outage under a live sandbox.
 
-What the fake cannot show (scheduling, CNI, NetworkPolicy, RuntimeClasses, a real kubelet)
-is listed in docs/kubernetes-backend.md.
+What this cannot show (CNI, NetworkPolicy, RuntimeClasses, a real kubelet) is listed in
+docs/kubernetes-backend.md.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import docker
+import httpx2
 import pytest
 from lightkube import Client, KubeConfig
 from lightkube.models.meta_v1 import ObjectMeta
@@ -148,8 +151,12 @@ def test_a_sandbox_runs_commands_and_reads_the_codebase(
     assert "class Session" in found.text
     note = k8s.read_file(sandbox, "note.txt", max_bytes=64)
     assert note.text == "note\n"
-    # Tool calls go to the agent at the pod IP, never through the API server.
-    assert len(cluster.requests) == before
+    # Tool calls go to the agent at the pod IP, never through the API server (no exec,
+    # attach or proxy). A reply slower than the agent client's first watch interval (1 s:
+    # a cold first `git log` on a loaded machine) reads the pod's status once a while,
+    # to stop waiting for a pod that is gone; that is the only request a call may make.
+    status_read = ("GET", f"/api/v1/namespaces/{NAMESPACE}/pods/{sandbox.native_id}")
+    assert [r for r in cluster.requests[before:] if r != status_read] == []
 
 
 def test_the_pod_is_what_the_backend_rendered_and_owns_its_secret(
@@ -427,6 +434,109 @@ def test_create_survives_an_expired_watch(
     assert k8s.exec(handle, "echo up", timeout_s=10, output_budget_bytes=64).stdout.head == "up\n"
 
 
+def test_create_survives_a_watch_cut_by_an_api_server_restart(
+    k8s: KubernetesBackend,
+    cluster: TestCluster,
+    make: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The API server restarts while the create watches its pod: the stream is cut (the
+    server died mid-response), the pod runs on, and the backend reads it again once the
+    API server answers, within its pending timeout. The test kubelet, a client of the same
+    API server, keeps its pods and reports through the restart too."""
+    cuts: list[httpx2.HTTPError] = []
+    restarted: list[float] = []
+
+    def watch_cut_by_a_restart(*args: Any, **kw: Any) -> Iterator[tuple[str, Any]]:
+        events = watch_pod(*args, **kw)
+        if restarted:
+            yield from events
+            return
+        # The watch is open and streaming: the API server sent the pod's first change
+        # (the scheduler's binding; it cannot be Ready yet). Then the restart, before the
+        # backend sees anything of this watch.
+        first = next(events)
+        cluster.plane.stop_apiserver()
+        cluster.plane.start_apiserver()
+        restarted.append(time.monotonic())
+        yield first
+        try:
+            # What the stream held when the server died is dropped, as bytes in flight are
+            # when a connection breaks: the backend cannot have seen the pod Ready from this
+            # watch (so the test does not race the kubelet), only by reading it again.
+            for _ in events:
+                pass
+        except httpx2.HTTPError as exc:
+            cuts.append(exc)
+            raise
+        pytest.fail("the API server's restart did not cut the watch")
+
+    monkeypatch.setattr(backend_module, "watch_pod", watch_cut_by_a_restart)
+    started = time.monotonic()
+    handle = make(rollout_id="k8s-restarted")
+    took = time.monotonic() - started
+    (cut,) = cuts
+    assert isinstance(cut, httpx2.TransportError), repr(cut)  # cut, not refused
+    assert took < k8s.settings.k8s_pending_timeout_s
+    # After the cut the backend read the pod, and watched on from that read.
+    path = f"/api/v1/namespaces/{NAMESPACE}/pods/{handle.native_id}"
+    assert ("GET", path) in cluster.requests
+    assert k8s.exec(handle, "echo up", timeout_s=10, output_budget_bytes=64).stdout.head == "up\n"
+    assert k8s.probe(handle).agent_ok
+    # The kubelet came through the restart: its watch sees new pods, its status updates
+    # reach the API server (a killed pod ends as Failed there).
+    after = make(rollout_id="k8s-after-restart")
+    cluster.kill(after.native_id)
+    cluster.wait_for_pod(after.native_id, phase_is("Failed"))
+    assert k8s.exec(handle, "echo still", timeout_s=10, output_budget_bytes=64).stdout.head == (
+        "still\n"
+    )
+
+
+def test_a_create_whose_api_server_stays_away_past_its_deadline_is_backend_unavailable(
+    settings: Settings,
+    cluster: TestCluster,
+    base_image: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The API server stops under the create's watch and is still away at the pending
+    deadline: the backend retried until then, and the create fails as BackendUnavailable
+    (the API server's fault, not the pod's). Its pod, which the create could not delete
+    without the API server, is found by its labels once the API server is back."""
+    impatient = KubernetesBackend(
+        k8s_settings(settings, k8s_pending_timeout_s=4), client=cluster.client()
+    )
+    stopped: list[float] = []
+
+    def watch_cut_by_an_outage(*args: Any, **kw: Any) -> Iterator[tuple[str, Any]]:
+        events = watch_pod(*args, **kw)
+        first = next(events)  # open and streaming, as in the restart's test above
+        cluster.plane.stop_apiserver()
+        stopped.append(time.monotonic())
+        yield first
+        for _ in events:  # what was in flight is dropped; the cut is raised
+            pass
+        pytest.fail("the API server's stop did not cut the watch")
+
+    monkeypatch.setattr(backend_module, "watch_pod", watch_cut_by_an_outage)
+    try:
+        started = time.monotonic()
+        with pytest.raises(
+            BackendUnavailable, match="kubernetes API unreachable while trying to watch"
+        ):
+            impatient.create(spec(base_image, "k8s-api-away"))
+        # Not at the cut: at the deadline, having retried until then.
+        assert stopped and time.monotonic() - started >= impatient.settings.k8s_pending_timeout_s
+    finally:
+        # Whatever failed above, the module's later tests get their API server back.
+        if not cluster.plane.apiserver.alive():
+            cluster.plane.start_apiserver()
+    (left,) = [h for h in impatient.list_owned() if h.rollout_id == "k8s-api-away"]
+    impatient.destroy(left)
+    cluster.settle()
+    assert cluster.docker_objects(left.native_id) == []
+
+
 def test_sweep_leftovers_removes_only_settled_orphan_secrets(
     settings: Settings, cluster: TestCluster, sandbox: SandboxHandle
 ) -> None:
@@ -467,7 +577,7 @@ def test_the_backend_finds_the_api_server_through_kubeconfig(
         KubernetesBackend(k8s_settings(settings))
 
 
-def test_an_api_server_that_refuses_or_is_gone_is_reported_not_raised_by_the_heartbeat(
+def test_an_api_server_that_refuses_is_reported_not_raised_by_the_heartbeat(
     settings: Settings, cluster: TestCluster, sandbox: SandboxHandle
 ) -> None:
     config = cluster.kubeconfig()
@@ -480,19 +590,44 @@ def test_an_api_server_that_refuses_or_is_gone_is_reported_not_raised_by_the_hea
     with pytest.raises(SandboxError, match="kubernetes refused to read sandbox pod: 401"):
         refused.probe(sandbox)
 
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
-    config["clusters"][0]["cluster"]["server"] = f"http://127.0.0.1:{port}"
-    gone = KubernetesBackend(
-        k8s_settings(settings), client=Client(config=KubeConfig.from_dict(config), trust_env=False)
+
+def test_an_api_server_outage_cordons_the_worker_and_its_sandboxes_run_on(
+    k8s: KubernetesBackend,
+    cluster: TestCluster,
+    sandbox: SandboxHandle,
+    make: Any,
+    base_image: str,
+) -> None:
+    """The real API server stops: the heartbeat reports it unreachable (the worker is
+    cordoned) without failing its rollouts, the sandbox's agent still answers (tool calls
+    never go through the API server), a create fails as BackendUnavailable. Once it is
+    back, the same backend object works again."""
+    # Remembered from create: the call path needs nothing from the API server.
+    assert sandbox.sandbox_id in k8s._endpoints
+    pods_before = cluster.names("pods")
+    cluster.plane.stop_apiserver()
+    try:
+        health = k8s.host_health()
+        assert not health.docker_ok
+        assert "kubernetes API unreachable" in (health.error or ""), health.error
+        # Pods run on without the API server: the worker is cordoned, its rollouts kept.
+        assert not health.outage_loses_sandboxes
+        ran = k8s.exec(sandbox, "echo still here", timeout_s=10, output_budget_bytes=64)
+        assert ran.stdout.head == "still here\n"
+        assert k8s.read_file(sandbox, "src/requests/__init__.py", max_bytes=1 << 16).text
+        with pytest.raises(BackendUnavailable, match="kubernetes API unreachable"):
+            k8s.create(spec(base_image, "k8s-outage"))
+    finally:
+        # Whatever failed above, the module's later tests get their API server back.
+        cluster.plane.start_apiserver()
+    assert cluster.names("pods") == pods_before  # the failed create made nothing
+    health = k8s.host_health()
+    assert health.docker_ok and health.error is None and health.sandboxes >= 1
+    after = make(rollout_id="k8s-after-outage")
+    assert k8s.exec(after, "echo back", timeout_s=10, output_budget_bytes=64).stdout.head == (
+        "back\n"
     )
-    health = gone.host_health()
-    assert not health.docker_ok and "unreachable" in (health.error or "")
-    # Pods run on without the API server: the worker is cordoned, its rollouts kept.
-    assert not health.outage_loses_sandboxes
-    with pytest.raises(BackendUnavailable, match="kubernetes API unreachable"):
-        gone.create(spec(settings.base_image, "fake-cluster-gone"))
+    assert k8s.probe(sandbox).agent_ok
 
 
 def test_a_failed_workspace_seed_fails_the_create_with_its_evidence(

@@ -1,8 +1,8 @@
 """The whole stack on the Kubernetes backend: a trainer's calls go API → Redis/Celery →
-worker → ``KubernetesBackend`` → the pod's exec agent over TCP, against the fake cluster of
-k8s_cluster.py (conftest.py's ``k8s_stack``). The API, worker and beat have no Docker
-daemon to reach (``ORCH_DOCKER_HOST`` names none), so anything on this path that still
-asks Docker fails here.
+worker → ``KubernetesBackend`` → the pod's exec agent over TCP, against the real control
+plane and the test kubelet of cluster.py (conftest.py's ``k8s_stack``). The API, worker and
+beat have no Docker daemon to reach (``ORCH_DOCKER_HOST`` names none), so anything on this
+path that still asks Docker fails here.
 
 Checked: an Agent RFT rollout with sequential and parallel calls, graded, its pod there
 while it lives and gone after; readiness from the backend's heartbeat; a pod killed under a
@@ -10,15 +10,19 @@ rollout (503, infra_failed with the pod's state as evidence); an orphan pod swep
 pool pod still starting is spared; an unknown codebase refused with the catalogue's hint;
 one ``/v1/rollouts`` lifecycle through ``RolloutClient``; a warm pool pod handed out and
 replaced; the operators' commands (smoke, sandbox run/ls/gc, codebase ls, status,
-rollouts ls) beside the stack.
+rollouts ls) beside the stack; an API server outage under a running rollout (the worker
+cordoned, the calls answered, the rollout graded and closed once it is back).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -36,7 +40,7 @@ from orchestrator.state.keys import Keys
 from orchestrator.state.pools import POOL_LABEL, pool_name
 from tests.e2e.conftest import TOKEN
 from tests.e2e.helpers import error_code, file_f1, function_call, new_trace, wait_for
-from tests.k8s.conftest import POOLED, K8sStack
+from tests.k8s.conftest import OUTAGE, POOLED, K8sStack
 
 pytestmark = pytest.mark.xdist_group("k8s")
 
@@ -357,3 +361,139 @@ def test_a_warm_pod_is_handed_to_a_rollout_and_replaced(k8s_stack: K8sStack) -> 
         timeout_s=60,
         what="a new warm pod",
     )
+
+
+class Trainer(threading.Thread):
+    """A trainer calling on one rollout, one call after another (a short pause between,
+    its think time), until stopped: every reply kept with when it came and whether it was
+    the command's own output."""
+
+    PAUSE_S = 0.25
+
+    def __init__(self, stack: K8sStack, trace: str, item: dict[str, Any]) -> None:
+        super().__init__(name="trainer", daemon=True)
+        self.stack, self.trace, self.item = stack, trace, item
+        self.replies: list[tuple[float, bool, str]] = []  # (monotonic time, answered, reply)
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        with self.stack.client() as client:
+            for n in itertools.count():
+                if self.stopping.is_set():
+                    return
+                body = function_call(self.trace, self.item, "shell", {"command": f"echo call-{n}"})
+                try:
+                    response = client.post("/agent-rft/tools", json=body)
+                    reply = f"{response.status_code} {response.text}"
+                    answered = response.status_code == 200 and (
+                        response.json()["output"].strip() == f"call-{n}"
+                    )
+                except (httpx.HTTPError, ValueError, KeyError) as exc:
+                    reply, answered = repr(exc), False
+                self.replies.append((time.monotonic(), answered, reply))
+                self.stopping.wait(self.PAUSE_S)
+
+    def answered_between(self, start: float, end: float) -> int:
+        return sum(1 for at, answered, _ in self.replies if answered and start <= at <= end)
+
+    def failures(self) -> list[str]:
+        return [reply for _, answered, reply in self.replies if not answered]
+
+    def __enter__(self) -> Trainer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.join(120)
+
+
+def test_an_api_server_outage_cordons_the_worker_and_its_rollout_calls_on(
+    k8s_stack: K8sStack,
+) -> None:
+    """The API server stops while a rollout runs: the worker's heartbeat cordons it
+    (unschedulable, with the reason), the rollout's calls keep being answered (they go to
+    the pod's agent, never through the API server) and it is not failed. Once the API
+    server is back, the worker is schedulable again, the rollout is graded and closed as
+    usual, and its pod goes."""
+    stack = k8s_stack
+    plane = stack.cluster.plane
+    host = stack.settings.host_id
+    trace = new_trace()
+    item = {**planning_item(stack), "environment": OUTAGE}
+    with stack.client() as client:
+
+        def readyz() -> tuple[int, dict[str, Any]]:
+            response = client.get("/readyz")
+            return response.status_code, response.json()
+
+        def schedulable() -> bool:
+            code, ready = readyz()
+            return code == 200 and host in ready["checks"]["schedulable_hosts"]
+
+        def cordoned() -> bool:
+            reasons = readyz()[1]["checks"]["cordoned_hosts"].get(host, [])
+            return any("kubernetes API unreachable" in reason for reason in reasons)
+
+        first = function_call(trace, item, "shell", {"command": "echo before"})
+        assert output_of(client.post("/agent-rft/tools", json=first)).strip() == "before"
+        (name,) = stack.pods_of(trace)
+        wait_for(schedulable, timeout_s=30, what="the worker schedulable before the outage")
+        with Trainer(stack, trace, item) as trainer:
+            plane.stop_apiserver()
+            stopped = time.monotonic()
+            try:
+                wait_for(cordoned, timeout_s=30, what="the worker cordoned by its heartbeat")
+                code, ready = readyz()
+                # The one worker is cordoned: nowhere to start a sandbox, so not ready.
+                assert code == 503 and not ready["ready"] and ready["checks"]["redis"]
+                (beat,) = [h for h in ready["checks"]["hosts"] if h["host"] == host]
+                assert beat["schedulable"] is False and beat["docker_ok"] is False
+                # An outage that keeps the pods: it never counts towards failing the host.
+                assert beat["outage_loses_sandboxes"] is False and beat["docker_failures"] == 0
+                # The operators' status view says the same.
+                shown = orchestrator(stack, "status", "--json", "--interval", "0.5")
+                assert shown.returncode == 0, shown.stdout + shown.stderr
+                (view,) = [h for h in json.loads(shown.stdout)["hosts"] if h["host"] == host]
+                assert view["alive"] and not view["schedulable"] and not view["healthy"]
+                assert any("kubernetes API unreachable" in r for r in view["cordon_reasons"])
+                assert view["live_rollouts"] >= 1
+                # The trainer's calls are answered all along (some of them now, cordoned).
+                mark = time.monotonic()
+                wait_for(
+                    lambda: trainer.answered_between(mark, time.monotonic()) >= 3,
+                    timeout_s=30,
+                    what="calls answered while the API server is down",
+                )
+                record = client.get(f"/v1/rollouts/{trace}").json()
+                assert record["state"] == "active" and record.get("infra_failure") is None
+            finally:
+                # Whatever failed above, the module's later tests get their API server back.
+                plane.start_apiserver()
+            restarted = time.monotonic()
+            wait_for(schedulable, timeout_s=30, what="the worker schedulable again")
+            mark = time.monotonic()
+            wait_for(
+                lambda: trainer.answered_between(mark, time.monotonic()) >= 2,
+                timeout_s=30,
+                what="calls answered after the API server is back",
+            )
+        assert trainer.failures() == []
+        # Calls were answered while the API server was away: from its end to its /readyz.
+        assert trainer.answered_between(stopped, restarted) >= 5
+        record = client.get(f"/v1/rollouts/{trace}").json()
+        assert record["state"] == "active" and record["tool_calls"] == len(trainer.replies) + 1
+
+        answer = "Files to edit:\n" + "\n".join(f"- {path}" for path in GOLD)
+        graded = client.post(
+            "/agent-rft/grade",
+            json={"sample": {"output_text": answer}, "item": item, "trace_id": trace},
+        )
+        assert graded.status_code == 200, graded.text
+        assert graded.json()["score"] == pytest.approx(1.0)
+        # The grace after grading is 2 s here: then the reaper closes it and the pod goes,
+        # deleted through the API server that is back.
+        wait_for(lambda: pod_is_gone(stack, name), timeout_s=60, what="the graded rollout's pod")
+        assert client.get(f"/v1/rollouts/{trace}").json()["state"] == "closed"
+    stack.cluster.settle()
+    assert stack.cluster.docker_objects(name) == []

@@ -52,6 +52,15 @@ RUNTIMES: tuple[Runtime, ...] = ("runc", "runsc", "kata")
 # What a call to the API server raises when it fails: refusals (ApiError is an
 # HTTPStatusError), transport failures, and a missing or broken kubeconfig.
 KUBE_FAILURES = (httpx2.HTTPError, ConfigError, OSError)
+# Answers of an API server that is there but cannot serve for now: 429 (priority and
+# fairness, or a server shutting down), 500 and 503 (its storage or caches not ready yet,
+# as right after a restart), 502 and 504 (a load balancer with no replica behind it).
+TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
+# A cut watch is followed by a read of the pod after this long, doubling up to the max
+# while the API server does not answer: a restart takes seconds, and every pending create
+# of every worker retries at once.
+WATCH_RETRY_MIN_S = 0.2
+WATCH_RETRY_MAX_S = 2.0
 
 
 class Endpoint(NamedTuple):
@@ -146,9 +155,17 @@ class KubernetesBackend(agent.AgentBackend):
 
     def _wait_ready(self, name: str, pod: Pod) -> str:
         """Watch the pod until it is Ready (returns its IP), fails, or stays unready past
-        ``k8s_pending_timeout_s`` (raises SandboxError with the pod's evidence)."""
+        ``k8s_pending_timeout_s`` (raises SandboxError with the pod's evidence).
+
+        A watch the API server cuts (a restart, a rollout of its replicas, a proxy dropping
+        the stream) or cannot serve for a moment says nothing about the pod, which runs
+        on without it: the pod is read again, with a backoff, until the deadline
+        (``_read_again``). Only an API server that stays unreachable until then fails the
+        create, as ``BackendUnavailable``; one that refuses (401, 403, ...) fails it at once,
+        as ``SandboxError``."""
         timeout = self.settings.k8s_pending_timeout_s
         started = time.monotonic()
+        deadline = started + timeout
         current: Pod | None = pod
         version = pod.metadata.resourceVersion if pod.metadata else None
         while True:
@@ -176,13 +193,45 @@ class KubernetesBackend(agent.AgentBackend):
                     if seen.ready or seen.fatal:
                         break
             except httpx2.HTTPStatusError as exc:
-                if _status_code(exc) != 410:
+                code = _status_code(exc)
+                if code == 410:
+                    # Our version is too old for the watch cache: start again from a read.
+                    current = self._get_pod(name)
+                elif code in TRANSIENT_STATUSES:
+                    current = self._read_again(name, exc, deadline)
+                else:
                     raise _fault("watch sandbox pod", exc) from exc
-                # Our version is too old for the watch cache: start again from a read.
-                current = self._get_pod(name)
                 version = current.metadata.resourceVersion if current and current.metadata else None
             except KUBE_FAILURES as exc:
-                raise _fault("watch sandbox pod", exc) from exc
+                # Cut mid-stream (httpx2 RemoteProtocolError, ReadError) or not reopened
+                # (ConnectError): what happened to the pod meanwhile is read, not watched.
+                current = self._read_again(name, exc, deadline)
+                version = current.metadata.resourceVersion if current and current.metadata else None
+
+    def _read_again(self, name: str, cut: BaseException, deadline: float) -> Pod | None:
+        """The pod, read again after its watch was cut by ``cut``: retried with a backoff
+        while the API server does not answer or cannot serve yet, until ``deadline``; then
+        the last failure, as ``_fault`` says it (BackendUnavailable when unreachable)."""
+        log.warning("sandbox.watch_cut", pod=name, error=f"{type(cut).__name__}: {cut}")
+        failure = cut
+        delay = WATCH_RETRY_MIN_S
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _fault("watch sandbox pod", failure) from failure
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, WATCH_RETRY_MAX_S)
+            try:
+                return self.client.get(Pod, name, namespace=self.namespace)
+            except httpx2.HTTPStatusError as exc:
+                code = _status_code(exc)
+                if code == 404:
+                    return None  # gone while we could not watch: the caller says so
+                if code not in TRANSIENT_STATUSES:
+                    raise _fault("read sandbox pod", exc) from exc
+                failure = exc
+            except KUBE_FAILURES as exc:
+                failure = exc
 
     def _wait_for_agent(self, handle: SandboxHandle) -> None:
         deadline = time.monotonic() + self.settings.sandbox_start_timeout_s
