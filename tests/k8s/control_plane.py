@@ -13,7 +13,8 @@ What differs from a production control plane, and why:
   own compaction) makes a watch from an older resourceVersion fail with the real 410;
 - the controller manager runs every controller but ``nodelifecycle`` (no kubelet renews a
   Lease here; a lost node is played by the test kubelet, see kubelet.py);
-- an audit log of every request (``requests()``), which tests read to see what a client did.
+- an audit log of every request (``requests()``, ``audit()``), which tests read to see what a
+  client did and what the API server answered.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightkube import Client, KubeConfig
 
@@ -52,6 +53,18 @@ AUDIT_POLICY = {
     "omitStages": ["RequestReceived", "ResponseStarted"],
     "rules": [{"level": "Metadata"}],
 }
+
+
+class AuditEntry(NamedTuple):
+    """One request as the audit log tells it."""
+
+    user: str
+    verb: str  # get, list, watch, create, update, patch, delete, deletecollection
+    uri: str
+    group: str  # the resource's API group: "" for the core group and non-resource URLs
+    resource: str  # "pods", or "pods/status" for a subresource; "" for a non-resource URL
+    namespace: str  # "" for a cluster-scoped object or a non-resource URL
+    code: int  # the response's HTTP status
 
 
 class ControlPlaneUnavailable(RuntimeError):
@@ -402,15 +415,36 @@ class ControlPlane:
 
     def requests(self) -> Iterator[tuple[str, str, str]]:
         """(user, verb, request URI) of every request the API server completed so far."""
+        for entry in self.audit():
+            yield entry.user, entry.verb, entry.uri
+
+    def audit(self) -> Iterator[AuditEntry]:
+        """Every request the API server completed so far, in the order it logged them. A
+        watch is logged when it ends (its ``ResponseComplete``), not when it starts."""
         try:
-            lines = self.audit_log.read_text().splitlines()
+            text = self.audit_log.read_text()
         except FileNotFoundError:
             return
-        for line in lines:
+        # Each event is one line: a last line without its newline is still being written.
+        for line in text.splitlines(keepends=True):
+            if not line.endswith("\n"):
+                break
             event = json.loads(line)
             if event.get("stage") != "ResponseComplete":
                 continue
-            yield (event["user"]["username"], event["verb"], event["requestURI"])
+            ref = event.get("objectRef") or {}
+            resource = ref.get("resource", "")
+            if ref.get("subresource"):
+                resource += "/" + ref["subresource"]
+            yield AuditEntry(
+                user=event["user"]["username"],
+                verb=event["verb"],
+                uri=event["requestURI"],
+                group=ref.get("apiGroup", ""),
+                resource=resource,
+                namespace=ref.get("namespace", ""),
+                code=int((event.get("responseStatus") or {}).get("code", 0)),
+            )
 
 
 def _b64(path: Path) -> str:

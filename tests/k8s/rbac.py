@@ -10,8 +10,9 @@ log shows every verb the worker used (``tests/k8s/test_rbac.py`` compares the tw
 from __future__ import annotations
 
 import base64
+import copy
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from tests.chart import conftest as chart
 
@@ -21,7 +22,22 @@ RELEASE_NAMESPACE = chart.NAMESPACE
 SANDBOX_NAMESPACE = "orchestrator-sandboxes"
 WORKER_KINDS = ("ServiceAccount", "Role", "RoleBinding")
 TOKEN_TIMEOUT_S = 30.0
+# How long a changed Role may take to reach the API server's authorizer (its informer).
+RBAC_PROPAGATION_S = 10.0
 PLURALS = {"ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings"}
+
+
+class Grant(NamedTuple):
+    """One verb on one resource of one API group, as a Role grants it and as the audit log
+    names a request (``resource`` is ``pods`` or ``pods/status``)."""
+
+    group: str
+    resource: str
+    verb: str
+
+    def __str__(self) -> str:
+        where = f"{self.group}/{self.resource}" if self.group else self.resource
+        return f"{where} {self.verb}"
 
 
 def chart_objects() -> list[Obj]:
@@ -82,3 +98,108 @@ def apply_worker_rbac(admin: Any) -> tuple[str, str]:
                 return username(objects), base64.b64decode(token).decode()
         assert time.monotonic() < deadline, f"no token for {namespace}/{name}"
         time.sleep(0.1)
+
+
+def worker_role(objects: list[Obj] | None = None) -> Obj:
+    """The worker's Role, as the chart renders it."""
+    return next(o for o in worker_objects(objects) if o["kind"] == "Role")
+
+
+def grants(role: Obj) -> set[Grant]:
+    """Every (group, resource, verb) the Role grants. Only plain rules are understood: a
+    wildcard or a rule narrowed to some objects by name would make a set of triples a lie,
+    so either fails here rather than being read as something it is not."""
+    found: set[Grant] = set()
+    for rule in role.get("rules") or []:
+        assert not rule.get("resourceNames"), f"a rule narrowed by name: {rule}"
+        assert not rule.get("nonResourceURLs"), f"a non-resource rule in a Role: {rule}"
+        for field in ("apiGroups", "resources", "verbs"):
+            assert "*" not in rule[field], f"a wildcard grant: {rule}"
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                found |= {Grant(group, resource, verb) for verb in rule["verbs"]}
+    return found
+
+
+def without(role: Obj, grant: Grant) -> Obj:
+    """A copy of the Role that grants everything it does but ``grant``: the rule holding
+    it is split, so the other resources and groups of that rule keep every verb."""
+    cut = copy.deepcopy(role)
+    rules: list[Obj] = []
+    for rule in role["rules"]:
+        if grant.group not in rule["apiGroups"] or grant.resource not in rule["resources"]:
+            rules.append(copy.deepcopy(rule))
+            continue
+        others = [g for g in rule["apiGroups"] if g != grant.group]
+        if others:
+            rules.append({**copy.deepcopy(rule), "apiGroups": others})
+        rest = [r for r in rule["resources"] if r != grant.resource]
+        if rest:
+            rules.append({**copy.deepcopy(rule), "apiGroups": [grant.group], "resources": rest})
+        verbs = [v for v in rule["verbs"] if v != grant.verb]
+        if verbs:  # a rule without verbs is invalid
+            rules.append(
+                {"apiGroups": [grant.group], "resources": [grant.resource], "verbs": verbs}
+            )
+    cut["rules"] = rules
+    assert grants(cut) == grants(role) - {grant}
+    return cut
+
+
+def role_path(role: Obj) -> str:
+    return f"{object_path(role)}/{role['metadata']['name']}"
+
+
+def replace_role(admin: Any, role: Obj) -> None:
+    """PUT ``role`` (a version of the worker's Role) in place of the one on the server."""
+    path = role_path(role)
+    current = admin.request("GET", path)
+    body = copy.deepcopy(role)
+    body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+    admin.request("PUT", path, body)
+
+
+def allowed(admin: Any, objects: list[Obj], grant: Grant) -> bool:
+    """Whether the API server's authorizer lets the worker's account do ``grant`` in the
+    sandbox namespace now (a SubjectAccessReview, asked as the administrator, so the
+    worker's own audit trail holds only what the backend did)."""
+    namespace, _ = service_account(objects)
+    resource, _, subresource = grant.resource.partition("/")
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {
+            "user": username(objects),
+            # The groups the API server gives a ServiceAccount's token.
+            "groups": [
+                "system:serviceaccounts",
+                f"system:serviceaccounts:{namespace}",
+                "system:authenticated",
+            ],
+            "resourceAttributes": {
+                "namespace": worker_role(objects)["metadata"]["namespace"],
+                "group": grant.group,
+                "resource": resource,
+                "subresource": subresource,
+                "verb": grant.verb,
+            },
+        },
+    }
+    found = admin.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", review)
+    return bool(found["status"].get("allowed"))
+
+
+def wait_authorized(admin: Any, objects: list[Obj], role: Obj, *, everything: set[Grant]) -> int:
+    """Until the authorizer judges as ``role`` says, for each of ``everything``: allowed
+    what it grants, refused the rest. Returns how many rounds of reviews that took (1: the
+    change was in effect by the first look)."""
+    granted = grants(role)
+    deadline = time.monotonic() + RBAC_PROPAGATION_S
+    rounds = 0
+    while True:
+        rounds += 1
+        wrong = sorted(str(g) for g in everything if allowed(admin, objects, g) != (g in granted))
+        if not wrong:
+            return rounds
+        assert time.monotonic() < deadline, f"the authorizer still judges by the old Role: {wrong}"
+        time.sleep(0.05)

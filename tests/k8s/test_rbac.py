@@ -1,0 +1,518 @@
+"""The chart's RBAC and objects on a real API server (kube-apiserver 1.20.2 with RBAC on,
+tests/k8s/control_plane.py), the worker acting through the chart's own ServiceAccount, Role
+and RoleBinding (tests/k8s/rbac.py):
+
+1. **Used == granted.** A ``KubernetesBackend`` as the worker does everything a worker
+   does; the audit log's (resource, verb) of its requests must be exactly what the rendered
+   Role grants, none refused. A grant nothing uses is a standing permission for an
+   attacker holding the worker's token, and nothing else.
+2. **A missing verb fails.** For each grant, the Role without it (on the same server) makes
+   the operation that needs it fail with the API server's 403, as the backend reports it.
+3. **The chart is accepted.** Every object of every scenario, sent with server-side dry
+   run: schema validation and admission of a real server, except the kinds listed here as
+   not served by 1.20 or backed by CRDs that are not installed.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import docker
+import pytest
+from httpx2 import ResponseNotRead
+
+from orchestrator.config import Settings
+from orchestrator.sandbox.backend import SandboxError, SandboxHandle
+from orchestrator.sandbox.gc import collect_expired
+from orchestrator.sandbox.k8s import backend as backend_module
+from orchestrator.sandbox.k8s import pods
+from orchestrator.sandbox.k8s.backend import KubernetesBackend
+from orchestrator.sandbox.k8s.watch import watch_pod
+from tests.chart.conftest import NAMESPACE as RELEASE_NAMESPACE
+from tests.chart.conftest import SCENARIOS, Helm, helm_binary
+from tests.k8s import rbac
+from tests.k8s.cluster import Api, ApiError, TestCluster
+from tests.k8s.control_plane import AuditEntry, ControlPlane
+from tests.k8s.rbac import SANDBOX_NAMESPACE, Grant
+from tests.k8s.test_backend import k8s_settings, spec
+
+pytestmark = pytest.mark.xdist_group("k8s")
+
+Obj = dict[str, Any]
+
+UNPULLABLE = "orchestrator/no-such-image:rbac"
+AUDIT_TIMEOUT_S = 30.0
+SWEEP_TIMEOUT_S = 15.0
+# "At once": well inside the 30 s an authorization webhook caches a refusal by default.
+RBAC_AT_ONCE_S = 2.0
+
+# apiVersions the chart renders that Kubernetes 1.20 does not serve (the chart asks for
+# 1.30 or later: Chart.yaml's kubeVersion), each with the version 1.20 serves the kind at.
+# The objects are sent at that version instead, so their spec is still checked.
+NOT_SERVED_BY_1_20: dict[tuple[str, str], str] = {
+    # policy/v1 is served from 1.21 on.
+    ("policy/v1", "PodDisruptionBudget"): "policy/v1beta1",
+    # autoscaling/v2 is served from 1.23 on (v2beta2 has the same fields the chart uses).
+    ("autoscaling/v2", "HorizontalPodAutoscaler"): "autoscaling/v2beta2",
+}
+# Kinds of operators' CRDs, not installed on this server: not checkable here (checked
+# offline against tests/chart/crd_schemas.py by tests/chart/test_chart_render.py).
+CRD_KINDS: dict[tuple[str, str], str] = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): "the Prometheus Operator",
+    ("monitoring.coreos.com/v1", "PrometheusRule"): "the Prometheus Operator",
+    ("keda.sh/v1alpha1", "ScaledObject"): "KEDA",
+    ("keda.sh/v1alpha1", "TriggerAuthentication"): "KEDA",
+}
+
+
+# What the Role grants, read from the chart when the tests are collected.
+GRANTED = sorted(rbac.grants(rbac.worker_role()))
+
+
+@pytest.fixture(scope="module")
+def cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
+    # Its containers carry a deployment of their own (still this run's, for the leak check).
+    with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet-rbac") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def objects() -> list[Obj]:
+    """The chart's worker ServiceAccount, Role and RoleBinding, as rendered."""
+    return rbac.worker_objects()
+
+
+@pytest.fixture(scope="module")
+def role(objects: list[Obj]) -> Obj:
+    return next(o for o in objects if o["kind"] == "Role")
+
+
+@pytest.fixture(scope="module")
+def worker(settings: Settings, cluster: TestCluster, role: Obj) -> Iterator[KubernetesBackend]:
+    with contextlib.ExitStack() as stack:
+        backend = as_worker(stack, settings, cluster)
+        yield backend
+        rbac.replace_role(cluster.admin, role)  # each case restores it; a failed one may not
+        for handle in backend.list_owned():
+            backend.destroy(handle)
+        cluster.settle()
+
+
+@pytest.fixture(scope="module")
+def shared(worker: KubernetesBackend, base_image: str) -> Iterator[SandboxHandle]:
+    """A healthy sandbox for the operations that act on one without ending it."""
+    handle = worker.create(spec(base_image, "rbac-shared"))
+    yield handle
+    worker.destroy(handle)
+
+
+def as_worker(
+    stack: contextlib.ExitStack, settings: Settings, cluster: TestCluster, **overrides: Any
+) -> KubernetesBackend:
+    """A backend as the chart's worker, its client closed with ``stack``."""
+    client = stack.enter_context(contextlib.closing(cluster.client()))
+    return KubernetesBackend(k8s_settings(settings, **overrides), client=client)
+
+
+def worker_requests(cluster: TestCluster, since: int) -> list[AuditEntry]:
+    """The worker's requests among the audit log's entries from index ``since`` on."""
+    return [e for e in list(cluster.plane.audit())[since:] if e.user == cluster.worker_user]
+
+
+def logged(cluster: TestCluster, since: int, *, watches: int) -> list[AuditEntry]:
+    """The worker's requests from ``since`` on, once the log holds ``watches`` watches. A
+    watch is logged when it ends, and the server notices a moment after the backend closed
+    it: until then, the log lacks it (and a count of requests made so far is short)."""
+    deadline = time.monotonic() + AUDIT_TIMEOUT_S
+    while True:
+        entries = worker_requests(cluster, since)
+        if sum(e.verb == "watch" for e in entries) >= watches:
+            return entries
+        assert time.monotonic() < deadline, f"{watches} watches, not all in the audit log"
+        time.sleep(0.05)
+
+
+def grant_of(entry: AuditEntry) -> Grant:
+    return Grant(entry.group, entry.resource, entry.verb)
+
+
+def audit_mark(cluster: TestCluster) -> int:
+    return len(list(cluster.plane.audit()))
+
+
+# -- 1. used == granted ----------------------------------------------------------------------
+
+
+def test_the_worker_uses_exactly_what_the_role_grants(
+    settings: Settings,
+    cluster: TestCluster,
+    role: Obj,
+    base_image: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every path of the backend that talks to the API server, as the worker: create (and
+    a failed create, whose evidence is the pod's events), exec and read_file, probe,
+    another worker finding the sandbox through the API, list_owned, host_health, the
+    leftover sweep of an orphan Secret, a gc pass, destroy."""
+    opened: list[int] = []
+
+    def counted_watch(*args: Any, **kw: Any) -> Iterator[Any]:
+        opened.append(1)  # on the first next(): when the watch request goes out
+        yield from watch_pod(*args, **kw)
+
+    monkeypatch.setattr(backend_module, "watch_pod", counted_watch)
+    since = audit_mark(cluster)
+    stack = contextlib.ExitStack()
+    worker = as_worker(stack, settings, cluster)
+    # Shorter-lived than any other sandbox here, so the gc pass below expires it alone.
+    handle = worker.create(spec(base_image, "rbac-used").model_copy(update={"lifetime_s": 600}))
+    try:
+        before = len(logged(cluster, since, watches=len(opened)))
+        ran = worker.exec(handle, "echo hi > note", timeout_s=10, output_budget_bytes=64)
+        assert ran.exit_code == 0
+        assert worker.read_file(handle, "note", max_bytes=64).text == "hi\n"
+        assert len(worker_requests(cluster, since)) == before  # tool calls skip the API
+
+        assert worker.probe(handle).agent_ok
+
+        with pytest.raises(SandboxError, match=r"image_pull_failed.*; events: .*Failed"):
+            worker.create(spec(UNPULLABLE, "rbac-used-pull"))
+
+        # A worker that did not create the sandbox reads its IP and token from the API.
+        other = as_worker(stack, settings, cluster, host_id="worker-b")
+        ran = other.exec(handle, "cat note", timeout_s=10, output_budget_bytes=64)
+        assert ran.stdout.head == "hi\n"
+
+        assert handle.sandbox_id in {h.sandbox_id for h in worker.list_owned()}
+        health = worker.host_health()
+        assert health.docker_ok and health.sandboxes >= 1, health
+
+        # A Secret whose pod never came (made by the administrator: the worker's own
+        # creates name their pod as owner), swept once it is older than the sweep spares.
+        sweeper = as_worker(stack, settings, cluster, sandbox_start_timeout_s=1)
+        orphan = pods.pod_name(sweeper.settings, "sbx-orphan00000")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": orphan, "labels": dict(pods.selector(sweeper.settings))},
+        }
+        cluster.admin.request("POST", f"/api/v1/namespaces/{SANDBOX_NAMESPACE}/secrets", body)
+        deadline = time.monotonic() + SWEEP_TIMEOUT_S
+        while sweeper.sweep_leftovers() == 0:
+            assert time.monotonic() < deadline, "the orphan Secret was never swept"
+            time.sleep(0.2)
+        assert cluster.read("secrets", orphan) is None
+
+        # A gc pass after the sandbox's lifetime: list_owned, destroy, sweep.
+        report = collect_expired(worker, now=handle.expires_at + timedelta(seconds=1))
+        assert report.destroyed == [handle.sandbox_id]
+    finally:
+        worker.destroy(handle)  # idempotent: a 404 is success
+        stack.close()
+    cluster.settle()
+
+    assert opened
+    entries = logged(cluster, since, watches=len(opened))
+    refused = [e for e in entries if e.code == 403]
+    assert not refused, refused
+    used = {grant_of(e) for e in entries}
+    granted = rbac.grants(role)
+    excessive = sorted(str(g) for g in granted - used)
+    missing = sorted(str(g) for g in used - granted)
+    assert (excessive, missing) == ([], []), f"granted, never used: {excessive}; used: {missing}"
+
+
+# -- 2. a missing verb fails -----------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """What the operations of one case act on and through."""
+
+    settings: Settings
+    cluster: TestCluster
+    worker: KubernetesBackend
+    shared: SandboxHandle
+    base_image: str
+    stack: contextlib.ExitStack
+    made: list[SandboxHandle] = field(default_factory=list)
+
+    def fresh(self) -> SandboxHandle:
+        """A sandbox of its own, made under the whole Role (destroyed after the case)."""
+        handle = self.worker.create(spec(self.base_image, "rbac-fresh"))
+        self.made.append(handle)
+        return handle
+
+    def stranger(self) -> KubernetesBackend:
+        """Another worker, which knows nothing of the sandbox but what the API says."""
+        return as_worker(self.stack, self.settings, self.cluster, host_id="worker-b")
+
+
+@dataclass(frozen=True)
+class Need:
+    """An operation that needs a grant: ``prepare`` runs under the whole Role and returns
+    the call to make without the grant; ``action`` is how the backend names the refused
+    request in its SandboxError (``None``: the backend does not surface the refusal)."""
+
+    action: str | None
+    prepare: Callable[[Case], Callable[[], object]]
+
+
+def _create(name: str) -> Callable[[Case], Callable[[], object]]:
+    return lambda case: lambda: case.worker.create(spec(case.base_image, name))
+
+
+def _destroy_fresh(case: Case) -> Callable[[], object]:
+    """destroy deletes the pod first, then the Secret: a sandbox the case may end."""
+    handle = case.fresh()
+    return lambda: case.worker.destroy(handle)
+
+
+NEEDS: dict[Grant, Need] = {
+    Grant("", "pods", "create"): Need("create sandbox pod", _create("rbac-no-pod-create")),
+    Grant("", "pods", "watch"): Need("watch sandbox pod", _create("rbac-no-pod-watch")),
+    Grant("", "secrets", "create"): Need("create sandbox secret", _create("rbac-no-secret")),
+    Grant("", "pods", "get"): Need("read sandbox pod", lambda c: lambda: c.worker.probe(c.shared)),
+    Grant("", "pods", "list"): Need("list sandbox pods", lambda c: c.worker.list_owned),
+    # Refused, the pod stays: the shared sandbox lives on.
+    Grant("", "pods", "delete"): Need(
+        "delete sandbox pod", lambda c: lambda: c.worker.destroy(c.shared)
+    ),
+    Grant("", "secrets", "get"): Need(
+        "read sandbox secret",
+        lambda c: lambda: c.stranger().exec(c.shared, "true", timeout_s=5, output_budget_bytes=64),
+    ),
+    Grant("", "secrets", "list"): Need("list sandbox secrets", lambda c: c.worker.sweep_leftovers),
+    Grant("", "secrets", "delete"): Need("delete sandbox secret", _destroy_fresh),
+    # The events are only evidence of a failed create (backend.py `_events`: '' when they
+    # cannot be read): the create fails for its own reason, without them.
+    Grant("", "events", "list"): Need(
+        None, lambda c: lambda: c.worker.create(spec(UNPULLABLE, "rbac-no-events"))
+    ),
+}
+
+
+@contextlib.contextmanager
+def role_without(
+    cluster: TestCluster, objects: list[Obj], role: Obj, grant: Grant
+) -> Iterator[tuple[int, float]]:
+    """The worker's Role without ``grant`` on the server for the block, then the rendered
+    one again. Yields how many rounds of access reviews the cut took to be in effect (1:
+    by the first look after the update), and the seconds from the update until then."""
+    everything = rbac.grants(role)
+    cut = rbac.without(role, grant)
+    started = time.monotonic()
+    rbac.replace_role(cluster.admin, cut)
+    try:
+        rounds = rbac.wait_authorized(cluster.admin, objects, cut, everything=everything)
+        yield rounds, time.monotonic() - started
+    finally:
+        rbac.replace_role(cluster.admin, role)
+        rbac.wait_authorized(cluster.admin, objects, role, everything=everything)
+
+
+def test_every_grant_has_an_operation_that_needs_it() -> None:
+    assert sorted(NEEDS) == GRANTED
+
+
+# Grants whose refusal the backend does not yet report as it should, each with the bug.
+# Strict: the case fails once the bug is fixed, so the mark cannot outlive it.
+KNOWN_BUGS: dict[Grant, str] = {
+    Grant("", "pods", "watch"): (
+        "k8s/watch.py sends the watch streaming and raises the 403 unread, so backend.py "
+        "`_fault` reading `response.text` raises httpx2.ResponseNotRead, not SandboxError"
+    ),
+}
+
+
+def cases() -> list[Any]:
+    return [
+        pytest.param(
+            grant,
+            id=str(grant),
+            marks=[pytest.mark.xfail(reason=KNOWN_BUGS[grant], raises=ResponseNotRead, strict=True)]
+            if grant in KNOWN_BUGS
+            else [],
+        )
+        for grant in GRANTED
+    ]
+
+
+@pytest.mark.parametrize("grant", cases())
+def test_a_role_without_a_verb_fails_the_operation_that_needs_it(
+    grant: Grant,
+    settings: Settings,
+    cluster: TestCluster,
+    objects: list[Obj],
+    role: Obj,
+    worker: KubernetesBackend,
+    shared: SandboxHandle,
+    base_image: str,
+) -> None:
+    need = NEEDS.get(grant)
+    assert need is not None, f"the Role grants {grant}, and no operation here needs it"
+    stack = contextlib.ExitStack()
+    case = Case(settings, cluster, worker, shared, base_image, stack)
+    pods_before, secrets_before = cluster.names("pods"), cluster.names("secrets")
+    try:
+        call = need.prepare(case)
+        since = audit_mark(cluster)
+        with role_without(cluster, objects, role, grant) as (rounds, took_s):
+            # The RBAC authorizer reads Roles from an informer's cache: a change is in
+            # effect one watch event after the update, with no cache of decisions to wait
+            # out (measured here: by the first review after the update, in under 0.2 s).
+            assert took_s < RBAC_AT_ONCE_S, f"the cut took {took_s:.2f} s ({rounds} rounds)"
+            with pytest.raises(SandboxError) as failed:
+                call()
+        message = str(failed.value)
+        if need.action is not None:
+            assert f"kubernetes refused to {need.action}: 403 " in message, message
+        else:
+            assert "image_pull_failed" in message and "events:" not in message, message
+        refused = {grant_of(e) for e in worker_requests(cluster, since) if e.code == 403}
+        assert refused == {grant}
+        assert worker.probe(shared).agent_ok  # the Role is whole again, the sandbox unharmed
+    finally:
+        for handle in case.made:
+            worker.destroy(handle)
+        stack.close()
+    # A create refused half-way, or a destroy refused, left nothing behind.
+    cluster.settle()
+    assert cluster.names("pods") == pods_before
+    assert cluster.names("secrets") == secrets_before
+
+
+# -- 3. the chart on a real API server -------------------------------------------------------
+
+
+@dataclass
+class Discovery:
+    """What the API server serves, as its discovery documents say (how helm and kubectl
+    map a kind to its collection, and refuse one with "no matches for kind")."""
+
+    api: Api
+    found: dict[str, Obj | None] = field(default_factory=dict)
+
+    def resource(self, api_version: str, kind: str) -> Obj | None:
+        """The discovery entry of ``kind`` at ``api_version``; None when not served."""
+        if api_version not in self.found:
+            path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+            self.found[api_version] = self.api.get(path)
+        served = self.found[api_version] or {}
+        return next(
+            (
+                r
+                for r in served.get("resources") or []
+                if r["kind"] == kind and "/" not in r["name"]
+            ),
+            None,
+        )
+
+    def collection(self, obj: Obj) -> str:
+        entry = self.resource(obj["apiVersion"], obj["kind"])
+        assert entry is not None
+        base = "/api/v1" if obj["apiVersion"] == "v1" else f"/apis/{obj['apiVersion']}"
+        if not entry["namespaced"]:
+            return f"{base}/{entry['name']}"
+        namespace = obj["metadata"].get("namespace") or RELEASE_NAMESPACE
+        return f"{base}/namespaces/{namespace}/{entry['name']}"
+
+
+def leaves(value: Any, path: str = "") -> set[str]:
+    """The paths of a JSON value's scalars. Empty lists and maps count as absent: the API
+    server omits them when it writes an object back."""
+    if isinstance(value, dict):
+        return set().union(*(leaves(v, f"{path}.{k}") for k, v in value.items()))
+    if isinstance(value, list):
+        return set().union(*(leaves(v, f"{path}[{i}]") for i, v in enumerate(value)))
+    return {path}
+
+
+def as_sent(obj: Obj) -> Obj:
+    """What the server should give back at least: a Secret's ``stringData`` is write-only,
+    merged into ``data``."""
+    sent = copy.deepcopy(obj)
+    if sent["kind"] == "Secret" and "stringData" in sent:
+        strings = sent.pop("stringData")
+        data = sent.setdefault("data", {})
+        data.update({k: base64.b64encode(v.encode()).decode() for k, v in strings.items()})
+    return sent
+
+
+@pytest.fixture(scope="module")
+def bare_plane() -> Iterator[ControlPlane]:
+    """A control plane holding only the release namespace, as before ``helm install``:
+    the test cluster's already holds the worker's RBAC objects (a create would be 409)."""
+    with ControlPlane(namespaces=(RELEASE_NAMESPACE,)) as plane:
+        yield plane
+
+
+def test_every_object_of_the_chart_is_accepted_by_a_real_api_server(
+    bare_plane: ControlPlane,
+) -> None:
+    helm = Helm(helm_binary())
+    admin = Api(bare_plane, "admin")
+    try:
+        check_chart(helm, admin)
+    finally:
+        admin.close()
+
+
+def check_chart(helm: Helm, admin: Api) -> None:
+    discovery = Discovery(admin)
+    rendered = {name: helm.render(*values) for name, values in SCENARIOS.items()}
+    unknown: set[tuple[str, str]] = set()
+    problems: list[str] = []
+
+    def send(scenario: str, obj: Obj) -> None:
+        """Create ``obj`` with a dry run: validated and admitted, not stored."""
+        where = f"{scenario}: {obj['kind']} {obj['metadata']['name']}"
+        try:
+            back = admin.request("POST", discovery.collection(obj), obj, dryRun="All")
+        except ApiError as exc:
+            problems.append(f"{where}: {exc}")
+            return
+        # 1.20 drops a field it does not know (no strict field validation before 1.25).
+        dropped = leaves(as_sent(obj)) - leaves(back)
+        if dropped:
+            problems.append(f"{where}: fields 1.20 dropped: {sorted(dropped)}")
+
+    # Namespaces first, while the sandbox namespace does not exist yet; then it is made
+    # (what helm does first), for the objects in it to be admitted there.
+    namespaces = [(s, o) for s, objs in rendered.items() for o in objs if o["kind"] == "Namespace"]
+    for scenario, obj in namespaces:
+        send(scenario, obj)
+    assert namespaces, "the chart renders no Namespace"
+    admin.request("POST", "/api/v1/namespaces", namespaces[0][1])
+
+    for scenario, objs in rendered.items():
+        for obj in objs:
+            kind = (obj["apiVersion"], obj["kind"])
+            if obj["kind"] == "Namespace":
+                continue
+            if discovery.resource(*kind) is not None:
+                send(scenario, obj)
+                continue
+            unknown.add(kind)
+            served = NOT_SERVED_BY_1_20.get(kind)
+            if served is not None:
+                send(scenario, {**obj, "apiVersion": served})
+    assert not problems, "\n".join(problems)
+    # Exactly the kinds named above are unknown to 1.20: a new one fails here, to be looked
+    # at and listed with its reason, not skipped quietly.
+    listed = set(NOT_SERVED_BY_1_20) | set(CRD_KINDS)
+    assert unknown == listed, f"unknown to 1.20: {sorted(unknown)}; listed: {sorted(listed)}"
+    for kind, served in NOT_SERVED_BY_1_20.items():
+        assert discovery.resource(served, kind[1]) is not None, (kind, served)
+    # A dry run stores nothing: the server holds none of the objects it accepted.
+    for obj in rendered["default"]:
+        if obj["kind"] != "Namespace" and discovery.resource(obj["apiVersion"], obj["kind"]):
+            path = f"{discovery.collection(obj)}/{obj['metadata']['name']}"
+            assert admin.get(path) is None, f"a dry run stored {path}"
