@@ -26,7 +26,6 @@ from typing import Any
 
 import docker
 import pytest
-from httpx2 import ResponseNotRead
 
 from orchestrator.config import Settings
 from orchestrator.sandbox.backend import SandboxError, SandboxHandle
@@ -322,30 +321,7 @@ def test_every_grant_has_an_operation_that_needs_it() -> None:
     assert sorted(NEEDS) == GRANTED
 
 
-# Grants whose refusal the backend does not yet report as it should, each with the bug.
-# Strict: the case fails once the bug is fixed, so the mark cannot outlive it.
-KNOWN_BUGS: dict[Grant, str] = {
-    Grant("", "pods", "watch"): (
-        "k8s/watch.py sends the watch streaming and raises the 403 unread, so backend.py "
-        "`_fault` reading `response.text` raises httpx2.ResponseNotRead, not SandboxError"
-    ),
-}
-
-
-def cases() -> list[Any]:
-    return [
-        pytest.param(
-            grant,
-            id=str(grant),
-            marks=[pytest.mark.xfail(reason=KNOWN_BUGS[grant], raises=ResponseNotRead, strict=True)]
-            if grant in KNOWN_BUGS
-            else [],
-        )
-        for grant in GRANTED
-    ]
-
-
-@pytest.mark.parametrize("grant", cases())
+@pytest.mark.parametrize("grant", GRANTED, ids=str)
 def test_a_role_without_a_verb_fails_the_operation_that_needs_it(
     grant: Grant,
     settings: Settings,

@@ -442,7 +442,10 @@ class KubernetesBackend(agent.AgentBackend):
                     Event, namespace=self.namespace, fields={"involvedObject.name": name}
                 )
             )
-        except KUBE_FAILURES:
+        except KUBE_FAILURES as exc:
+            # Evidence, not the outcome: the create fails either way, with less to say
+            # (a Role without events list is the usual cause: say so in the log).
+            log.warning("sandbox.events_unreadable", pod=name, error=str(exc))
             return ""
         # The API server lists by name, not by time: the latest are found by their stamps
         # (to the second), then by name (the recorders name an event `<pod>.<ns since

@@ -53,6 +53,11 @@ def watch_pod(
     timeout = httpx2.Timeout(10.0, read=seconds + READ_SLACK_S)
     response = generic.send(driver.get_request(timeout=timeout), stream=True)
     try:
+        if response.is_error:
+            # A refusal's Status body, read before it is raised: the error names the
+            # API server's reason (a streamed response is otherwise unread, and reading
+            # its text later raises ResponseNotRead instead of the refusal).
+            response.read()
         response.raise_for_status()
         for line in response.iter_lines():
             if line.strip():
