@@ -1,7 +1,8 @@
-"""A whole deployment on the Kubernetes backend against the fake cluster: the real API,
-Celery worker and beat as subprocesses with ``ORCH_SANDBOX_BACKEND=kubernetes``, talking to
-the fake control plane of k8s_cluster.py (run in this process, on loopback) through a
-kubeconfig file, with codebases from a catalogue file and no Docker daemon they can reach.
+"""A whole deployment on the Kubernetes backend: the real API, Celery worker and beat as
+subprocesses with ``ORCH_SANDBOX_BACKEND=kubernetes``, talking to a real control plane
+(cluster.py: kube-apiserver, controllers and scheduler on loopback, and the test kubelet in
+this process) through a kubeconfig file as the chart's worker ServiceAccount, with
+codebases from a catalogue file and no Docker daemon they can reach.
 
 The stack reuses the end-to-end suite's ``Stack``; what differs is its environment and its
 teardown (the sandboxes are pods, destroyed through the API server, not by a daemon).
@@ -47,7 +48,8 @@ class K8sStack(Stack):
 
 @pytest.fixture(scope="module")
 def k8s_cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
-    """The fake control plane in a thread of this process; it outlives the stack."""
+    """A cluster of the module's own (control plane and test kubelet); it outlives the
+    stack."""
     # Its containers carry a deployment of their own (still this run's, for the leak
     # check), so no Docker backend's label sweep takes them for its sandboxes.
     with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet-stack") as cluster:
@@ -56,7 +58,7 @@ def k8s_cluster(settings: Settings, client: docker.DockerClient) -> Iterator[Tes
 
 @pytest.fixture(scope="module")
 def requests_image(settings: Settings, base_image: str) -> str:
-    """The `requests` codebase as a local image: the fake kubelet runs local images."""
+    """The `requests` codebase as a local image: the test kubelet runs local images."""
     return ensure_requests_codebase(settings)
 
 

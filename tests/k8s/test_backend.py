@@ -90,7 +90,7 @@ def k8s(settings: Settings, cluster: TestCluster) -> Iterator[KubernetesBackend]
 @pytest.fixture(scope="module")
 def sandbox(k8s: KubernetesBackend, codebase_image: str) -> Iterator[SandboxHandle]:
     """One healthy sandbox of the `requests` codebase, shared by the tests that only read."""
-    handle = k8s.create(spec(codebase_image, "fake-cluster-shared"))
+    handle = k8s.create(spec(codebase_image, "k8s-shared"))
     yield handle
     k8s.destroy(handle)
 
@@ -100,7 +100,7 @@ def make(k8s: KubernetesBackend, cluster: TestCluster, base_image: str) -> Itera
     """Sandboxes of the base image for one test, destroyed (and checked gone) afterwards."""
     made: list[SandboxHandle] = []
 
-    def create(rollout_id: str = "fake-cluster", **limits: Any) -> SandboxHandle:
+    def create(rollout_id: str = "k8s", **limits: Any) -> SandboxHandle:
         handle = k8s.create(spec(base_image, rollout_id, **limits))
         made.append(handle)
         return handle
@@ -192,7 +192,7 @@ def test_the_pod_is_what_the_backend_rendered_and_owns_its_secret(
     assert whoami.stdout.head.split() == ["1000", "1000"]
     assert "no-new-privileges" in host["SecurityOpt"]
     assert host["Memory"] == 512 * 2**20
-    # The fake's one liberty with the pod network: the host's, on a loopback address.
+    # The test kubelet's one liberty with the pod network: the host's, on a loopback address.
     address = ipaddress.ip_address(pod["status"]["podIP"])
     assert host["NetworkMode"] == "host"
     assert address.is_loopback and address not in ipaddress.ip_network("127.0.0.0/16")
@@ -264,10 +264,10 @@ def test_list_owned_reads_back_every_label_and_destroy_is_idempotent(
     k8s: KubernetesBackend, cluster: TestCluster, make: Any, base_image: str
 ) -> None:
     odd = "trace_" + "x" * 70 + "/odd"  # not label-safe: kept as an annotation
-    first = make(rollout_id="fake-cluster-one")
+    first = make(rollout_id="k8s-one")
     second = make(rollout_id=odd)
     listed = {h.sandbox_id: h for h in k8s.list_owned()}
-    assert listed[first.sandbox_id].rollout_id == "fake-cluster-one"
+    assert listed[first.sandbox_id].rollout_id == "k8s-one"
     assert listed[second.sandbox_id].rollout_id == odd
     for handle in (first, second):
         found = listed[handle.sandbox_id]
@@ -331,12 +331,12 @@ def test_a_killed_pods_ip_handed_to_a_new_pod_reaches_nothing_of_the_old_sandbox
     """The pod dies, the network hands its IP to a new pod, and a worker still remembers
     the old address: the new pod's agent refuses the old token, so no command of the dead
     sandbox runs in another, and the failure carries the dead pod's state."""
-    dead = make(rollout_id="fake-cluster-dead")
+    dead = make(rollout_id="k8s-dead")
     old_ip = pod_ip(cluster, dead)
     cluster.kill(dead.native_id)
     cluster.wait_for_pod(dead.native_id, phase_is("Failed"))
     cluster.hand_out(old_ip)
-    heir = make(rollout_id="fake-cluster-heir")
+    heir = make(rollout_id="k8s-heir")
     assert pod_ip(cluster, heir) == old_ip
     with pytest.raises(SandboxUnavailable, match=r"Unauthorized.*sandbox state: exited"):
         k8s.exec(dead, "touch /workspace/from-the-dead", timeout_s=5, output_budget_bytes=64)
@@ -382,7 +382,7 @@ def test_an_image_that_cannot_be_pulled_fails_the_create_and_leaves_nothing(
     pods_before, secrets_before = cluster.names("pods"), cluster.names("secrets")
     objects_before = set(cluster.docker_objects())
     with pytest.raises(SandboxError) as failed:
-        k8s.create(spec("orchestrator/no-such-image:fake-cluster", "fake-cluster-pull"))
+        k8s.create(spec("orchestrator/no-such-image:k8s", "k8s-pull"))
     message = str(failed.value)
     assert "image_pull_failed" in message and "ImagePullBackOff" in message
     assert "events:" in message and "Failed to pull image" in message
@@ -401,7 +401,7 @@ def test_a_pod_that_never_gets_ready_times_out_and_leaves_nothing(
     )
     pods_before, secrets_before = cluster.names("pods"), cluster.names("secrets")
     with pytest.raises(SandboxError) as failed:
-        pending.create(spec(base_image, "fake-cluster-pending"))
+        pending.create(spec(base_image, "k8s-pending"))
     message = str(failed.value)
     assert "unschedulable" in message and "not Ready within 1.5 s" in message
     assert "FailedScheduling" in message
@@ -636,7 +636,7 @@ def test_a_failed_workspace_seed_fails_the_create_with_its_evidence(
     """An image without /workspace: the init container's copy fails, so does the pod."""
     pods_before, secrets_before = cluster.names("pods"), cluster.names("secrets")
     with pytest.raises(SandboxError) as failed:
-        k8s.create(spec("debian:bookworm-slim", "fake-cluster-seed"))
+        k8s.create(spec("debian:bookworm-slim", "k8s-seed"))
     message = str(failed.value)
     assert "(exited)" in message
     assert "init container workspace-seed failed: exit=1 reason=Error" in message

@@ -1,4 +1,4 @@
-"""The loopback addresses fake pods listen on: real sockets on ``lo``, no fakes."""
+"""The loopback addresses the test kubelet's pods listen on: real sockets on ``lo``, no fakes."""
 
 from __future__ import annotations
 
