@@ -155,12 +155,56 @@ def test_a_new_rollouts_slot_is_in_transit_until_its_record_names_the_host(
             assert await admission.try_take("ro_three") is None  # full
             assert await admission.in_transit() == {unit.host_id: 2}
             # The reaper's recount now (no record yet) keeps both slots.
-            await admission.set_loads(await admission.in_transit())
+
+            async def records_count_none(in_transit: dict[str, int]) -> dict[str, int]:
+                return in_transit
+
+            assert await admission.recount(records_count_none)
             assert await admission.try_take("ro_three") is None
             await admission.settled(unit.host_id, "ro_one")
             await admission.release(unit.host_id, "ro_two")
             assert await admission.in_transit() == {}
             assert await admission.try_take("ro_three") == unit.host_id
+        finally:
+            await async_redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_recount_during_which_slots_moved_writes_nothing(unit: Settings) -> None:
+    """The recount reads the transit set, then the records, one key after another: a
+    rollout that took its slot and settled in between (its record already read, its
+    transit entry gone) was in neither, and writing that count gave its slot away: a host
+    of four admitted a fifth (seen in a fresh-clone run of
+    tests/e2e/test_reward_integrity.py). Such a pass must write nothing."""
+
+    async def scenario() -> None:
+        async_redis = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
+        admission = Admission(unit, async_redis)
+        beat = Heartbeat(
+            host=unit.host_id, instance="i1", time=time.time(), schedulable=True, capacity=1
+        )
+        keys = Keys.of(unit.deployment)
+        await async_redis.sadd(keys.hosts, unit.host_id)
+        await async_redis.set(keys.heartbeat(unit.host_id), beat.model_dump_json(), ex=30)
+        try:
+
+            async def count_while_a_rollout_starts(in_transit: dict[str, int]) -> dict[str, int]:
+                # The records are read here: none holds a slot yet. Meanwhile a new
+                # rollout takes the host's one slot and its record settles it.
+                assert await admission.try_take("ro_racer") == unit.host_id
+                await admission.settled(unit.host_id, "ro_racer")
+                return dict(in_transit)  # {}: the racer is in no place this pass read
+
+            assert not await admission.recount(count_while_a_rollout_starts)
+            assert await admission.loads() == {unit.host_id: 1}  # kept
+            assert await admission.try_take("ro_late") is None  # the host is still full
+
+            async def count_the_record(in_transit: dict[str, int]) -> dict[str, int]:
+                return {**in_transit, unit.host_id: 1}  # the racer's record, read now
+
+            assert await admission.recount(count_the_record)
+            assert await admission.loads() == {unit.host_id: 1}
         finally:
             await async_redis.aclose()
 

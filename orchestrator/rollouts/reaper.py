@@ -213,17 +213,22 @@ async def _recount_host_loads(store: RolloutStore, service: RolloutService) -> N
     """Rebuild the per-host slot counts (state/admission.py) from what holds slots:
     live rollouts with a host, ready pool sandboxes, and pool sandboxes in transit (being
     created, or handed out); so a count that drifted (a crash between taking a slot and
-    using it) heals within one reaper pass."""
-    counts: dict[str, int] = {}
-    for rollout_id in await store.live_ids():
-        rollout = await store.get(rollout_id)
-        if rollout is not None and rollout.host is not None and rollout.closed_at is None:
-            counts[rollout.host] = counts.get(rollout.host, 0) + 1
-    for pool in targets(service.environments, service.settings):
-        for handle in await service.pools.ready(pool.name):
-            counts[handle.host] = counts.get(handle.host, 0) + 1
-    # Pool sandboxes being created, or taken and being probed, are in neither place yet:
-    # without them a recount during a refill gave their slots away (a host overcommitted).
-    for host, held in (await service.admission.in_transit()).items():
-        counts[host] = counts.get(host, 0) + held
-    await service.admission.set_loads(counts)
+    using it) heals within one reaper pass. A pass during which slots moved writes
+    nothing (``Admission.recount``): its count may have missed them."""
+
+    async def count(in_transit: dict[str, int]) -> dict[str, int]:
+        # Pool sandboxes being created, or taken and being probed, and new rollouts not
+        # yet in their record, are in neither place below: without them a recount gave
+        # their slots away (a host overcommitted).
+        counts = dict(in_transit)
+        for rollout_id in await store.live_ids():
+            rollout = await store.get(rollout_id)
+            if rollout is not None and rollout.host is not None and rollout.closed_at is None:
+                counts[rollout.host] = counts.get(rollout.host, 0) + 1
+        for pool in targets(service.environments, service.settings):
+            for handle in await service.pools.ready(pool.name):
+                counts[handle.host] = counts.get(handle.host, 0) + 1
+        return counts
+
+    if not await service.admission.recount(count):
+        log.info("admission.recount_skipped", reason="slots moved while counting")

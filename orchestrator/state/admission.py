@@ -187,14 +187,36 @@ class Admission:
             _, members = await pipe.execute()
         return count_in_transit([str(m) for m in members])
 
-    async def set_loads(self, counts: dict[str, int]) -> None:
-        """Replace the slot counts with ones counted from the records (the reaper), so a
-        count that drifted (a crash between taking a slot and using it) heals."""
+    async def recount(self, count: Callable[[dict[str, int]], Awaitable[dict[str, int]]]) -> bool:
+        """Replace the slot counts with ``count(in_transit)``'s, counted from what holds
+        slots (the reaper: records and ready lists), so a count that drifted (a crash
+        between taking a slot and using it) heals. Not if a slot was taken, released or
+        moved while it counted: then nothing changes and False is returned (the next pass
+        counts again).
+
+        Why: the count reads many keys one after another. A rollout that took its slot
+        after its record was read and settled before the transit set was read was in
+        neither, and one taken after the count but before it was written was overwritten:
+        either way one slot given away (a host admitted past its capacity; seen as a
+        fifth sandbox on a host of four). Every move of a slot changes the load hash or the
+        transit set, so both are watched, and the count is written only if neither moved.
+        """
+        key = self.keys.transit
+        # Dropped before the watch: our own write to a watched key would abort us.
+        await self.redis.zremrangebyscore(key, "-inf", time.time())
         async with self.redis.pipeline(transaction=True) as pipe:
+            await pipe.watch(self.keys.load, key)
+            members = await pipe.zrange(key, 0, -1)
+            counts = await count(count_in_transit([str(m) for m in members]))
+            pipe.multi()  # type: ignore[no-untyped-call]
             pipe.delete(self.keys.load)
             if counts:
                 pipe.hset(self.keys.load, mapping=counts)  # type: ignore[arg-type]
-            await pipe.execute()
+            try:
+                await pipe.execute()
+            except redis.WatchError:
+                return False
+        return True
 
     async def loads(self) -> dict[str, int]:
         """Slots held per host."""

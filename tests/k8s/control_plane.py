@@ -12,7 +12,7 @@ What differs from a production control plane, and why:
 - ``--watch-cache=false``: watches and lists are served from etcd, so ``compact()`` (etcd's
   own compaction) makes a watch from an older resourceVersion fail with the real 410;
 - the controller manager runs every controller but ``nodelifecycle`` (no kubelet renews a
-  Lease here; a lost node is played by the test kubelet, see kubelet.py);
+  Lease here; a lost node is played by the test kubelet, see cluster.py);
 - an audit log of every request (``requests()``, ``audit()``), which tests read to see what a
   client did and what the API server answered.
 """
