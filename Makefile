@@ -14,7 +14,7 @@ HARBOR_VENV := .venv-harbor
 .PHONY: up test demo setup test-setup host venv trainers-venv harbor-venv images kube tools lint typecheck pytest bench clean-sandboxes
 
 up: setup
-	$(BIN)/orchestrator up
+	$(BIN)/orchestrator up $(UP_ARGS)
 
 test: test-setup trainers-venv harbor-venv lint typecheck pytest
 

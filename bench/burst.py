@@ -1,23 +1,26 @@
 """A burst of Agent RFT rollouts at a training-step boundary.
 
-    python -m bench.burst [--rollouts 256] [--pool 64] [--idle-sandboxes 300] [--seed 0]
-                          [--launch-window 1.0] [--profile]
+    python -m bench.burst [--rollouts 256] [--pool 64] [--bursts 1] [--idle-sandboxes 300]
+                          [--seed 0] [--launch-window 1.0] [--profile]
 
 Starts its own deployment (API, one worker, beat) on loopback with an environment on the
 real `requests` codebase (no tool budget) and, once the warm pool (if any) is full, launches
 N rollouts within one second through the Agent RFT endpoints, as a trainer would: each makes
 six tool calls (grep, find, read_file, then grep and read_file at once as a parallel pair,
 then find) with 0.2-1.0 s of think time before each step and before grading, then posts its
-grade. 5xx and transport errors are retried at most 3 times with the same call_id (the
-trainer's rule); a rollout still failing is discarded. Other 4xx go to the model (not
-retried). Every response is counted by outcome; 200s are split into ok and agent_error from
-the trajectory the orchestrator recorded.
+grade. ``--bursts 2``: a second identical burst starts as soon as the first is over (its
+sandboxes still in their grace after grading), as at two training steps in a row; the
+report puts the bursts side by side. 5xx and transport errors are retried at most 3 times
+with the same call_id (the trainer's rule); a rollout still failing is discarded. Other 4xx
+go to the model (not retried). Every response is counted by outcome; 200s are split into ok
+and agent_error from the trajectory the orchestrator recorded.
 
 Reports sandbox acquisition (the rollout record's created -> sandbox ready, split by pool
 hit and cold, and the client's view: first call minus its exec time), tool-call latency
 (the trainer's round trip, calls after the first, retries included), errors by outcome, peak
 host memory, sandboxes and in-flight calls over time, CPU seconds by process during the
-burst, containers left once the reaper ran and after teardown. Then a separate phase creates
+burst, containers left once the reaper ran, how long the stack's own teardown (Ctrl-C on
+``orchestrator up``) took and what it left. Then a separate phase creates
 ``--idle-sandboxes`` idle sandboxes directly through DockerBackend: do they all start and
 answer, and what host memory do they take. Plots: bench/results/burst-latency-cdf.png and
 burst-timeline.png. Writes bench/results/burst.json and .md.
@@ -76,13 +79,10 @@ ROLLOUTS_PER_CLIENT = 16
 RAW_FILE = "burst-samples.json"
 RAW_KEYS = ("series", "timeline", "calls", "per_rollout")  # when a 5xx carries no Retry-After
 THINK_S = (0.2, 1.0)
-TARGETS = {
-    "errors": 0,
-    "acquire_p99_ms": 2000.0,
-    "tool_p99_ms": 100.0,
-    "idle_sandboxes": 300,
-    "containers_left": 0,
-}
+# Issue 13's: a first burst on a freshly started stack, then one started right after it.
+ACQUIRE_P99_MS = (15_000.0, 1000.0)
+TOOL_P99_MS = (250.0, 100.0)
+IDLE_SANDBOXES = 300
 
 # What the rollouts run on the `requests` codebase (src/requests/*.py). Every grep pattern
 # matches and every file is long enough for the line ranges, so valid calls are never an
@@ -929,9 +929,9 @@ def counting_final_sweep(found: dict[str, int]) -> Iterator[None]:
     count those first (what the stack's own shutdown left) by wrapping that sweep."""
     original = collect_expired
 
-    def sweep(backend: SandboxBackend, *, everything: bool = False) -> GcReport:
+    def sweep(backend: SandboxBackend, *, everything: bool = False, **kw: Any) -> GcReport:
         found["left_by_stack_shutdown"] = len(backend.list_owned())
-        return original(backend, everything=everything)
+        return original(backend, everything=everything, **kw)
 
     local.__dict__["collect_expired"] = sweep
     try:
@@ -1152,11 +1152,75 @@ def _row(name: str, s: dict[str, float]) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    b = report["burst"]
+    bursts: list[dict[str, Any]] = report["bursts"]
+    lines: list[str] = []
+    for number, b in enumerate(bursts, 1):
+        lines += render_burst(b, number if len(bursts) > 1 else 0)
+    if len(bursts) > 1:
+        lines += ["", *side_by_side(bursts)]
     idle = report.get("idle")
+    lines += [
+        "",
+        "| stack | value |",
+        "|---|---|",
+        f"| sandboxes running once the reaper ran (the warm pool stays) | "
+        f"{report['after_reaper']['running']} after {report['after_reaper']['waited_s']} s |",
+        f"| the stack's teardown (Ctrl-C on `orchestrator up`: rollouts ended, sandboxes "
+        f"destroyed) | {report['left'].get('teardown_s', '?')} s |",
+        f"| sandboxes the stack's own teardown left (local_stack then sweeps them) | "
+        f"{report['left'].get('left_by_stack_shutdown', '?')} |",
+        f"| containers / volumes left after teardown | {report['left']['containers']} / "
+        f"{report['left']['volumes']} |",
+    ]
+    if idle:
+        lines.append(
+            f"| idle phase: sandboxes created / answering | {idle['created']} / "
+            f"{idle['answering']} of {idle['requested']}, created in {idle['create_s']} s |"
+        )
+        lines.append(
+            f"| idle phase: host memory | {idle['host_used_mb_total']} MiB MemAvailable "
+            f"delta ({idle['host_mb_per_sandbox']} MiB each); cgroups {idle['cgroups_mb_total']}"
+            f" MiB + shims {idle['shims_pss_mb_total']} MiB = "
+            f"{idle['accounted_mb_per_sandbox']} MiB each |"
+        )
+    lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
+    for name, goal, measured, met in targets(report):
+        lines.append(f"| {name} | {goal} | {measured} | {'yes' if met else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def side_by_side(bursts: list[dict[str, Any]]) -> list[str]:
+    """The bursts' headline figures in one table, one column each."""
+    head = " | ".join(f"burst {n}" for n in range(1, len(bursts) + 1))
+    lines = ["## The bursts side by side", "", f"| | {head} |", "|---" * (len(bursts) + 1) + "|"]
+
+    def row(name: str, value: Any) -> None:
+        lines.append(f"| {name} | " + " | ".join(str(value(b)) for b in bursts) + " |")
+
+    for q in ("p50", "p99"):
+        row(
+            f"acquisition {q}, created → ready (ms)",
+            lambda b, q=q: round(b["acquisition_ms"]["all (created → ready)"][q], 1),
+        )
+    row("pool hits", lambda b: b["pool_hits"])
+    for q in ("p50", "p99"):
+        row(
+            f"later tool calls {q} (ms)",
+            lambda b, q=q: round(b["tool_call_ms"]["all calls after the first"][q], 1),
+        )
+    row("errors / discarded rollouts", lambda b: f"{b['errors']} / {b['discarded_rollouts']}")
+    row("peak sandboxes running", lambda b: b["peak_sandboxes"])
+    row("peak host memory (MiB)", lambda b: b["memory_mb"]["peak"])
+    row("wall (s)", lambda b: b["wall_s"])
+    return lines
+
+
+def render_burst(b: dict[str, Any], number: int) -> list[str]:
+    """One burst's tables; ``number`` 0 when there is only one."""
     pool = b["pool"]
+    which = f" {number}" if number else ""
     lines = [
-        f"## Burst: {b['rollouts']} Agent RFT rollouts launched within "
+        f"## Burst{which}: {b['rollouts']} Agent RFT rollouts launched within "
         f"{b['launch_spread_s']} s, 6 tool calls each + grade; pool {pool['size']} "
         f"({pool['warm']} warm at launch)",
         "",
@@ -1205,50 +1269,42 @@ def render(report: dict[str, Any]) -> str:
         f"{max([s['client_loop_lag_ms'] for s in b['timeline']], default=0)} ms |",
         f"| host busy before the burst (stack idle: other tenants) | "
         f"{b['background_busy_cores']} cores |",
-        f"| sandboxes running once the reaper ran (the warm pool stays) | "
-        f"{report['after_reaper']['running']} after {report['after_reaper']['waited_s']} s |",
-        f"| sandboxes the stack's own shutdown left (local_stack then sweeps them) | "
-        f"{report['left'].get('left_by_stack_shutdown', '?')} |",
-        f"| containers / volumes left after teardown | {report['left']['containers']} / "
-        f"{report['left']['volumes']} |",
     ]
-    if idle:
-        lines.append(
-            f"| idle phase: sandboxes created / answering | {idle['created']} / "
-            f"{idle['answering']} of {idle['requested']}, created in {idle['create_s']} s |"
-        )
-        lines.append(
-            f"| idle phase: host memory | {idle['host_used_mb_total']} MiB MemAvailable "
-            f"delta ({idle['host_mb_per_sandbox']} MiB each); cgroups {idle['cgroups_mb_total']}"
-            f" MiB + shims {idle['shims_pss_mb_total']} MiB = "
-            f"{idle['accounted_mb_per_sandbox']} MiB each |"
-        )
-    lines += ["", "| target | goal | measured | met |", "|---|---|---|---|"]
-    for name, goal, measured, met in targets(report):
-        lines.append(f"| {name} | {goal} | {measured} | {'yes' if met else 'no'} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def targets(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
-    b = report["burst"]
-    acq = b["acquisition_ms"]["all (created → ready)"]["p99"]
-    client_acq = b["acquisition_ms"]["client: first call − its exec"]["p99"]
-    tool = b["tool_call_ms"]["all calls after the first"]["p99"]
-    rows = [
-        (
-            "errors",
-            "0",
-            f"{b['errors']} (+{b['wrong_scores']} wrong scores)",
-            b["errors"] == 0 and b["wrong_scores"] == 0,
-        ),
-        (
-            f"acquisition p99, pool of {b['pool']['size']}",
-            "≤ 2 s",
-            f"{acq / 1000:.2f} s (client view {client_acq / 1000:.2f} s)",
-            acq <= TARGETS["acquire_p99_ms"],
-        ),
-        ("tool call p99", "≤ 100 ms", f"{tool:.1f} ms", tool <= TARGETS["tool_p99_ms"]),
-    ]
+    """Issue 13's: the first burst on a fresh stack, and any burst after it."""
+    rows = []
+    bursts: list[dict[str, Any]] = report["bursts"]
+    for number, b in enumerate(bursts, 1):
+        later = number > 1
+        name = f"burst {number}" if len(bursts) > 1 else "burst"
+        acq_goal = ACQUIRE_P99_MS[later]
+        tool_goal = TOOL_P99_MS[later]
+        acq = b["acquisition_ms"]["all (created → ready)"]["p99"]
+        client_acq = b["acquisition_ms"]["client: first call − its exec"]["p99"]
+        tool = b["tool_call_ms"]["all calls after the first"]["p99"]
+        rows += [
+            (
+                f"{name}: errors",
+                "0",
+                f"{b['errors']} (+{b['wrong_scores']} wrong scores)",
+                b["errors"] == 0 and b["wrong_scores"] == 0,
+            ),
+            (
+                f"{name}: acquisition p99, pool of {b['pool']['size']}",
+                f"≤ {acq_goal / 1000:g} s",
+                f"{acq / 1000:.2f} s (client view {client_acq / 1000:.2f} s)",
+                acq <= acq_goal,
+            ),
+            (
+                f"{name}: later tool call p99",
+                f"≤ {tool_goal:g} ms",
+                f"{tool:.1f} ms",
+                tool <= tool_goal,
+            ),
+        ]
     idle = report.get("idle")
     if idle:
         rows.append(
@@ -1256,7 +1312,7 @@ def targets(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
                 "concurrent idle sandboxes",
                 "≥ 300 fit",
                 f"{idle['answering']} of {idle['requested']} started and answer",
-                bool(idle["fit"]) and idle["requested"] >= TARGETS["idle_sandboxes"],
+                bool(idle["fit"]) and idle["requested"] >= IDLE_SANDBOXES,
             )
         )
     left = report["left"]["containers"]
@@ -1265,20 +1321,28 @@ def targets(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
 
 
 def plot(report: dict[str, Any]) -> list[Path]:
+    """Each burst's latency CDFs and timeline: burst-*.png, then burst2-*.png, ..."""
     if not plots.available():
         print("matplotlib is not installed (pip install -e '.[bench]'): no plots")
         return []
-    b = report["burst"]
+    paths: list[Path] = []
+    for number, b in enumerate(report["bursts"], 1):
+        paths += plot_burst(b, "burst" if number == 1 else f"burst{number}", number > 1)
+    return paths
+
+
+def plot_burst(b: dict[str, Any], name: str, later: bool) -> list[Path]:
     series = b["series"]
     title = f"{b['rollouts']} rollouts, pool {b['pool']['size']}"
+    tool_goal, acq_goal = TOOL_P99_MS[later], ACQUIRE_P99_MS[later]
     cdf = plots.latency_cdfs(
-        RESULTS / "burst-latency-cdf.png",
+        RESULTS / f"{name}-latency-cdf.png",
         [
             plots.Panel(
                 "Tool call latency (calls after the first)",
                 "ms (client round trip, retries included)",
                 series={"all": series["tool_ms"]},
-                targets={"100 ms target": TARGETS["tool_p99_ms"]},
+                targets={f"{tool_goal:g} ms target": tool_goal},
                 log_x=True,
             ),
             plots.Panel(
@@ -1289,7 +1353,7 @@ def plot(report: dict[str, Any]) -> list[Path]:
                     "cold (created → ready)": series["acquire_cold_ms"],
                     "client: first call − its exec": series["acquire_client_ms"],
                 },
-                targets={"2 s target": TARGETS["acquire_p99_ms"]},
+                targets={f"{acq_goal / 1000:g} s target": acq_goal},
                 log_x=True,
             ),
         ],
@@ -1300,7 +1364,7 @@ def plot(report: dict[str, Any]) -> list[Path]:
     t = [s["t"] for s in timeline]
     counted = [s for s in timeline if s["sandboxes"] is not None]
     line = plots.timeline(
-        RESULTS / "burst-timeline.png",
+        RESULTS / f"{name}-timeline.png",
         [
             plots.Track(
                 "sandboxes / rollouts",
@@ -1355,6 +1419,9 @@ def main() -> None:
     parser.add_argument("--rollouts", type=int, default=256)
     parser.add_argument("--pool", type=int, default=64, help="warm sandboxes (0: none)")
     parser.add_argument(
+        "--bursts", type=int, default=1, help="bursts in a row, each as soon as the last is over"
+    )
+    parser.add_argument(
         "--idle-sandboxes", type=int, default=300, help="idle-capacity phase size (0: skip)"
     )
     parser.add_argument("--launch-window", type=float, default=1.0, help="seconds")
@@ -1373,9 +1440,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
+        saved.setdefault("bursts", [saved.get("burst")])  # a report of one burst, from before
         raw_path = args.from_json.with_name(RAW_FILE)
         if raw_path.exists():
-            saved["burst"] |= json.loads(raw_path.read_text())
+            bulk = json.loads(raw_path.read_text())
+            for burst, raw in zip(
+                saved["bursts"], bulk if isinstance(bulk, list) else [bulk], strict=True
+            ):
+                burst |= raw
         markdown = render(saved)
         print(markdown)
         (RESULTS / "burst.md").write_text(markdown)
@@ -1409,39 +1481,51 @@ def main() -> None:
     report: dict[str, Any] = {
         "config": vars(args) | {"codebase_image": image, "deployment": DEPLOYMENT}
     }
-    counters = Counters()
+    raws: list[dict[str, Any]] = []
     try:
         swept: dict[str, int] = {}
         with (
             counting_final_sweep(swept),
             local_stack(settings, log=state / "stack.log") as base,
-            Sampler(counters, client, DEPLOYMENT) as sampler,
         ):
             pool = wait_for_pool(client, args.pool)
             print(f"pool: {pool}", flush=True)
-            raw = asyncio.run(
-                burst_phase(
-                    base,
-                    token,
-                    args.rollouts,
-                    args.launch_window,
-                    args.seed,
-                    counters,
-                    client,
-                    state if args.profile else None,
-                )
-            )
-            print(f"burst over in {raw['wall_s']:.1f} s; waiting for the reaper", flush=True)
-            report["after_reaper"] = wait_for_reaper(client, args.pool, timeout_s=180)
-            counters.mark("reaped")
-        # The stack has stopped (local_stack's exit destroys what its reaper left).
+            for number in range(1, args.bursts + 1):
+                counters = Counters()
+                with Sampler(counters, client, DEPLOYMENT) as sampler:
+                    raw = asyncio.run(
+                        burst_phase(
+                            base,
+                            token,
+                            args.rollouts,
+                            args.launch_window,
+                            args.seed + number - 1,
+                            counters,
+                            client,
+                            state if args.profile else None,
+                        )
+                    )
+                    print(f"burst {number} over in {raw['wall_s']:.1f} s", flush=True)
+                    if number == args.bursts:
+                        print("waiting for the reaper", flush=True)
+                        report["after_reaper"] = wait_for_reaper(client, args.pool, timeout_s=180)
+                        counters.mark("reaped")
+                raw["samples"], raw["marks"] = sampler.samples, counters.marks
+                raws.append(raw)
+            stopping = time.monotonic()
+        # The stack has stopped: `orchestrator up` ended its rollouts and destroyed its
+        # sandboxes; local_stack's exit then destroys anything it left.
         containers, volumes = owned_resources(client, DEPLOYMENT)
-        report["left"] = {"containers": containers, "volumes": volumes, **swept}
+        teardown_s = round(time.monotonic() - stopping, 1)
+        report["left"] = {
+            "containers": containers,
+            "volumes": volumes,
+            "teardown_s": teardown_s,
+            **swept,
+        }
     finally:
         forget_deployment(settings, DEPLOYMENT)
-    raw["samples"] = sampler.samples
-    raw["marks"] = counters.marks
-    report["burst"] = analyse(raw, args.rollouts, pool)
+    report["bursts"] = [analyse(raw, args.rollouts, pool) for raw in raws]
     if args.idle_sandboxes:
         idle_settings = settings.model_copy(update={"deployment": IDLE_DEPLOYMENT})
         report["idle"] = idle_phase(idle_settings, image, args.idle_sandboxes)
@@ -1454,11 +1538,11 @@ def main() -> None:
         print(f"wrote {path}")
     # The samples behind the plots (timeline, every call, every rollout) go to a compact file
     # of their own; burst.json keeps the summaries.
-    bulky = {key: report["burst"].pop(key) for key in RAW_KEYS}
+    bulky = [{key: b.pop(key) for key in RAW_KEYS} for b in report["bursts"]]
     (RESULTS / RAW_FILE).write_text(json.dumps(bulky, separators=(",", ":")) + "\n")
     print(f"wrote {write_report('burst', report, markdown)} and {RESULTS / RAW_FILE}")
     if args.profile:
-        print(json.dumps(report["burst"]["profiles"], indent=1))
+        print(json.dumps([b["profiles"] for b in report["bursts"]], indent=1))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,16 @@ from pathlib import Path
 import httpx
 
 from orchestrator.config import Settings
+from orchestrator.environments.loader import EnvironmentRegistry
 from orchestrator.sandbox.factory import make_backend
 from orchestrator.sandbox.gc import collect_expired
+from orchestrator.state.connection import worker_client
+from orchestrator.state.keys import Keys
+from orchestrator.state.pools import PoolFiller, targets
+
+# Destroys at once at the local stack's end: each mostly waits on dockerd, which takes
+# them in parallel (measured in docs/operations.md: 256 sandboxes).
+TEARDOWN_PARALLEL = 8
 
 
 def free_port() -> int:
@@ -39,6 +47,24 @@ def settings_env(settings: Settings) -> dict[str, str]:
         text = json.dumps(value) if isinstance(value, dict | list) else str(value)
         env[f"ORCH_{name.upper()}"] = text
     return env
+
+
+def end_sandboxes(settings: Settings, environments: EnvironmentRegistry) -> tuple[int, int]:
+    """Destroy every sandbox of this deployment on this machine (warm pools' included) and
+    drop the pool entries that named them: the local stack's end, once its worker stopped
+    (rollouts/teardown.py ended their rollouts first). Returns (destroyed, pool entries
+    dropped)."""
+    report = collect_expired(make_backend(settings), everything=True, parallel=TEARDOWN_PARALLEL)
+    client = worker_client(settings.redis_url, Keys.of(settings.deployment).client_name("up"))
+    try:
+        filler = PoolFiller(settings, client)
+        dropped = sum(
+            filler.forget_missing(pool, settings.host_id, live=set())
+            for pool in targets(environments, settings)
+        )
+    finally:
+        client.close()
+    return len(report.destroyed), dropped
 
 
 @contextmanager

@@ -47,3 +47,5 @@ class Cause(StrEnum):
     """Ended by us: past the environment's maximum lifetime."""
     ENVIRONMENT_REMOVED = "environment_removed"
     """Ended by us: its environment is no longer in the configuration."""
+    STACK_STOPPED = "stack_stopped"
+    """Ended by us: the local stack (``orchestrator up``) that held its sandbox stopped."""

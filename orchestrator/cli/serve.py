@@ -1,17 +1,20 @@
 """``orchestrator serve|worker|beat|up``: the processes of a deployment.
 
 ``up`` runs Redis (if not running), the API, one worker and beat in the foreground and
-stops them all on Ctrl-C; ``make up`` calls it after installing everything.
+stops them all on Ctrl-C, ending the rollouts and sandboxes it holds (unless
+``--keep-sandboxes``); ``make up`` calls it after installing everything.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -19,6 +22,9 @@ import typer
 from rich.console import Console
 
 from orchestrator.config import Settings, get_settings
+from orchestrator.environments.loader import load_environments
+from orchestrator.local import end_sandboxes
+from orchestrator.rollouts.teardown import end_rollouts
 from orchestrator.state.keys import Keys
 
 console = Console()
@@ -116,8 +122,17 @@ def _kept_secret(settings: Settings, name: str) -> str:
 
 def up(
     check: Annotated[bool, typer.Option(help="Start, wait until ready, then stop.")] = False,
+    keep_sandboxes: Annotated[
+        bool,
+        typer.Option(
+            help="On stop, leave this host's rollouts and sandboxes as they are (a restarted "
+            "stack takes them up again) instead of ending them."
+        ),
+    ] = False,
 ) -> None:
-    """Serve: API, one worker and beat in the foreground; Ctrl-C stops them all."""
+    """Serve: API, one worker and beat in the foreground; Ctrl-C stops them all and ends
+    the rollouts and sandboxes this host holds (a trainer coming back to one is told to
+    discard it), unless ``--keep-sandboxes``."""
     settings = get_settings()
     token = api_token(settings)
     secret = grader_secret(settings)
@@ -158,15 +173,51 @@ def up(
             code = 1
             break
         time.sleep(0.5)
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    for proc in procs.values():
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    # A second Ctrl-C cuts the teardown short: what is left is swept at the next start.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # No new rollouts, calls or pool refills first; the worker goes on destroying nothing
+    # until the records are ended, so no call runs in a sandbox about to go.
+    _stop(procs, "api", "beat")
+    if not keep_sandboxes:
+        code = _end_what_it_holds(settings, lambda: _stop(procs, "worker")) or code
+    _stop(procs, "worker")
     raise typer.Exit(code)
+
+
+def _stop(procs: dict[str, subprocess.Popen[bytes]], *names: str) -> None:
+    """SIGTERM ``names`` (a worker drains its running calls), then wait; kill after 20 s."""
+    for name in names:
+        if procs[name].poll() is None:
+            procs[name].send_signal(signal.SIGTERM)
+    for name in names:
+        try:
+            procs[name].wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            procs[name].kill()
+            procs[name].wait()
+
+
+def _end_what_it_holds(settings: Settings, stop_worker: Callable[[], None]) -> int:
+    """End this host's rollouts (records closed, ``stack_stopped``), stop the worker, then
+    destroy its sandboxes, pools' included. 0, or 1 when something could not be ended."""
+    started = time.monotonic()
+    try:
+        environments = load_environments(settings)
+        ended = asyncio.run(end_rollouts(settings, environments))
+    except Exception as exc:  # noqa: BLE001 - Redis down: the sandboxes still go
+        console.print(f"[red]could not end the rollouts:[/red] {exc}")
+        ended, environments = -1, None
+    stop_worker()
+    try:
+        destroyed, dropped = end_sandboxes(settings, environments) if environments else (0, 0)
+    except Exception as exc:  # noqa: BLE001 - said, and left for the next start's sweep
+        console.print(f"[red]could not destroy every sandbox:[/red] {exc}")
+        return 1
+    console.print(
+        f"ended {max(ended, 0)} rollouts, destroyed {destroyed} sandboxes "
+        f"({dropped} pool entries) in {time.monotonic() - started:.1f} s"
+    )
+    return 1 if ended < 0 else 0
 
 
 def _wait_ready(base: str, procs: dict[str, subprocess.Popen[bytes]], timeout_s: float) -> bool:

@@ -40,15 +40,18 @@ class Closer:
         wait: bool = True,
         ended_by: Cause | None = None,
         why: str = "",
+        destroy: bool = True,
     ) -> Rollout:
         """Destroy the sandbox and close the record (an infra-failed rollout stays so).
 
         ``ended_by``: the orchestrator ends the rollout on its own (``why`` says what
         happened, for the trainer): a call or grade that comes later finds it failed with
-        that cause, so the trainer discards it instead of scoring it."""
+        that cause, so the trainer discards it instead of scoring it. ``destroy=False``:
+        the caller destroys the sandbox itself (the local stack's teardown, whose worker
+        is stopping)."""
         rollout = await known(self.store, rollout_id)
         bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
-        if rollout.sandbox is not None and rollout.closed_at is None:
+        if destroy and rollout.sandbox is not None and rollout.closed_at is None:
             payload = DestroySandbox(handle=rollout.sandbox, reason=reason).model_dump(mode="json")
             queue = self.keys.host_queue(rollout.sandbox.host)
             if wait:
