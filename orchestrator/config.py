@@ -77,6 +77,27 @@ class Settings(BaseSettings):
     host_max_sandboxes: int = Field(
         512, ge=1, description="A host holding this many sandboxes takes no new ones."
     )
+    pool_autosize: bool = Field(
+        True,
+        description="Warm pools follow demand: each (environment, codebase) keeps ready the "
+        "peak of its live rollouts over pool_demand_window_s plus pool_headroom (or its "
+        "expected_concurrency before any is seen); false: only a hand-set pool_size.",
+    )
+    pool_demand_window_s: float = Field(
+        900.0,
+        gt=0,
+        description="How long a pool keeps the size of its last peak (a training step's "
+        "gap between two bursts fits in it).",
+    )
+    pool_headroom: float = Field(
+        0.1, ge=0, description="A demand-sized pool keeps this fraction more than its peak."
+    )
+    pool_max_sandboxes: int = Field(
+        512,
+        ge=0,
+        description="The most ready sandboxes one demand-sized pool keeps (each also needs "
+        "a host slot: host_max_sandboxes and free memory bound them further).",
+    )
     host_min_free_disk_mb: int = Field(
         2048, ge=0, description="A host with less free disk under state_dir takes no new ones."
     )

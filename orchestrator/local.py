@@ -60,7 +60,7 @@ def end_sandboxes(settings: Settings, environments: EnvironmentRegistry) -> tupl
         filler = PoolFiller(settings, client)
         dropped = sum(
             filler.forget_missing(pool, settings.host_id, live=set())
-            for pool in targets(environments, settings)
+            for pool in targets(environments, settings, filler.demand())
         )
     finally:
         client.close()

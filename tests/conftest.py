@@ -38,6 +38,11 @@ RUNTIMES: list[Runtime] = ["runc", "runsc"]
 
 
 RUN_ID = os.environ.setdefault("ORCH_TEST_RUN", uuid.uuid4().hex[:6])
+# Pools sized by demand (the product's default) would add pool sandboxes, holding host
+# slots, to every stack that runs a reaper: the suite's counts of sandboxes and slots are
+# exact, so its stacks keep only hand-set pools, and tests/e2e/test_pool_autosize.py runs
+# the default (its stacks set ORCH_POOL_AUTOSIZE=true). Every subprocess inherits this.
+os.environ.setdefault("ORCH_POOL_AUTOSIZE", "false")
 
 
 def _ours(labels: dict[str, str] | None) -> bool:

@@ -377,7 +377,7 @@ class E2BOptions(BaseModel):
 # Fields added after environments were first pinned by rollouts: left out of the snapshot
 # while at their defaults, so an environment that does not use them keeps its digest (a
 # rollout pinned before they existed still finds its environment).
-_LATER_FIELDS = ("scratch_dirs", "e2b")
+_LATER_FIELDS = ("scratch_dirs", "e2b", "expected_concurrency", "pool_autosize")
 
 
 class EnvironmentConfig(BaseModel):
@@ -425,7 +425,21 @@ class EnvironmentConfig(BaseModel):
         120, ge=0, description="Keep the sandbox this long after grading (grade retries)."
     )
     pool_size: int = Field(
-        0, ge=0, description="Warm sandboxes to keep ready per codebase (state/pools.py)."
+        0,
+        ge=0,
+        description="Warm sandboxes to keep ready per codebase at least (state/pools.py); "
+        "a demand-sized pool grows above it.",
+    )
+    expected_concurrency: int = Field(
+        0,
+        ge=0,
+        description="Rollouts expected at once (a training step's batch): a demand-sized "
+        "pool holds this many before any demand is seen, so the first burst finds a warm pool.",
+    )
+    pool_autosize: bool = Field(
+        True,
+        description="Size this environment's pools by demand (with settings.pool_autosize); "
+        "false: exactly pool_size.",
     )
     pool_codebases: list[str] = Field(
         default_factory=list,

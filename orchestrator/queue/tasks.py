@@ -80,6 +80,8 @@ def _on_shutting_down(**_: Any) -> None:
     # Creations not started yet are dropped: their callers hear of it through the retired
     # heartbeat instead of waiting for a burst's worth of sandboxes to be made first.
     worker.creations().shutdown(wait=False, cancel_futures=True)
+    worker.creation_gate().close()
+    worker.pool_creations().shutdown(wait=False, cancel_futures=True)
 
     def give_up() -> None:
         deadline = time.monotonic() + settings.worker_shutdown_grace_s
@@ -125,7 +127,7 @@ def create_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     to the caller's list when the sandbox is ready. Tool calls queued behind a burst of
     creations so wait for a Celery thread for microseconds, not for the creations."""
     request = CreateSandbox.model_validate(payload)
-    worker.creations().submit(_create_and_reply, payload, request)
+    worker.create_for_rollout(_create_and_reply, payload, request)
     return {"accepted": True}
 
 
@@ -325,27 +327,34 @@ def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
     swept = collect_expired(worker.backend()).model_dump(mode="json")
     swept["orphans"] = sweep_orphans(worker.backend(), worker.redis_client(), settings)
     live = {h.sandbox_id for h in worker.backend().list_owned()}
+    filler = worker.pool_filler()
     swept["pool_entries_dropped"] = sum(
-        worker.pool_filler().forget_missing(pool, settings.host_id, live)
-        for pool in targets(worker.environments(), settings)
+        filler.forget_missing(pool, settings.host_id, live)
+        for pool in targets(worker.environments(), settings, filler.demand())
     )
     return swept
 
 
 @task(TaskName.REFILL_POOLS)
 def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
-    """Top every warm pool up to its size with sandboxes on this host, within this host's
-    capacity (state/pools.py); drop pool sandboxes too close to their expiry."""
+    """Top every warm pool up to its size now (state/pools.py: demand-sized) with sandboxes
+    on this host, within this host's capacity; drop pool sandboxes too close to their
+    expiry, and those past their pool's size (its demand fell). The creations wait while
+    any rollout's creation is waiting (queue/worker.py's pool lane)."""
     if not worker.host_schedulable():
         return {"created": 0, "skipped": "host not schedulable"}
     settings = get_settings()
     filler = worker.pool_filler()
     jobs: list[PoolTarget] = []
     dropped = 0
-    for pool in targets(worker.environments(), settings):
-        for handle in filler.prune(pool, min_left_s=pool.spec.lifetime_s / 2):
+    for pool in targets(worker.environments(), settings, filler.demand()):
+        stale = [
+            (handle, "pool sandbox near its expiry")
+            for handle in filler.prune(pool, min_left_s=pool.spec.lifetime_s / 2)
+        ] + [(handle, "pool past its size") for handle in filler.trim(pool)]
+        for handle, reason in stale:
             dropped += 1
-            payload = DestroySandbox(handle=handle, reason="pool sandbox near its expiry")
+            payload = DestroySandbox(handle=handle, reason=reason)
             celery_app().send_task(
                 TaskName.DESTROY_SANDBOX.value,
                 args=[payload.model_dump(mode="json")],
@@ -356,9 +365,9 @@ def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
         jobs += [pool] * filler.reserve(pool, pool.size)
     if not jobs:
         return {"created": 0, "dropped": dropped}
-    # Through the same creation lane as rollouts' own sandboxes, which it queues behind.
+    # Through the pool lane: never while a rollout's own sandbox waits to be made.
     created = sum(
-        future.result() for future in [worker.creations().submit(_fill_one, p) for p in jobs]
+        future.result() for future in [worker.pool_creations().submit(_fill_one, p) for p in jobs]
     )
     log.info("pool.refilled", created=created, wanted=len(jobs), dropped=dropped)
     return {"created": created, "wanted": len(jobs), "dropped": dropped}
@@ -366,6 +375,9 @@ def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
 
 def _fill_one(pool: PoolTarget) -> bool:
     filler = worker.pool_filler()
+    if not worker.creation_gate().pool_turn():
+        filler.deliver(pool, None)  # stopping: the reservation is freed
+        return False
     transit = filler.take_slot(f"create:{uuid.uuid4().hex}")
     if transit is None:
         filler.deliver(pool, None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import lru_cache
@@ -86,12 +86,81 @@ def tickets() -> WorkerTickets:
 
 @lru_cache(maxsize=1)
 def creations() -> ThreadPoolExecutor:
-    """The host's creation lane: at most ``create_concurrency`` sandboxes made at once,
-    apart from the Celery threads that run tool calls. On two cores, 64 creations at once
-    made no more sandboxes per second than a few, and starved every tool call."""
+    """The host's creation lane for rollouts' own sandboxes: at most
+    ``create_concurrency`` made at once, apart from the Celery threads that run tool calls.
+    On two cores, 64 creations at once made no more sandboxes per second than a few, and
+    starved every tool call. Submit through :func:`create_for_rollout`."""
     return ThreadPoolExecutor(
         max_workers=get_settings().create_concurrency, thread_name_prefix="create"
     )
+
+
+@lru_cache(maxsize=1)
+def pool_creations() -> ThreadPoolExecutor:
+    """The pool lane: refills, each of which waits its turn at :func:`creation_gate`."""
+    return ThreadPoolExecutor(
+        max_workers=get_settings().create_concurrency, thread_name_prefix="pool-fill"
+    )
+
+
+class CreationGate:
+    """Rollouts first: a pool refill starts a creation only while no rollout's own
+    creation is queued or running on this host, so a burst's new rollouts never wait
+    behind sandboxes made for later ones (issue 13: refills never compete with rollouts
+    waiting for a sandbox)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._rollouts = 0
+        self._closed = False
+
+    @property
+    def rollouts_waiting(self) -> int:
+        return self._rollouts
+
+    def rollout_queued(self) -> None:
+        with self._cond:
+            self._rollouts += 1
+
+    def rollout_done(self) -> None:
+        with self._cond:
+            self._rollouts -= 1
+            if self._rollouts <= 0:
+                self._cond.notify_all()
+
+    def pool_turn(self) -> bool:
+        """Wait until no rollout's creation waits; False once the worker is stopping."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._closed or self._rollouts <= 0)
+            return not self._closed
+
+    def close(self) -> None:
+        """Stopping: every refill waiting for its turn gives up."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+@lru_cache(maxsize=1)
+def creation_gate() -> CreationGate:
+    return CreationGate()
+
+
+def create_for_rollout(fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn(*args)`` (a rollout's sandbox creation) in :func:`creations`, counted as
+    waiting at :func:`creation_gate` from now until it is done."""
+    gate = creation_gate()
+    gate.rollout_queued()
+
+    def run() -> None:
+        try:
+            fn(*args)
+        finally:
+            gate.rollout_done()
+
+    future = creations().submit(run)
+    # A lane shut down drops it unrun: not waiting any more.
+    future.add_done_callback(lambda f: gate.rollout_done() if f.cancelled() else None)
 
 
 @lru_cache(maxsize=1)

@@ -26,7 +26,6 @@ from orchestrator.rollouts.service import RolloutService
 from orchestrator.state.broker import celery_app, task
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutState
-from orchestrator.state.pools import targets
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueClient
 from orchestrator.state.tasks import TaskName
@@ -129,6 +128,7 @@ async def reap_once(settings: Settings, environments: EnvironmentRegistry) -> di
             if reason is not None:
                 ended[rollout_id] = reason
         await _recount_host_loads(store, service)
+        await _record_pool_demand(store, service)
         hosts = [beat.host for beat in await queue.heartbeats.live()]
         for host in hosts:
             await queue.send(TaskName.SWEEP_HOST, {}, queue=keys.host_queue(host))
@@ -175,6 +175,14 @@ async def _reap_one(
         # A lost host's sandbox goes when the host's sweep runs again; it is reaped now.
         metrics.SANDBOXES_REAPED.labels(host_cause or end.reason).inc()
     return end.reason
+
+
+async def _record_pool_demand(store: RolloutStore, service: RolloutService) -> None:
+    """What each pool's demand is now: its live rollouts, for the pools that size
+    themselves by it (state/pools.py)."""
+    records = await store.get_many(await store.live_ids())
+    live = [(r.environment, r.codebase) for r in records if r is not None and r.closed_at is None]
+    await service.pools.record_demand(live)
 
 
 async def _forget_vanished(store: RolloutStore, rollout_id: str) -> None:
@@ -225,8 +233,10 @@ async def _recount_host_loads(store: RolloutStore, service: RolloutService) -> N
             rollout = await store.get(rollout_id)
             if rollout is not None and rollout.host is not None and rollout.closed_at is None:
                 counts[rollout.host] = counts.get(rollout.host, 0) + 1
-        for pool in targets(service.environments, service.settings):
-            for handle in await service.pools.ready(pool.name):
+        # Every ready list there is: demand-sized pools and pools no longer configured
+        # hold slots too.
+        for pool in await service.pools.stocked():
+            for handle in await service.pools.ready(pool):
                 counts[handle.host] = counts.get(handle.host, 0) + 1
         return counts
 

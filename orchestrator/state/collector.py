@@ -3,9 +3,10 @@
 Redis is the one source of truth for hosts, rollouts, pools, admission and queues, so
 every API process reports the same values whatever the number of processes (Prometheus
 aggregates API replicas with ``max()``). A scrape costs three round trips: the hosts
-set; heartbeats, slot counts, the live set, queue lengths and pool lists in one pipeline;
-then one pipelined HMGET per live rollout for its host and environment (cost measured in
-docs/metrics.md). Redis down: ``orchestrator_redis_up 0`` and no other state gauge, never an error.
+set and the pools' demand; heartbeats, slot counts, the live set, queue lengths and pool
+lists in one pipeline; then one pipelined HMGET per live rollout for its host and
+environment (cost measured in docs/metrics.md). Redis down: ``orchestrator_redis_up 0``
+and no other state gauge, never an error.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from orchestrator.observability.logging import get_logger
 from orchestrator.sandbox.backend import SandboxHandle
 from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.keys import Keys, queue_depth_keys
-from orchestrator.state.pools import pool_name, pooled_codebases
+from orchestrator.state.pools import (
+    PoolDemand,
+    parse_demand,
+    pool_name,
+    pool_size,
+    pooled_codebases,
+)
 
 log = get_logger(__name__)
 
@@ -73,8 +80,12 @@ class StateCollector(Collector):
 
     def _read(self) -> list[Metric]:
         keys = self.keys
-        hosts = sorted(str(h) for h in self.client.smembers(keys.hosts))
-        pools = self._pools()
+        first = self.client.pipeline(transaction=False)
+        first.smembers(keys.hosts)
+        first.hgetall(keys.pool_demand)
+        members, demand = first.execute()
+        hosts = sorted(str(h) for h in members)
+        pools = self._pools(parse_demand(demand))
         queues = [keys.shared_queue, *(keys.host_queue(h) for h in hosts)]
         pipe = self.client.pipeline(transaction=False)
         for host in hosts:
@@ -108,12 +119,14 @@ class StateCollector(Collector):
             ),
         ]
 
-    def _pools(self) -> list[tuple[str, str, int]]:
-        """(environment, pool, size) of every configured warm pool."""
+    def _pools(self, demand: dict[str, PoolDemand]) -> list[tuple[str, str, int]]:
+        """(environment, pool, size now) of every warm pool, demand-sized ones included."""
         pools = []
         for name in self.environments.names():
             env = self.environments.get(name)
-            pools += [(name, pool_name(name, c), env.pool_size) for c in pooled_codebases(env)]
+            for codebase in pooled_codebases(env, self.settings, demand):
+                pool = pool_name(name, codebase)
+                pools.append((name, pool, pool_size(env, self.settings, demand.get(pool))))
         return pools
 
     def _hosts(self, beats: list[Heartbeat]) -> list[Metric]:

@@ -139,6 +139,11 @@ class Keys:
         return f"{self.prefix}pool-claim:{sandbox_id}"
 
     @cached_property
+    def pool_demand(self) -> str:
+        """Hash: pool name -> its recent demand (state/pools.PoolDemand JSON)."""
+        return f"{self.prefix}pool-demand"
+
+    @cached_property
     def pool_refill_requested(self) -> str:
         """String: a refill was asked for lately (one ask per interval, not per take)."""
         return f"{self.prefix}pool-refill-requested"

@@ -8,6 +8,12 @@ them), each taken sandbox's claim (the rollout that took it: the sweep checks it
 slots in transit of pool sandboxes being created or handed out (state/admission.py), which
 the reaper's slot recount adds.
 
+A pool's size follows demand (:func:`pool_size`): the peak of its live rollouts over the
+last ``pool_demand_window_s`` (the reaper records it, :func:`next_demand`), or the
+environment's ``expected_concurrency`` before any is seen, plus ``pool_headroom``, never
+below a hand-set ``pool_size``, never above what the live hosts can hold. A pool bigger
+than its size is trimmed (:meth:`PoolFiller.trim`), so pools shrink when demand falls.
+
 A pool sandbox is used by one rollout only and destroyed with it. It holds its host's
 admission slot (state/admission.py) from creation, and hands it to its rollout. Workers
 fill pools (queue/tasks.refill_pools: on every reaper pass, and after every claim); the
@@ -16,12 +22,15 @@ API claims with LPOP and probes the sandbox before handing it out.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import redis
+from pydantic import BaseModel
 
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
@@ -68,6 +77,61 @@ return raw
 """
 
 
+# KEYS: ready list, members set. ARGV: size. Takes out the newest ready sandboxes past the
+# size, for the caller to destroy (LPOP claims take the oldest, so a claim never races it).
+_TRIM = """
+local out = {}
+while redis.call('LLEN', KEYS[1]) > tonumber(ARGV[1]) do
+  local raw = redis.call('RPOP', KEYS[1])
+  local handle = cjson.decode(raw)
+  redis.call('SREM', KEYS[2], handle['sandbox_id'])
+  table.insert(out, raw)
+end
+return out
+"""
+
+
+class PoolDemand(BaseModel):
+    """One pool's recent demand: the most rollouts of its (environment, codebase) live at
+    once, held for the demand window from when it was seen (the reaper's passes)."""
+
+    environment: str
+    codebase: str | None = None
+    peak: int = 0
+    at: float = 0.0
+
+
+def next_demand(previous: PoolDemand | None, seen: PoolDemand, window_s: float) -> PoolDemand:
+    """The demand to keep after a pass that saw ``seen.peak`` live rollouts at ``seen.at``:
+    a new high replaces the peak; an old peak (past the window) gives way to what is live."""
+    if previous is None or seen.peak >= previous.peak or seen.at - previous.at > window_s:
+        return seen
+    return previous
+
+
+def parse_demand(raw: Mapping[Any, Any]) -> dict[str, PoolDemand]:
+    """The demand hash (state/keys.Keys.pool_demand) as pool name -> demand."""
+    return {
+        (k.decode() if isinstance(k, bytes) else str(k)): PoolDemand.model_validate_json(v)
+        for k, v in raw.items()
+    }
+
+
+def pool_size(env: EnvironmentConfig, settings: Settings, demand: PoolDemand | None) -> int:
+    """How many ready sandboxes to keep for one of ``env``'s pools: demand-sized (the peak
+    seen, else ``expected_concurrency``, plus headroom) unless autosizing is off, never
+    below ``pool_size``, never above ``pool_max_sandboxes``."""
+    if not (settings.pool_autosize and env.pool_autosize):
+        return env.pool_size
+    wanted = max(demand.peak if demand else 0, env.expected_concurrency)
+    sized = math.ceil(wanted * (1 + settings.pool_headroom)) if wanted else 0
+    return min(max(env.pool_size, sized), max(env.pool_size, settings.pool_max_sandboxes))
+
+
+def autosized(env: EnvironmentConfig, settings: Settings) -> bool:
+    return settings.pool_autosize and env.pool_autosize
+
+
 @dataclass(frozen=True)
 class PoolTarget:
     """One pool: what its sandboxes are made from and how many to keep."""
@@ -81,27 +145,47 @@ def pool_name(environment: str, codebase: str | None) -> str:
     return f"{environment}:{codebase or '-'}"
 
 
-def pooled_codebases(env: EnvironmentConfig) -> list[str | None]:
-    """The codebases ``env`` keeps pools of (None: its fixed image); empty: no pool."""
-    if env.pool_size <= 0:
-        return []
-    return [env.codebase] if env.codebase or env.image else list(env.pool_codebases)
+def pooled_codebases(
+    env: EnvironmentConfig,
+    settings: Settings | None = None,
+    demand: Mapping[str, PoolDemand] | None = None,
+) -> list[str | None]:
+    """The codebases ``env`` keeps pools of (None: its fixed image); empty: no pool. Those
+    it configures (``pool_size`` or ``expected_concurrency`` set), and, when it sizes its
+    pools by demand, every codebase its rollouts used within the demand window."""
+    fixed = [env.codebase] if env.codebase or env.image else list(env.pool_codebases)
+    auto = settings is not None and autosized(env, settings)
+    configured = env.pool_size > 0 or (auto and env.expected_concurrency > 0)
+    codebases: list[str | None] = list(fixed) if configured else []
+    if auto:
+        own = env.codebase or env.image
+        for seen in (demand or {}).values():
+            if seen.environment == env.name:
+                codebases.append(fixed[0] if own else seen.codebase)
+    return list(dict.fromkeys(codebases))
 
 
-def targets(registry: EnvironmentRegistry, settings: Settings) -> Iterator[PoolTarget]:
-    """Every configured pool, with the spec of its sandboxes. An environment whose
-    codebase comes from the dataset row pools the codebases it lists in ``pool_codebases``."""
+def targets(
+    registry: EnvironmentRegistry,
+    settings: Settings,
+    demand: Mapping[str, PoolDemand] | None = None,
+) -> Iterator[PoolTarget]:
+    """Every pool, with the spec of its sandboxes and its size now (:func:`pool_size`).
+    An environment whose codebase comes from the dataset row pools the codebases it lists
+    in ``pool_codebases`` and, sized by demand, those its recent rollouts used."""
+    demand = demand or {}
     for name in registry.names():
         env = registry.get(name)
-        for codebase in pooled_codebases(env):
+        for codebase in pooled_codebases(env, settings, demand):
             row = {"environment": name} | ({"codebase": codebase} if codebase else {})
             try:
                 resolved = registry.resolve(row)
             except (LookupError, ValueError):
                 continue  # a codebase not built (yet): nothing to pool
+            pool = pool_name(name, resolved.codebase)
             yield PoolTarget(
-                name=pool_name(name, resolved.codebase),
-                size=env.pool_size,
+                name=pool,
+                size=pool_size(env, settings, demand.get(pool)),
                 spec=resolved.sandbox_spec(settings, POOL_LABEL),
             )
 
@@ -116,6 +200,19 @@ class PoolFiller:
         self._reserve = client.register_script(_RESERVE)
         self._deliver = client.register_script(_DELIVER)
         self._take_slot = client.register_script(TAKE_SLOT)
+        self._trim = client.register_script(_TRIM)
+
+    def demand(self) -> dict[str, PoolDemand]:
+        """Every pool's recent demand (one round trip), for :func:`targets`."""
+        return parse_demand(self.client.hgetall(self.keys.pool_demand))
+
+    def trim(self, pool: PoolTarget) -> list[SandboxHandle]:
+        """Take out of the pool the ready sandboxes past its size (its demand fell); the
+        caller destroys them and releases their slots."""
+        raws = self._trim(
+            keys=[self.keys.pool(pool.name, "ready"), self.keys.pool_members], args=[pool.size]
+        )
+        return [SandboxHandle.model_validate_json(raw) for raw in raws]
 
     def reserve(self, pool: PoolTarget, wanted: int) -> int:
         """How many sandboxes this filler may create for ``pool`` now."""
@@ -208,7 +305,9 @@ class PoolClaims:
     async def take(self, resolved: ResolvedEnvironment) -> SandboxHandle | None:
         """A ready sandbox of this rollout's pool, or None (no pool, or empty). The caller
         checks it (expiry, a probe) and binds it to the rollout or destroys it."""
-        if resolved.environment.pool_size <= 0:
+        if resolved.environment.pool_size <= 0 and not autosized(
+            resolved.environment, self.settings
+        ):
             return None
         name = pool_name(resolved.environment.name, resolved.codebase)
         keys = [self.keys.pool(name, "ready"), self.keys.transit]
@@ -234,6 +333,34 @@ class PoolClaims:
             pipe.srem(self.keys.pool_members, handle.sandbox_id)
             pipe.zrem(self.keys.transit, self._in_transit(handle))
             await pipe.execute()
+
+    async def demand(self) -> dict[str, PoolDemand]:
+        """Every pool's recent demand (one round trip), for :func:`targets`."""
+        return parse_demand(await self.client.hgetall(self.keys.pool_demand))
+
+    async def record_demand(self, live: list[tuple[str, str | None]]) -> None:
+        """The reaper's pass: the (environment, codebase) of every live rollout. A pool
+        none of them uses counts 0 live, so its peak falls once the window has passed (and
+        its entry stays, at 0: its pool is trimmed to its configured size)."""
+        known = await self.demand()
+        now = time.time()
+        counts = Counter(pool_name(env, codebase) for env, codebase in live)
+        seen = {
+            pool_name(env, codebase): PoolDemand(
+                environment=env, codebase=codebase, peak=counts[pool_name(env, codebase)], at=now
+            )
+            for env, codebase in live
+        }
+        for name, previous in known.items():
+            seen.setdefault(name, previous.model_copy(update={"peak": 0, "at": now}))
+        window = self.settings.pool_demand_window_s
+        updates = {
+            name: kept.model_dump_json()
+            for name, now_seen in seen.items()
+            if (kept := next_demand(known.get(name), now_seen, window)) != known.get(name)
+        }
+        if updates:
+            await self.client.hset(self.keys.pool_demand, mapping=updates)
 
     async def ready(self, pool: str) -> list[SandboxHandle]:
         """The ready sandboxes of ``pool`` (the reaper's slot recount counts them)."""

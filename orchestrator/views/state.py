@@ -12,7 +12,13 @@ from orchestrator.state.admission import Admission
 from orchestrator.state.errors import StateError
 from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.models import RolloutState
-from orchestrator.state.pools import PoolClaims, pool_name, pooled_codebases
+from orchestrator.state.pools import (
+    PoolClaims,
+    PoolDemand,
+    pool_name,
+    pool_size,
+    pooled_codebases,
+)
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.replies import QueueClient
 from orchestrator.views.models import (
@@ -123,18 +129,22 @@ def _sandboxes(live: list[RolloutSummary]) -> SandboxCounts:
     return counts
 
 
-def _configured_pools(registry: EnvironmentRegistry) -> dict[str, int]:
-    """Pool name -> size of every pool the environments ask for (named as
-    state/pools.targets names them, without asking the daemon)."""
+def _configured_pools(
+    registry: EnvironmentRegistry, settings: Settings, demand: dict[str, PoolDemand]
+) -> dict[str, int]:
+    """Pool name -> size now of every pool the environments ask for, demand-sized ones
+    included (named as state/pools.targets names them, without asking the daemon)."""
     return {
-        pool_name(name, codebase): registry.get(name).pool_size
+        pool_name(name, codebase): pool_size(
+            registry.get(name), settings, demand.get(pool_name(name, codebase))
+        )
         for name in registry.names()
-        for codebase in pooled_codebases(registry.get(name))
+        for codebase in pooled_codebases(registry.get(name), settings, demand)
     }
 
 
 async def _pools(pools: PoolClaims, registry: EnvironmentRegistry) -> list[PoolView]:
-    configured = _configured_pools(registry)
+    configured = _configured_pools(registry, pools.settings, await pools.demand())
     # Pools no longer configured may still hold sandboxes: found by their keys.
     names = set(configured) | set(await pools.stocked())
     views = []
