@@ -278,3 +278,17 @@ def test_dataset_needs_out(tmp_path: Path) -> None:
     source.write_text("{}\n")
     result = run("--dataset", str(source))
     assert result.exit_code == 2 and "--dataset and --out go together" in result.output
+
+
+def test_a_batch_size_above_the_expected_concurrency_says_how_to_warm_the_first_step() -> None:
+    result = CliRunner().invoke(
+        app, ["rft-config", "--base-url", BASE, "--batch-size", "16", "--environment", "finqa-demo"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["method"]["reinforcement"]["hyperparameters"] == {
+        "batch_size": 16
+    }
+    assert "expected_concurrency 0" in result.stderr
+    assert "`expected_concurrency: 16`" in result.stderr
+    quiet = run("--environment", "finqa-demo")
+    assert "expected_concurrency" not in quiet.stderr

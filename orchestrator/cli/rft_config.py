@@ -20,6 +20,7 @@ import yaml
 from orchestrator.cli.tools import environment_tools
 from orchestrator.config import get_settings
 from orchestrator.environments.loader import load_environments
+from orchestrator.environments.models import EnvironmentConfig
 from orchestrator.rft.dataset import MIN_ROWS, DatasetError, rewrite_dataset, write_jsonl
 from orchestrator.rft.job import Hyperparameters, build_job
 from orchestrator.rollouts.bounds import agent_rft_settings
@@ -161,11 +162,27 @@ def rft_config(
                 f"{MIN_ROWS} per file",
                 err=True,
             )
+    _concurrency_hint(registry.get(name), batch_size)
     data = job.model_dump(mode="json", exclude_none=True)
     if output_format == OutputFormat.YAML:
         typer.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
     else:
         typer.echo(json.dumps(data, indent=2))
+
+
+def _concurrency_hint(env: EnvironmentConfig, batch_size: int | None) -> None:
+    """A job's batch size is the least number of rollouts each training step starts at
+    once (the platform samples one or more per prompt): a pool sized below it leaves the
+    first step's burst to cold starts (docs/operations.md, Scale)."""
+    if batch_size is None or env.expected_concurrency >= batch_size:
+        return
+    typer.echo(
+        f"note: a batch of {batch_size} starts at least {batch_size} rollouts at each step; "
+        f"environment {env.name!r} declares expected_concurrency {env.expected_concurrency}, "
+        f"so the first step's rollouts start cold: set `expected_concurrency: "
+        f"{batch_size}` (times the samples per prompt, if known) to have them ready",
+        err=True,
+    )
 
 
 def _fail(message: str) -> NoReturn:
