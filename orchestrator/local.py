@@ -25,7 +25,8 @@ from orchestrator.state.keys import Keys
 from orchestrator.state.pools import PoolFiller, targets
 
 # Destroys at once at the local stack's end: each mostly waits on dockerd, which takes
-# them in parallel (measured in docs/operations.md: 256 sandboxes).
+# them in parallel (2 cores, 32 idle runc sandboxes: 12 a second one at a time, 21 eight at
+# a time).
 TEARDOWN_PARALLEL = 8
 
 
