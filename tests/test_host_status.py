@@ -4,11 +4,13 @@ Docker path (dockerd stopped and started) is in tests/faults/."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from orchestrator.queue import worker
 from orchestrator.sandbox.backend import HostHealth
-from orchestrator.state.heartbeat import HostFinding
+from orchestrator.state.heartbeat import Heartbeat, HostFinding
 
 
 class _Backend:
@@ -21,15 +23,15 @@ class _Backend:
 
 def _status(monkeypatch: pytest.MonkeyPatch, health: HostHealth, failures: int) -> HostFinding:
     monkeypatch.setattr(worker, "backend", lambda: _Backend(health))
-    return worker.host_status(HostFinding(docker_failures=failures))
+    return worker.host_status(HostFinding(backend_failures=failures))
 
 
 def test_a_failed_docker_probe_counts_towards_failing_the_host(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    down = HostHealth(docker_ok=False, disk_free_bytes=2**40, sandboxes=3, error="refused")
+    down = HostHealth(backend_ok=False, disk_free_bytes=2**40, sandboxes=3, error="refused")
     status = _status(monkeypatch, down, 2)
-    assert status.docker_failures == 3
+    assert status.backend_failures == 3
     assert any(reason.startswith("daemon: refused") for reason in status.cordon_reasons)
 
 
@@ -38,19 +40,31 @@ def test_an_api_server_outage_cordons_but_never_fails_the_rollouts(
 ) -> None:
     # Pods run on while the API server is away: new sandboxes wait, live ones are served.
     down = HostHealth(
-        docker_ok=False,
+        backend_ok=False,
         disk_free_bytes=2**40,
         sandboxes=3,
         error="api server unreachable",
         outage_loses_sandboxes=False,
     )
     status = _status(monkeypatch, down, 0)
-    assert status.docker_failures == 0
+    assert status.backend_failures == 0
     assert "daemon: api server unreachable" in status.cordon_reasons
 
 
 def test_a_healthy_probe_resets_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
-    up = HostHealth(docker_ok=True, disk_free_bytes=2**40, sandboxes=0)
+    up = HostHealth(backend_ok=True, disk_free_bytes=2**40, sandboxes=0)
     status = _status(monkeypatch, up, 2)
-    assert status.docker_failures == 0
+    assert status.backend_failures == 0
     assert not any(reason.startswith("daemon") for reason in status.cordon_reasons)
+
+
+def test_a_heartbeat_under_the_old_names_reads_and_is_still_written_with_them() -> None:
+    """A worker and an API of the release before (``docker_*``) and of this one
+    (``backend_*``) understand each other's heartbeats during a rolling upgrade."""
+    old = {"host": "h", "instance": "i", "time": 1.0, "docker_ok": True, "docker_failures": 2}
+    beat = Heartbeat.model_validate({**old, "docker_ping_ms": 1.5})
+    assert (beat.backend_ok, beat.backend_failures, beat.backend_ping_ms) == (True, 2, 1.5)
+    wire = json.loads(beat.model_dump_json())
+    assert wire["backend_ok"] is wire["docker_ok"] is True
+    assert wire["backend_failures"] == wire["docker_failures"] == 2
+    assert Heartbeat.model_validate_json(beat.model_dump_json()) == beat

@@ -86,13 +86,13 @@ def _populate(settings: Settings, live: int) -> None:
     p = keys_of(settings).prefix
     pipe = client.pipeline(transaction=False)
     now = time.time()
-    for host, schedulable, docker_ok in (("h-a", True, True), ("h-b", False, False)):
+    for host, schedulable, backend_ok in (("h-a", True, True), ("h-b", False, False)):
         beat = Heartbeat(
             host=host,
             instance="i1",
             time=now,
             schedulable=schedulable,
-            docker_ok=docker_ok,
+            backend_ok=backend_ok,
             capacity=100,
         )
         pipe.set(f"{p}worker:{host}", beat.model_dump_json(), ex=60)

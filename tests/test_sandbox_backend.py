@@ -824,8 +824,8 @@ def test_host_health_reports_daemon_disk_and_sandboxes(
     backend: DockerBackend, shared_sandbox: SandboxHandle
 ) -> None:
     health = backend.host_health()
-    assert health.docker_ok and health.error is None
-    assert health.docker_ping_ms is not None and health.docker_ping_ms > 0
+    assert health.backend_ok and health.error is None
+    assert health.backend_ping_ms is not None and health.backend_ping_ms > 0
     assert health.disk_free_bytes > 0
     assert health.sandboxes >= 1
 
@@ -837,5 +837,5 @@ def test_host_health_reports_an_unreachable_daemon(settings: Settings, short_dir
         client=docker.DockerClient(base_url="unix:///nonexistent/docker.sock", version="1.41"),
     )
     health = unreachable.host_health()
-    assert not health.docker_ok and health.error
-    assert health.docker_ping_ms is None and health.disk_free_bytes > 0
+    assert not health.backend_ok and health.error
+    assert health.backend_ping_ms is None and health.disk_free_bytes > 0

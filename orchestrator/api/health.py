@@ -39,7 +39,7 @@ async def readyz(request: Request) -> JSONResponse:
     hosts = await app.queue.heartbeats.live() if checks["redis"] else []
     checks["hosts"] = [beat.model_dump(mode="json") for beat in hosts]
     checks["workers"] = len(hosts)
-    checks["docker"] = any(beat.docker_ok for beat in hosts)
+    checks["docker"] = any(beat.backend_ok for beat in hosts)
     checks["schedulable_hosts"] = sorted(beat.host for beat in hosts if beat.schedulable)
     checks["cordoned_hosts"] = {
         beat.host: beat.cordon_reasons for beat in hosts if not beat.schedulable

@@ -98,7 +98,7 @@ def _hosts(snapshot: StatusSnapshot) -> Table:
         table.add_column(column)
     for host in snapshot.hosts:
         cordon = "yes" if host.schedulable else "; ".join(host.cordon_reasons) or "no"
-        daemon = "ok" if host.healthy else (host.error or f"{host.docker_failures} failed probes")
+        daemon = "ok" if host.healthy else (host.error or f"{host.backend_failures} failed probes")
         if not host.alive:
             daemon = "-"  # no heartbeat: nothing known of its daemon
         capacity = "-" if host.capacity is None else str(host.capacity)

@@ -204,18 +204,18 @@ def host_status(previous: HostFinding) -> HostFinding:
     """One probe of this host: daemon, free disk, sandbox count against capacity.
 
     ``schedulable`` is False (the host is cordoned: no new sandboxes) while any check
-    fails; ``docker_failures`` counts consecutive failed daemon probes, and the reaper
+    fails; ``backend_failures`` counts consecutive failed daemon probes, and the reaper
     fails the rollouts of a host whose daemon failed ``host_unhealthy_after`` in a row
     (only where an outage of the backend loses the sandboxes: not a Kubernetes API server's)."""
     settings = get_settings()
     health = backend().host_health()
-    lost = not health.docker_ok and health.outage_loses_sandboxes
-    failures = previous.docker_failures + 1 if lost else 0
+    lost = not health.backend_ok and health.outage_loses_sandboxes
+    failures = previous.backend_failures + 1 if lost else 0
     reasons: list[str] = []
-    if not health.docker_ok:
+    if not health.backend_ok:
         reasons.append(f"daemon: {health.error}")
     min_free = settings.host_min_free_disk_mb * 1024 * 1024
-    if health.docker_ok and health.disk_free_bytes < min_free:
+    if health.backend_ok and health.disk_free_bytes < min_free:
         reasons.append(
             f"disk: {health.disk_free_bytes // 2**20} MiB free, "
             f"below {settings.host_min_free_disk_mb} MiB"
@@ -231,7 +231,7 @@ def host_status(previous: HostFinding) -> HostFinding:
     return HostFinding(
         **health.model_dump(),
         mem_available_bytes=memory,
-        docker_failures=failures,
+        backend_failures=failures,
         capacity=settings.host_max_sandboxes,
         cordon_reasons=reasons,
     )
@@ -282,7 +282,7 @@ def start_heartbeat() -> threading.Thread:
                 latest[0] = host_status(latest[0])
             except Exception as exc:  # noqa: BLE001 - the probe must outlive any failure
                 latest[0] = HostFinding(
-                    docker_failures=latest[0].docker_failures + 1,
+                    backend_failures=latest[0].backend_failures + 1,
                     error=f"probe failed: {exc!r}",
                     cordon_reasons=[f"probe failed: {exc!r}"],
                 )

@@ -208,7 +208,7 @@ async def _failing_hosts(
                 failing[host] = (Cause.HOST_LOST, message, {"silent_since": since})
             continue
         await heartbeats.heard_from(host)
-        if beat.docker_failures >= settings.host_unhealthy_after:
+        if beat.backend_failures >= settings.host_unhealthy_after:
             message = f"host {host!r} is unhealthy: {beat.error or 'daemon probe failed'}"
             evidence = {"heartbeat": beat.model_dump(mode="json")}
             failing[host] = (Cause.HOST_UNHEALTHY, message, evidence)

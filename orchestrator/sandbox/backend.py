@@ -268,8 +268,8 @@ class ProbeResult(BaseModel):
 class HostHealth(BaseModel):
     """Evidence of a worker host's health, for its heartbeat."""
 
-    docker_ok: bool
-    docker_ping_ms: float | None = None
+    backend_ok: bool
+    backend_ping_ms: float | None = None
     disk_free_bytes: int = Field(
         description="Free bytes (for unprivileged use) on the filesystem of state_dir, which "
         "holds the sandboxes' workspace images."

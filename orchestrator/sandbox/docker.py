@@ -436,7 +436,7 @@ class DockerBackend(agent.AgentBackend):
             disk_free = _free_bytes(self.settings.state_dir)
         except OSError as exc:
             return HostHealth(
-                docker_ok=False, disk_free_bytes=0, sandboxes=0, error=f"statvfs: {exc}"
+                backend_ok=False, disk_free_bytes=0, sandboxes=0, error=f"statvfs: {exc}"
             )
         started = time.monotonic()
         try:
@@ -445,10 +445,10 @@ class DockerBackend(agent.AgentBackend):
             sandboxes = len(self.list_owned())
         except (*DOCKER_FAILURES, SandboxError) as exc:
             return HostHealth(
-                docker_ok=False, disk_free_bytes=disk_free, sandboxes=0, error=str(exc)[:500]
+                backend_ok=False, disk_free_bytes=disk_free, sandboxes=0, error=str(exc)[:500]
             )
         return HostHealth(
-            docker_ok=True, docker_ping_ms=ping_ms, disk_free_bytes=disk_free, sandboxes=sandboxes
+            backend_ok=True, backend_ping_ms=ping_ms, disk_free_bytes=disk_free, sandboxes=sandboxes
         )
 
     def _container_evidence(self, handle: SandboxHandle) -> str:

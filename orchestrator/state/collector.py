@@ -142,7 +142,7 @@ class StateCollector(Collector):
                 "orchestrator_host_healthy",
                 "1 when the host's daemon probe succeeded.",
                 ["host"],
-                {(b.host,): int(b.docker_ok) for b in beats},
+                {(b.host,): int(b.backend_ok) for b in beats},
             ),
         ]
 

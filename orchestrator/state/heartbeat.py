@@ -6,8 +6,10 @@ retires its own at once. The API reads them to pick a host for a new sandbox
 (state/admission.py), to stop waiting on a call whose worker is gone (rollouts/dispatch.py)
 and to fail the rollouts of a host that is lost or unhealthy (rollouts/reaper.py).
 
-``docker_ok`` and ``docker_failures`` name the host's sandbox backend, whichever it is (a
-Kubernetes API server too): the field names are the wire's, kept for its readers.
+``backend_ok``, ``backend_ping_ms`` and ``backend_failures`` are the host's sandbox backend,
+whichever it is (a Docker daemon or a Kubernetes API server). They were ``docker_*`` until
+2026-12: a heartbeat is still read under the old names (a worker not upgraded yet) and is
+still written with them too (an API not upgraded yet), for one release.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import Field
+from pydantic import AliasChoices, Field, computed_field
 
 from orchestrator.config import Settings
 from orchestrator.sandbox.backend import HostHealth
@@ -26,12 +28,17 @@ from orchestrator.state.keys import Keys
 class HostFinding(HostHealth):
     """One probe of a worker host: its backend's health, plus what the worker adds."""
 
-    docker_ok: bool = False
+    backend_ok: bool = Field(False, validation_alias=AliasChoices("backend_ok", "docker_ok"))
+    backend_ping_ms: float | None = Field(
+        None, validation_alias=AliasChoices("backend_ping_ms", "docker_ping_ms")
+    )
     disk_free_bytes: int = 0
     sandboxes: int = 0
     mem_available_bytes: int | None = None
-    docker_failures: int = Field(
-        0, description="Consecutive failed backend probes where an outage loses sandboxes."
+    backend_failures: int = Field(
+        0,
+        validation_alias=AliasChoices("backend_failures", "docker_failures"),
+        description="Consecutive failed backend probes where an outage loses sandboxes.",
     )
     capacity: int | None = Field(None, description="Sandboxes this host may hold.")
     cordon_reasons: list[str] = Field(
@@ -51,6 +58,22 @@ class Heartbeat(HostFinding):
     running_calls: int = 0
     draining: bool = False
     schedulable: bool = False
+
+    # The old names, written for readers not upgraded yet (see the module's docstring).
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def docker_ok(self) -> bool:
+        return self.backend_ok
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def docker_failures(self) -> int:
+        return self.backend_failures
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def docker_ping_ms(self) -> float | None:
+        return self.backend_ping_ms
 
 
 class Heartbeats:

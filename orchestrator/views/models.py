@@ -25,8 +25,8 @@ class HostView(BaseModel):
     sandboxes: int | None = Field(None, description="Sandboxes its daemon holds.")
     live_rollouts: int = 0
     running_calls: int = 0
-    docker_failures: int = 0
-    docker_ping_ms: float | None = None
+    backend_failures: int = 0
+    backend_ping_ms: float | None = None
     disk_free_bytes: int | None = None
     mem_available_bytes: int | None = None
     heartbeat_age_s: float | None = None

@@ -255,9 +255,9 @@ def test_another_worker_reaches_the_sandbox_through_the_api(
     assert sandbox.sandbox_id in {h.sandbox_id for h in other.list_owned()}
     mine = [h for h in k8s.list_owned() if h.host == "worker-a"]
     assert k8s.host_health().sandboxes == len(mine) >= 1
-    assert k8s.host_health().docker_ok
+    assert k8s.host_health().backend_ok
     health = other.host_health()
-    assert health.docker_ok and health.sandboxes == 0
+    assert health.backend_ok and health.sandboxes == 0
 
 
 def test_list_owned_reads_back_every_label_and_destroy_is_idempotent(
@@ -586,7 +586,7 @@ def test_an_api_server_that_refuses_is_reported_not_raised_by_the_heartbeat(
         k8s_settings(settings), client=Client(config=KubeConfig.from_dict(config), trust_env=False)
     )
     health = refused.host_health()
-    assert not health.docker_ok and "401 Unauthorized" in (health.error or "")
+    assert not health.backend_ok and "401 Unauthorized" in (health.error or "")
     with pytest.raises(SandboxError, match="kubernetes refused to read sandbox pod: 401"):
         refused.probe(sandbox)
 
@@ -608,7 +608,7 @@ def test_an_api_server_outage_cordons_the_worker_and_its_sandboxes_run_on(
     cluster.plane.stop_apiserver()
     try:
         health = k8s.host_health()
-        assert not health.docker_ok
+        assert not health.backend_ok
         assert "kubernetes API unreachable" in (health.error or ""), health.error
         # Pods run on without the API server: the worker is cordoned, its rollouts kept.
         assert not health.outage_loses_sandboxes
@@ -622,7 +622,7 @@ def test_an_api_server_outage_cordons_the_worker_and_its_sandboxes_run_on(
         cluster.plane.start_apiserver()
     assert cluster.names("pods") == pods_before  # the failed create made nothing
     health = k8s.host_health()
-    assert health.docker_ok and health.error is None and health.sandboxes >= 1
+    assert health.backend_ok and health.error is None and health.sandboxes >= 1
     after = make(rollout_id="k8s-after-outage")
     assert k8s.exec(after, "echo back", timeout_s=10, output_budget_bytes=64).stdout.head == (
         "back\n"

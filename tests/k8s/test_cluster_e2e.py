@@ -75,7 +75,7 @@ def test_sandbox_pod_lifecycle(cluster_backend: KubernetesBackend) -> None:
         probe = cluster_backend.probe(handle)
         assert probe.alive and probe.agent_ok and probe.state == "running"
         assert [h.sandbox_id for h in cluster_backend.list_owned()] == [handle.sandbox_id]
-        assert cluster_backend.host_health().docker_ok
+        assert cluster_backend.host_health().backend_ok
     finally:
         cluster_backend.destroy(handle)
     cluster_backend.destroy(handle)  # idempotent

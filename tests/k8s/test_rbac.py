@@ -191,7 +191,7 @@ def test_the_worker_uses_exactly_what_the_role_grants(
 
         assert handle.sandbox_id in {h.sandbox_id for h in worker.list_owned()}
         health = worker.host_health()
-        assert health.docker_ok and health.sandboxes >= 1, health
+        assert health.backend_ok and health.sandboxes >= 1, health
 
         # A Secret whose pod never came (made by the administrator: the worker's own
         # creates name their pod as owner), swept once it is older than the sweep spares.

@@ -161,7 +161,7 @@ def test_readyz_reports_the_worker_schedulable_with_the_kubernetes_backends_heal
 
         wait_for(counts_the_pods, timeout_s=30, what="the heartbeat to count the rollout's pod")
         host = heartbeat()
-        assert host["docker_ok"] and host["docker_ping_ms"] is not None
+        assert host["backend_ok"] and host["backend_ping_ms"] is not None
         # The Kubernetes backend's: an API server outage would cordon, not fail, rollouts.
         assert host["outage_loses_sandboxes"] is False
         assert host["cordon_reasons"] == [] and host["error"] is None
@@ -448,9 +448,9 @@ def test_an_api_server_outage_cordons_the_worker_and_its_rollout_calls_on(
                 # The one worker is cordoned: nowhere to start a sandbox, so not ready.
                 assert code == 503 and not ready["ready"] and ready["checks"]["redis"]
                 (beat,) = [h for h in ready["checks"]["hosts"] if h["host"] == host]
-                assert beat["schedulable"] is False and beat["docker_ok"] is False
+                assert beat["schedulable"] is False and beat["backend_ok"] is False
                 # An outage that keeps the pods: it never counts towards failing the host.
-                assert beat["outage_loses_sandboxes"] is False and beat["docker_failures"] == 0
+                assert beat["outage_loses_sandboxes"] is False and beat["backend_failures"] == 0
                 # The operators' status view says the same.
                 shown = orchestrator(stack, "status", "--json", "--interval", "0.5")
                 assert shown.returncode == 0, shown.stdout + shown.stderr

@@ -391,9 +391,9 @@ class KubernetesBackend(agent.AgentBackend):
         return verdict
 
     def host_health(self) -> HostHealth:
-        """This worker's health for its heartbeat. ``docker_ok`` means "the backend is
+        """This worker's health for its heartbeat. ``backend_ok`` means "the backend is
         reachable" (here: the API server answered a list of this worker's sandboxes, timed
-        as ``docker_ping_ms``); ``disk_free_bytes`` is the worker's own ``state_dir`` (the
+        as ``backend_ping_ms``); ``disk_free_bytes`` is the worker's own ``state_dir`` (the
         sandboxes' disks are the nodes', watched by the kubelet). An unreachable API server
         only cordons this worker: its pods run on and are reached without it
         (``outage_loses_sandboxes``). Never raises."""
@@ -409,7 +409,7 @@ class KubernetesBackend(agent.AgentBackend):
             mine = [h for h in map(self._handle_of, found) if h.host == self.host]
         except KUBE_FAILURES as exc:
             return HostHealth(
-                docker_ok=False,
+                backend_ok=False,
                 disk_free_bytes=disk_free,
                 sandboxes=0,
                 error=str(_fault("list sandbox pods", exc))[:500],
@@ -417,8 +417,8 @@ class KubernetesBackend(agent.AgentBackend):
             )
         ping_ms = round((time.monotonic() - started) * 1000, 2)
         return HostHealth(
-            docker_ok=True,
-            docker_ping_ms=ping_ms,
+            backend_ok=True,
+            backend_ping_ms=ping_ms,
             disk_free_bytes=disk_free,
             sandboxes=len(mine),
             outage_loses_sandboxes=False,
