@@ -58,7 +58,18 @@ import httpx
 import redis
 
 from bench import plots
-from bench.common import RESULTS, function_call, mem_used_mb, summary, write_report
+from bench.common import (
+    RESULTS,
+    cgroup_file,
+    cmdline,
+    container_cpu_s,
+    function_call,
+    host_busy_s,
+    mem_used_mb,
+    proc_cpu_s,
+    summary,
+    write_report,
+)
 from orchestrator import local
 from orchestrator.config import Settings
 from orchestrator.environments.examples import ensure_requests_codebase, planning_example_dir
@@ -476,24 +487,6 @@ class Sampler:
 
 # -- CPU seconds by process --------------------------------------------------------------------
 
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _proc_cpu_s(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    # utime + stime + the same of its children it has waited for (the worker's mkfs, mount)
-    return sum(int(f) for f in fields[11:15]) / _TICK
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
-
 
 def _children(pid: int) -> list[int]:
     found: list[int] = []
@@ -509,7 +502,7 @@ def stack_processes() -> dict[str, list[int]]:
     todo = _children(os.getpid())
     while todo:
         pid = todo.pop()
-        cmd = _cmdline(pid)
+        cmd = cmdline(pid)
         if "py-spy" in cmd:
             roles.setdefault("py-spy", []).append(pid)
         elif "uvicorn" in cmd:
@@ -530,44 +523,10 @@ def stack_processes() -> dict[str, list[int]]:
     return roles
 
 
-def host_busy_s() -> float:
-    parts = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    values = [int(v) for v in parts]
-    idle = values[3] + values[4]
-    return (sum(values[:8]) - idle) / _TICK
-
-
-def _cgroup_file(controller: str, container_id: str, v1: str, v2: str) -> Path | None:
-    """A container's cgroup file: v1 (cgroupfs or systemd driver), else v2."""
-    root = Path("/sys/fs/cgroup")
-    for path in (
-        root / controller / "docker" / container_id / v1,
-        root / controller / "system.slice" / f"docker-{container_id}.scope" / v1,
-        root / "docker" / container_id / v2,
-        root / "system.slice" / f"docker-{container_id}.scope" / v2,
-    ):
-        if path.exists():
-            return path
-    return None
-
-
-def container_cpu_s(container_id: str) -> float:
-    path = _cgroup_file("cpuacct", container_id, "cpuacct.usage", "cpu.stat")
-    try:
-        if path is None:
-            return 0.0
-        if path.name == "cpuacct.usage":
-            return int(path.read_text()) / 1e9
-        stat = dict(line.split() for line in path.read_text().splitlines())
-        return int(stat["usage_usec"]) / 1e6
-    except (OSError, ValueError, KeyError):
-        return 0.0
-
-
 def container_memory_mb(container_id: str) -> float:
     """The working set (usage less inactive file cache), as `docker stats` shows it."""
-    usage = _cgroup_file("memory", container_id, "memory.usage_in_bytes", "memory.current")
-    stat = _cgroup_file("memory", container_id, "memory.stat", "memory.stat")
+    usage = cgroup_file("memory", container_id, "memory.usage_in_bytes", "memory.current")
+    stat = cgroup_file("memory", container_id, "memory.stat", "memory.stat")
     try:
         if usage is None or stat is None:
             return 0.0
@@ -620,7 +579,7 @@ class CpuMeter:
 
     def start(self) -> None:
         self.roles = stack_processes()
-        self.before = {pid: _proc_cpu_s(pid) for pids in self.roles.values() for pid in pids}
+        self.before = {pid: proc_cpu_s(pid) for pids in self.roles.values() for pid in pids}
         self.sandboxes_before = {
             c: container_cpu_s(c) for c in container_ids(self.client, DEPLOYMENT)
         }
@@ -631,7 +590,7 @@ class CpuMeter:
         wall = time.monotonic() - self.t
         busy = host_busy_s() - self.busy_before
         used = {
-            role: round(sum(max(0.0, _proc_cpu_s(p) - self.before[p]) for p in pids), 2)
+            role: round(sum(max(0.0, proc_cpu_s(p) - self.before[p]) for p in pids), 2)
             for role, pids in self.roles.items()
         }
         used["sandboxes"] = round(

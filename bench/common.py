@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import secrets
 import shutil
@@ -144,3 +145,58 @@ def throwaway_stack_settings(deployment: str, environments_yaml: str) -> Setting
         environments_file=environments,
         default_environment="bench",
     )
+
+
+# -- CPU seconds by process --------------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    # utime + stime + the same of its children it has waited for (the worker's mkfs, mount)
+    return sum(int(f) for f in fields[11:15]) / _TICK
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def host_busy_s() -> float:
+    parts = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    values = [int(v) for v in parts]
+    idle = values[3] + values[4]
+    return (sum(values[:8]) - idle) / _TICK
+
+
+def cgroup_file(controller: str, container_id: str, v1: str, v2: str) -> Path | None:
+    """A container's cgroup file: v1 (cgroupfs or systemd driver), else v2."""
+    root = Path("/sys/fs/cgroup")
+    for path in (
+        root / controller / "docker" / container_id / v1,
+        root / controller / "system.slice" / f"docker-{container_id}.scope" / v1,
+        root / "docker" / container_id / v2,
+        root / "system.slice" / f"docker-{container_id}.scope" / v2,
+    ):
+        if path.exists():
+            return path
+    return None
+
+
+def container_cpu_s(container_id: str) -> float:
+    path = cgroup_file("cpuacct", container_id, "cpuacct.usage", "cpu.stat")
+    try:
+        if path is None:
+            return 0.0
+        if path.name == "cpuacct.usage":
+            return int(path.read_text()) / 1e9
+        stat = dict(line.split() for line in path.read_text().splitlines())
+        return int(stat["usage_usec"]) / 1e6
+    except (OSError, ValueError, KeyError):
+        return 0.0
