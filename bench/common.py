@@ -149,7 +149,7 @@ def throwaway_stack_settings(deployment: str, environments_yaml: str) -> Setting
 
 # -- CPU seconds by process --------------------------------------------------------------------
 
-_TICK = os.sysconf("SC_CLK_TCK")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -158,7 +158,7 @@ def proc_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     # utime + stime + the same of its children it has waited for (the worker's mkfs, mount)
-    return sum(int(f) for f in fields[11:15]) / _TICK
+    return sum(int(f) for f in fields[11:15]) / CLK_TCK
 
 
 def cmdline(pid: int) -> str:
@@ -172,7 +172,7 @@ def host_busy_s() -> float:
     parts = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
     values = [int(v) for v in parts]
     idle = values[3] + values[4]
-    return (sum(values[:8]) - idle) / _TICK
+    return (sum(values[:8]) - idle) / CLK_TCK
 
 
 def cgroup_file(controller: str, container_id: str, v1: str, v2: str) -> Path | None:

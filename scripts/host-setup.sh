@@ -19,6 +19,9 @@ install_packages() {
   command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
   command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
   command -v runsc >/dev/null 2>&1 || missing+=(runsc)
+  # crun: the OCI runtime of runc-class sandboxes (a C runc; a create costs a fraction of
+  # runc's CPU, see docs/architecture.md "Cheaper cold starts").
+  command -v crun >/dev/null 2>&1 || missing+=(crun)
   # Each sandbox's /workspace is capped by an ext4 image of its own, loop-mounted.
   command -v mkfs.ext4 >/dev/null 2>&1 || missing+=(e2fsprogs)
   command -v losetup >/dev/null 2>&1 || missing+=(mount)
@@ -34,22 +37,33 @@ install_packages() {
 
 write_daemon_json() {
   # Registers runsc with the flags DESIGN.md found necessary: no network inside gVisor and
-  # host-visible Unix sockets, so the exec agent's socket on a bind mount reaches the host.
-  local want
+  # host-visible Unix sockets, so the exec agent's socket on a bind mount reaches the host;
+  # and crun, when present, for runc-class sandboxes (ORCH_SANDBOX_RUNTIME=crun).
+  local entries=()
   if command -v runsc >/dev/null 2>&1; then
-    want=$(cat <<JSON
-{
-  "runtimes": {
+    entries+=("$(cat <<JSON
     "runsc": {
       "path": "$(command -v runsc)",
       "runtimeArgs": ["--network=none", "--host-uds=create"]
     }
-  }
-}
 JSON
-)
-  else
+)")
+  fi
+  if command -v crun >/dev/null 2>&1; then
+    entries+=("$(cat <<JSON
+    "crun": {
+      "path": "$(command -v crun)"
+    }
+JSON
+)")
+  fi
+  local want
+  if [ "${#entries[@]}" -eq 0 ]; then
     want='{}'
+  else
+    local joined
+    joined=$(printf '%s,\n' "${entries[@]}")
+    want=$(printf '{\n  "runtimes": {\n%s\n  }\n}' "${joined%,}")
   fi
   mkdir -p /etc/docker
   if [ ! -f /etc/docker/daemon.json ] || [ "$(cat /etc/docker/daemon.json)" != "$want" ]; then

@@ -85,6 +85,22 @@ class DockerBackend(agent.AgentBackend):
             )
         self.sockets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.workspaces = Workspaces(self.client, settings.state_dir, settings.deployment)
+        self._oci_runtimes: dict[str, str] = {}
+
+    def oci_runtime(self, runtime: str) -> str:
+        """The Docker runtime a sandbox of ``runtime`` runs on: runtime 'runc' means a
+        container, run by crun when dockerd has it registered (settings.docker_runc_runtime),
+        else by runc. Asked of the daemon once per runtime."""
+        if runtime != "runc" or self.settings.docker_runc_runtime == "runc":
+            return runtime
+        if runtime not in self._oci_runtimes:
+            wanted = self.settings.docker_runc_runtime
+            try:
+                registered = self.client.info().get("Runtimes") or {}
+            except DOCKER_FAILURES as exc:
+                raise _docker_fault("list runtimes", exc) from exc
+            self._oci_runtimes[runtime] = wanted if wanted in registered else "runc"
+        return self._oci_runtimes[runtime]
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -169,7 +185,7 @@ class DockerBackend(agent.AgentBackend):
             nano_cpus=int(limits.cpus * 1e9),
             pids_limit=_host_pids_limit(spec),
             init=True,
-            runtime=spec.runtime,
+            runtime=self.oci_runtime(spec.runtime),
             mounts=[
                 Mount(SOCKET_DIR_IN_SANDBOX, str(socket_dir), type="bind"),
                 Mount(AGENT_IN_SANDBOX, str(EXEC_AGENT_PATH), type="bind", read_only=True),

@@ -1,0 +1,389 @@
+"""CPU seconds per sandbox create and per destroy, by process, variants side by side in one run.
+
+    python -m bench.create_cost [--creates 30] [--rounds 3] [--runtime runc crun runsc]
+                                [--image base|codebase] [--no-baseline]
+
+Each round runs every variant in turn: N sandboxes created one after the other through
+DockerBackend (as bench.exec_latency's bench_create does, but all kept), then destroyed
+one after the other. Each create and destroy phase is metered as a whole and divided by N.
+
+Where the CPU goes, by process:
+
+- dockerd, containerd, the sandboxes' containerd-shims, the kernel's threads (loop
+  devices' workers among them) and this process: utime + stime from /proc/<pid>/stat.
+- Short-lived children of the daemons (runc or crun invocations, `containerd-shim start`,
+  shims that exited): on cgroup v1 the daemons are moved, for the run only, into a cpuacct
+  cgroup of their own (cpuacct is mounted alone here, so nothing about scheduling
+  changes; they are moved back at the end); its usage less what the live processes in it
+  used is theirs.
+- This process's own children (mkfs.ext4, mount, umount): likewise a cpuacct cgroup of
+  its own, less its threads' utime + stime.
+- The sandboxes themselves (docker-init, the exec agent): their containers' cgroups.
+- other: the host's busy time (/proc/stat) less all the above: other tenants, interrupts.
+
+Prints a table; writes bench/results/create_cost.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import docker
+
+from bench.common import (
+    CLK_TCK,
+    container_cpu_s,
+    ensure_bench_codebase,
+    host_busy_s,
+    summary,
+    write_report,
+)
+from orchestrator.config import Runtime, Settings
+from orchestrator.images.base import build_base_image
+from orchestrator.sandbox import labels
+from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
+from orchestrator.sandbox.docker import DockerBackend
+
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+METER = CPUACCT / "orch-create-cost"
+DAEMONS = ("dockerd", "containerd")
+ROLES = (
+    "dockerd",
+    "containerd",
+    "containerd-shim (live)",
+    "short-lived daemon children (runc/crun, shim start, exited shims)",
+    "bench client (python)",
+    "bench children (mkfs.ext4, mount, umount)",
+    "kernel threads",
+    "sandboxes (in container)",
+    "other (rest of host)",
+)
+
+
+@dataclass
+class Proc:
+    comm: str
+    started: int  # clock ticks after boot: tells a reused pid from the same process
+    own_s: float
+    ppid: int
+    cgroup: str
+    shim_id: str = ""
+
+
+@dataclass
+class Snapshot:
+    busy_s: float
+    procs: dict[int, Proc]
+    daemons_s: float | None
+    bench_s: float | None
+    sandboxes: dict[str, float] = field(default_factory=dict)
+
+
+def _read_proc(pid: int) -> Proc | None:
+    base = Path(f"/proc/{pid}")
+    try:
+        stat = (base / "stat").read_text()
+        cgroups = (base / "cgroup").read_text()
+    except OSError:
+        return None
+    comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+    fields = stat.rsplit(")", 1)[1].split()
+    cgroup = ""
+    for line in cgroups.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "cpuacct" in controllers.split(","):
+            cgroup = path
+    shim_id = ""
+    if comm.startswith("containerd-shim"):
+        with suppress(OSError, ValueError, IndexError):
+            argv = (base / "cmdline").read_bytes().split(b"\0")
+            shim_id = argv[argv.index(b"-id") + 1].decode()
+    # fields[1] is the ppid; 11 and 12 are utime and stime (children not included); 19 is
+    # the start time. A kernel thread's comm changes with its work item: not an identity.
+    own_s = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return Proc(comm, int(fields[19]), own_s, int(fields[1]), cgroup, shim_id)
+
+
+def _usage_s(group: Path) -> float | None:
+    try:
+        return int((group / "cpuacct.usage").read_text()) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+class Meter:
+    """Snapshots of the host's CPU accounting, and what a phase between two of them cost."""
+
+    def __init__(self, client: docker.DockerClient, deployment: str) -> None:
+        self.client = client
+        self.deployment = deployment
+        self.me = os.getpid()
+
+    @contextmanager
+    def cgroups(self) -> Iterator[bool]:
+        """The daemons and this process in cpuacct cgroups of their own while the block
+        runs (cgroup v1 with cpuacct mounted alone); yields whether that worked."""
+        if not (CPUACCT / "cgroup.procs").exists():
+            yield False
+            return
+        moved = False
+        try:
+            for name in ("daemons", "bench"):
+                (METER / name).mkdir(parents=True, exist_ok=True)
+            for pid, proc in self._all().items():
+                if proc.comm in DAEMONS:
+                    (METER / "daemons" / "cgroup.procs").write_text(str(pid))
+            (METER / "bench" / "cgroup.procs").write_text(str(self.me))
+            moved = True
+        except OSError as exc:
+            print(f"cpuacct cgroups unavailable ({exc}): short-lived processes go to 'other'")
+        try:
+            yield moved
+        finally:
+            for name in ("daemons", "bench"):
+                group = METER / name
+                with suppress(OSError):
+                    for task in (group / "cgroup.procs").read_text().split():
+                        with suppress(OSError):
+                            (CPUACCT / "cgroup.procs").write_text(task)
+                with suppress(OSError):
+                    group.rmdir()
+            with suppress(OSError):
+                METER.rmdir()
+
+    def _all(self) -> dict[int, Proc]:
+        found: dict[int, Proc] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                proc = _read_proc(int(entry.name))
+                if proc is not None:
+                    found[int(entry.name)] = proc
+        return found
+
+    def ours(self) -> set[str]:
+        """Full ids of this deployment's containers (outside a metered phase: it asks dockerd)."""
+        found = self.client.api.containers(
+            all=True, filters={"label": labels.deployment_filter(self.deployment)}, quiet=True
+        )
+        return {c["Id"] for c in found}
+
+    def snapshot(self, containers: set[str]) -> Snapshot:
+        return Snapshot(
+            busy_s=host_busy_s(),
+            procs=self._all(),
+            daemons_s=_usage_s(METER / "daemons"),
+            bench_s=_usage_s(METER / "bench"),
+            sandboxes={c: container_cpu_s(c) for c in containers},
+        )
+
+    def cost(self, before: Snapshot, after: Snapshot, ours: set[str]) -> dict[str, float]:
+        used = dict.fromkeys(ROLES, 0.0)
+        in_daemons = 0.0
+        for pid, proc in after.procs.items():
+            prior = before.procs.get(pid)
+            delta = proc.own_s - (prior.own_s if prior and prior.started == proc.started else 0.0)
+            if proc.cgroup == "/orch-create-cost/daemons":
+                in_daemons += delta
+            if pid == self.me:
+                used["bench client (python)"] += delta
+            elif proc.comm in DAEMONS:
+                used[proc.comm] += delta
+            elif proc.shim_id in ours:
+                used["containerd-shim (live)"] += delta
+            elif pid == 2 or proc.ppid == 2:
+                used["kernel threads"] += delta
+        if after.daemons_s is not None and before.daemons_s is not None:
+            used[ROLES[3]] = max(0.0, after.daemons_s - before.daemons_s - in_daemons)
+        if after.bench_s is not None and before.bench_s is not None:
+            used[ROLES[5]] = max(
+                0.0, after.bench_s - before.bench_s - used["bench client (python)"]
+            )
+        used["sandboxes (in container)"] = sum(
+            max(0.0, after.sandboxes.get(c, 0.0) - before.sandboxes.get(c, 0.0))
+            for c in before.sandboxes.keys() | after.sandboxes.keys()
+        )
+        busy = after.busy_s - before.busy_s
+        used["other (rest of host)"] = busy - sum(used.values())
+        used["total (host busy)"] = busy
+        return used
+
+
+@dataclass
+class Variant:
+    label: str
+    runtime: Runtime
+    backend: DockerBackend
+
+
+def run_variant(
+    meter: Meter, variant: Variant, settings: Settings, image: str, n: int
+) -> dict[str, Any]:
+    create_ms: list[float] = []
+    destroy_ms: list[float] = []
+    handles: list[SandboxHandle] = []
+    backend = variant.backend
+    try:
+        before = meter.snapshot(set())
+        for _ in range(n):
+            spec = SandboxSpec.from_settings(
+                settings, image=image, runtime=variant.runtime, rollout_id="bench"
+            )
+            started = time.perf_counter()
+            handles.append(backend.create(spec))
+            create_ms.append((time.perf_counter() - started) * 1000)
+        after = meter.snapshot(set())
+        ours = meter.ours()  # after the snapshot: dockerd's work for it is not the creates'
+        # The sandboxes' cgroups did not exist before: all their usage is the create's.
+        after.sandboxes = {c: container_cpu_s(c) for c in ours}
+        created = meter.cost(before, after, ours)
+        before = meter.snapshot(ours)
+        while handles:
+            handle = handles.pop()
+            started = time.perf_counter()
+            backend.destroy(handle)
+            destroy_ms.append((time.perf_counter() - started) * 1000)
+        after = meter.snapshot(ours)
+        destroyed = meter.cost(before, after, ours)
+    finally:
+        for handle in handles:
+            backend.destroy(handle)
+    return {
+        "create_cpu_s": created,
+        "destroy_cpu_s": destroyed,
+        "create_ms": create_ms,
+        "destroy_ms": destroy_ms,
+    }
+
+
+# label -> (runtime, settings changed from the defaults). "runc (before)" is the code as it
+# was before issue 13's cheaper cold starts: runc itself.
+VARIANTS: dict[str, tuple[Runtime, dict[str, Any]]] = {
+    "runc (before)": ("runc", {"docker_runc_runtime": "runc"}),
+    "now (defaults)": ("runc", {}),
+    "runsc": ("runsc", {}),
+}
+
+
+def variants_for(
+    names: list[str], settings: Settings, client: docker.DockerClient
+) -> list[Variant]:
+    available = client.info().get("Runtimes", {})
+    found: list[Variant] = []
+    for name in names:
+        runtime, changes = VARIANTS[name]
+        if runtime not in available:
+            print(f"runtime {runtime} is not registered with dockerd: {name} skipped")
+            continue
+        found.append(Variant(name, runtime, DockerBackend(settings.model_copy(update=changes))))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--creates", type=int, default=30, help="sandboxes per phase")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--variants", nargs="+", default=["runc (before)", "now (defaults)"], choices=VARIANTS
+    )
+    parser.add_argument("--image", choices=["base", "codebase"], default="base")
+    args = parser.parse_args()
+
+    deployment = f"costbench-{uuid.uuid4().hex[:6]}"
+    settings = Settings(deployment=deployment)
+    build_base_image(settings)
+    image = settings.base_image if args.image == "base" else ensure_bench_codebase(settings)
+    client = docker.from_env()
+    variants = variants_for(args.variants, settings, client)
+    meter = Meter(client, deployment)
+    raw: dict[str, list[dict[str, Any]]] = {v.label: [] for v in variants}
+    idle: dict[str, float] = {}
+    with meter.cgroups() as isolated:
+        for variant in variants:  # warm up: the image's lower layer, the daemon's caches
+            run_variant(meter, variant, settings, image, 2)
+        before = meter.snapshot(set())
+        time.sleep(2)
+        idle = meter.cost(before, meter.snapshot(set()), set())
+        for _ in range(args.rounds):
+            for variant in variants:
+                run = run_variant(meter, variant, settings, image, args.creates)
+                raw[variant.label].append(run)
+    report: dict[str, Any] = {
+        "image": image,
+        "creates_per_phase": args.creates,
+        "rounds": args.rounds,
+        "cgroups_isolated": isolated,
+        "idle_2s_cpu_s": {k: round(v, 3) for k, v in idle.items()},
+        "variants": {label: aggregate(runs) for label, runs in raw.items()},
+        "leftover_sandboxes": len(meter.ours()),
+    }
+    markdown = render(report)
+    print(markdown)
+    path = write_report("create_cost", report, markdown)
+    print(f"\nwrote {path}")
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    n = sum(len(r["create_ms"]) for r in runs)
+    out: dict[str, Any] = {"n": n}
+    for phase in ("create", "destroy"):
+        totals: dict[str, float] = {}
+        for r in runs:
+            for role, s in r[f"{phase}_cpu_s"].items():
+                totals[role] = totals.get(role, 0.0) + s
+        out[f"{phase}_cpu_s_per_sandbox"] = {k: round(v / n, 4) for k, v in totals.items()}
+        out[f"{phase}_ms"] = summary([ms for r in runs for ms in r[f"{phase}_ms"]])
+    return out
+
+
+def render(report: dict[str, Any]) -> str:
+    variants = report["variants"]
+    labels_ = list(variants)
+    lines = [
+        f"## CPU-s per sandbox, by process ({report['creates_per_phase']} per phase x "
+        f"{report['rounds']} rounds, {report['image']})",
+        "",
+    ]
+    for phase in ("create", "destroy"):
+        lines += [
+            f"### per {phase}",
+            "",
+            "| process | " + " | ".join(labels_) + " |",
+            "|---|" + "---|" * len(labels_),
+        ]
+        roles = list(next(iter(variants.values()))[f"{phase}_cpu_s_per_sandbox"])
+        for role in roles:
+            cells = [f"{variants[v][f'{phase}_cpu_s_per_sandbox'][role]:.4f}" for v in labels_]
+            lines.append(f"| {role} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += [
+        "## Wall time (ms)",
+        "",
+        "| variant | n | create p50 | create p99 | destroy p50 | destroy p99 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, v in variants.items():
+        c, d = v["create_ms"], v["destroy_ms"]
+        lines.append(
+            f"| {label} | {v['n']} | {c['p50']:.1f} | {c['p99']:.1f} | {d['p50']:.1f}"
+            f" | {d['p99']:.1f} |"
+        )
+    lines += [
+        "",
+        f"Idle host before the run (2 s): {report['idle_2s_cpu_s']['total (host busy)']} CPU-s"
+        f" busy; daemons and this process in their own cpuacct cgroups: "
+        f"{report['cgroups_isolated']}; sandboxes left after the run: "
+        f"{report['leftover_sandboxes']}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
