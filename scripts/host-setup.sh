@@ -49,7 +49,7 @@ write_daemon_json() {
 JSON
 )")
   fi
-  if command -v crun >/dev/null 2>&1; then
+  if crun_usable; then
     entries+=("$(cat <<JSON
     "crun": {
       "path": "$(command -v crun)"
@@ -70,6 +70,31 @@ JSON
     printf '%s\n' "$want" > /etc/docker/daemon.json
     DAEMON_JSON_CHANGED=1
   fi
+}
+
+crun_usable() {
+  # crun (1.8) refuses a hybrid cgroup host (v1 controllers, and cgroup2 mounted at
+  # /sys/fs/cgroup/unified) while cgroup2 still holds a controller: registered only if not.
+  command -v crun >/dev/null 2>&1 || return 1
+  local unified=/sys/fs/cgroup/unified/cgroup.controllers
+  [ ! -f "$unified" ] || [ -z "$(cat "$unified")" ]
+}
+
+crun_cgroups() {
+  # On a hybrid host, the controllers no v1 hierarchy took (hugetlb here) stay in cgroup2,
+  # where nothing enables them (its subtree_control is empty): each is mounted as a v1
+  # hierarchy of its own instead, which leaves cgroup2 without controllers, as crun wants.
+  local unified=/sys/fs/cgroup/unified c
+  command -v crun >/dev/null 2>&1 || return 0
+  [ -f "$unified/cgroup.controllers" ] || return 0
+  [ -z "$(cat "$unified/cgroup.subtree_control")" ] || return 0
+  for c in $(cat "$unified/cgroup.controllers"); do
+    need_root
+    log "mounting the $c cgroup controller as v1 (crun refuses it in a hybrid cgroup2)"
+    mkdir -p "/sys/fs/cgroup/$c"
+    mount -t cgroup -o "$c" cgroup "/sys/fs/cgroup/$c" ||
+      log "could not: crun is not registered, sandboxes run on runc"
+  done
 }
 
 install_tool_packages() {
@@ -164,10 +189,8 @@ loop_devices() {
 install_packages
 install_tool_packages
 loop_devices
+crun_cgroups
 start_dockerd
 start_redis
-if docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q runsc; then
-  log "ready: dockerd (runtimes: runc, runsc), redis"
-else
-  log "ready: dockerd (runtime: runc only; gVisor not available), redis"
-fi
+runtimes=$(docker info --format '{{range $name, $_ := .Runtimes}}{{$name}} {{end}}' 2>/dev/null || true)
+log "ready: dockerd (runtimes: ${runtimes% }), redis"
