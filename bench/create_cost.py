@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -52,6 +55,7 @@ from orchestrator.sandbox import labels
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
 
+AGENT_IN_REPO = "orchestrator/sandbox/agent/exec_agent.py"
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 METER = CPUACCT / "orch-create-cost"
 DAEMONS = ("dockerd", "containerd")
@@ -223,9 +227,7 @@ class Variant:
     backend: DockerBackend
 
 
-def run_variant(
-    meter: Meter, variant: Variant, settings: Settings, image: str, n: int
-) -> dict[str, Any]:
+def run_variant(meter: Meter, variant: Variant, image: str, n: int) -> dict[str, Any]:
     create_ms: list[float] = []
     destroy_ms: list[float] = []
     handles: list[SandboxHandle] = []
@@ -234,7 +236,7 @@ def run_variant(
         before = meter.snapshot(set())
         for _ in range(n):
             spec = SandboxSpec.from_settings(
-                settings, image=image, runtime=variant.runtime, rollout_id="bench"
+                backend.settings, image=image, runtime=variant.runtime, rollout_id="bench"
             )
             started = time.perf_counter()
             handles.append(backend.create(spec))
@@ -263,13 +265,38 @@ def run_variant(
     }
 
 
-# label -> (runtime, settings changed from the defaults). "runc (before)" is the code as it
-# was before issue 13's cheaper cold starts: runc itself.
-VARIANTS: dict[str, tuple[Runtime, dict[str, Any]]] = {
-    "runc (before)": ("runc", {"docker_runc_runtime": "runc"}),
-    "now (defaults)": ("runc", {}),
-    "runsc": ("runsc", {}),
+# The last commit before issue 13's cheaper cold starts: "before" runs its exec agent.
+BASELINE_COMMIT = "bbd7e28"
+# name -> (runtime, settings changed from the defaults, whether it runs the old agent).
+# before: runc and the old agent; runc+agent: the new agent alone; now: crun and the new
+# agent (the defaults); now-nodisk: now with /workspace uncapped (what the ext4 cap costs
+# at all, so the most a stock of ready-made images could save); runsc-*: gVisor.
+VARIANTS: dict[str, tuple[Runtime, dict[str, Any], bool]] = {
+    "before": ("runc", {"docker_runc_runtime": "runc"}, True),
+    "runc+agent": ("runc", {"docker_runc_runtime": "runc"}, False),
+    "now": ("runc", {}, False),
+    # What the ext4 cap costs at all: the most a stock of ready-made images could save.
+    "now-nodisk": ("runc", {"sandbox_disk_mb": 0}, False),
+    "runsc-before": ("runsc", {}, True),
+    "runsc-now": ("runsc", {}, False),
 }
+
+
+def baseline_agent() -> Path | None:
+    """The exec agent as of BASELINE_COMMIT, from git (None outside a checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        source = subprocess.run(
+            ["git", "-C", str(root), "show", f"{BASELINE_COMMIT}:{AGENT_IN_REPO}"],
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    path = Path(tempfile.mkdtemp(prefix="create-cost-")) / "exec_agent.py"
+    path.write_bytes(source)
+    path.parent.chmod(0o755)
+    return path
 
 
 def variants_for(
@@ -277,12 +304,19 @@ def variants_for(
 ) -> list[Variant]:
     available = client.info().get("Runtimes", {})
     found: list[Variant] = []
+    old_agent = baseline_agent()
     for name in names:
-        runtime, changes = VARIANTS[name]
+        runtime, changes, old = VARIANTS[name]
         if runtime not in available:
             print(f"runtime {runtime} is not registered with dockerd: {name} skipped")
             continue
-        found.append(Variant(name, runtime, DockerBackend(settings.model_copy(update=changes))))
+        backend = DockerBackend(settings.model_copy(update=changes))
+        if old:
+            if old_agent is None:
+                print(f"no git history: {name} runs the current agent")
+            else:
+                backend.agent_path = old_agent
+        found.append(Variant(name, runtime, backend))
     return found
 
 
@@ -291,7 +325,10 @@ def main() -> None:
     parser.add_argument("--creates", type=int, default=30, help="sandboxes per phase")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--variants", nargs="+", default=["runc (before)", "now (defaults)"], choices=VARIANTS
+        "--variants",
+        nargs="+",
+        default=["before (runc, old agent)", "runc, new agent", "now (crun, new agent)"],
+        choices=VARIANTS,
     )
     parser.add_argument("--image", choices=["base", "codebase"], default="base")
     args = parser.parse_args()
@@ -307,13 +344,13 @@ def main() -> None:
     idle: dict[str, float] = {}
     with meter.cgroups() as isolated:
         for variant in variants:  # warm up: the image's lower layer, the daemon's caches
-            run_variant(meter, variant, settings, image, 2)
+            run_variant(meter, variant, image, 2)
         before = meter.snapshot(set())
         time.sleep(2)
         idle = meter.cost(before, meter.snapshot(set()), set())
         for _ in range(args.rounds):
             for variant in variants:
-                run = run_variant(meter, variant, settings, image, args.creates)
+                run = run_variant(meter, variant, image, args.creates)
                 raw[variant.label].append(run)
     report: dict[str, Any] = {
         "image": image,
@@ -331,14 +368,17 @@ def main() -> None:
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    n = sum(len(r["create_ms"]) for r in runs)
-    out: dict[str, Any] = {"n": n}
+    """Per sandbox: each role's median over the rounds (a round that another tenant of the
+    machine disturbed moves a median less than a sum), and the wall times of all rounds."""
+    out: dict[str, Any] = {"n": sum(len(r["create_ms"]) for r in runs)}
     for phase in ("create", "destroy"):
-        totals: dict[str, float] = {}
-        for r in runs:
-            for role, s in r[f"{phase}_cpu_s"].items():
-                totals[role] = totals.get(role, 0.0) + s
-        out[f"{phase}_cpu_s_per_sandbox"] = {k: round(v / n, 4) for k, v in totals.items()}
+        per_round = [
+            {role: s / len(r["create_ms"]) for role, s in r[f"{phase}_cpu_s"].items()} for r in runs
+        ]
+        out[f"{phase}_cpu_s_per_sandbox"] = {
+            role: round(statistics.median(p[role] for p in per_round), 4) for role in per_round[0]
+        }
+        out[f"{phase}_cpu_s_per_round"] = per_round
         out[f"{phase}_ms"] = summary([ms for r in runs for ms in r[f"{phase}_ms"]])
     return out
 
@@ -347,8 +387,8 @@ def render(report: dict[str, Any]) -> str:
     variants = report["variants"]
     labels_ = list(variants)
     lines = [
-        f"## CPU-s per sandbox, by process ({report['creates_per_phase']} per phase x "
-        f"{report['rounds']} rounds, {report['image']})",
+        f"## CPU-s per sandbox, by process (median of {report['rounds']} rounds of "
+        f"{report['creates_per_phase']} sandboxes each, {report['image']})",
         "",
     ]
     for phase in ("create", "destroy"):

@@ -86,6 +86,9 @@ class DockerBackend(agent.AgentBackend):
         self.sockets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.workspaces = Workspaces(self.client, settings.state_dir, settings.deployment)
         self._oci_runtimes: dict[str, str] = {}
+        # The agent's source on this host, bind-mounted into every sandbox (a benchmark
+        # points it at another version).
+        self.agent_path = EXEC_AGENT_PATH
 
     def oci_runtime(self, runtime: str) -> str:
         """The Docker runtime a sandbox of ``runtime`` runs on: runtime 'runc' means a
@@ -188,7 +191,7 @@ class DockerBackend(agent.AgentBackend):
             runtime=self.oci_runtime(spec.runtime),
             mounts=[
                 Mount(SOCKET_DIR_IN_SANDBOX, str(socket_dir), type="bind"),
-                Mount(AGENT_IN_SANDBOX, str(EXEC_AGENT_PATH), type="bind", read_only=True),
+                Mount(AGENT_IN_SANDBOX, str(self.agent_path), type="bind", read_only=True),
                 # An overlay of the image's /workspace (see workspace.py): writable though
                 # the root filesystem is not, made in constant time, gone with the sandbox.
                 Mount(
