@@ -38,7 +38,7 @@ install_packages() {
 write_daemon_json() {
   # Registers runsc with the flags DESIGN.md found necessary: no network inside gVisor and
   # host-visible Unix sockets, so the exec agent's socket on a bind mount reaches the host;
-  # and crun, when present, for runc-class sandboxes (ORCH_SANDBOX_RUNTIME=crun).
+  # and crun, when usable, for runc-class sandboxes (ORCH_DOCKER_RUNC_RUNTIME, default crun).
   local entries=()
   if command -v runsc >/dev/null 2>&1; then
     entries+=("$(cat <<JSON
@@ -138,7 +138,19 @@ start_dockerd() {
     if [ "$DAEMON_JSON_CHANGED" = 1 ]; then
       log "daemon.json changed: reloading dockerd"
       pkill -HUP -x dockerd || true
-      sleep 1
+      # The reload is asynchronous: wait until the daemon lists what daemon.json names.
+      local want_runtimes
+      want_runtimes=$(grep -o '"[a-z]*": {' /etc/docker/daemon.json | tr -d '":{ ' | grep -vx runtimes | tr '\n' ' ')
+      for _ in $(seq 1 40); do
+        local have
+        have=$(docker info --format '{{range $name, $_ := .Runtimes}}{{$name}} {{end}}' 2>/dev/null || true)
+        local missing=0 r
+        for r in $want_runtimes; do
+          [[ " $have " == *" $r "* ]] || missing=1
+        done
+        [ "$missing" = 0 ] && break
+        sleep 0.25
+      done
     fi
     return
   fi
