@@ -78,6 +78,7 @@ from orchestrator.sandbox import labels
 from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import GcReport, collect_expired
+from orchestrator.state.pools import POOL_LABEL
 
 ENVIRONMENT = "bench-burst"
 # A deployment of its own per run: nothing in Redis (pools, admission slots, rollouts) from
@@ -917,14 +918,25 @@ def forget_deployment(settings: Settings, deployment: str) -> int:
         client.close()
 
 
-def wait_for_reaper(client: docker.DockerClient, pool: int, timeout_s: float) -> dict[str, Any]:
-    """After grading, the reaper closes rollouts past their grace: wait for it."""
+def rollout_sandboxes(client: docker.DockerClient, deployment: str) -> int:
+    """Running sandboxes of the deployment that a rollout holds (pools' ready ones not)."""
+    found = client.api.containers(filters={"label": labels.deployment_filter(deployment)})
+    return sum(1 for c in found if (c.get("Labels") or {}).get(labels.ROLLOUT) != POOL_LABEL)
+
+
+def wait_for_reaper(client: docker.DockerClient, timeout_s: float) -> dict[str, Any]:
+    """After grading, the reaper closes rollouts past their grace: wait until no rollout
+    holds a sandbox (the warm pools, demand-sized or not, stay)."""
     started = time.monotonic()
-    count = running_sandboxes(client, DEPLOYMENT)
-    while count > pool and time.monotonic() - started < timeout_s:
+    count = rollout_sandboxes(client, DEPLOYMENT)
+    while count > 0 and time.monotonic() - started < timeout_s:
         time.sleep(1)
-        count = running_sandboxes(client, DEPLOYMENT)
-    return {"running": count, "waited_s": round(time.monotonic() - started, 1)}
+        count = rollout_sandboxes(client, DEPLOYMENT)
+    return {
+        "running": count,
+        "pooled": running_sandboxes(client, DEPLOYMENT) - count,
+        "waited_s": round(time.monotonic() - started, 1),
+    }
 
 
 # -- analysis ----------------------------------------------------------------------------------
@@ -1122,8 +1134,9 @@ def render(report: dict[str, Any]) -> str:
         "",
         "| stack | value |",
         "|---|---|",
-        f"| sandboxes running once the reaper ran (the warm pool stays) | "
-        f"{report['after_reaper']['running']} after {report['after_reaper']['waited_s']} s |",
+        f"| rollouts' sandboxes running once the reaper ran / pools' ready ones | "
+        f"{report['after_reaper']['running']} / {report['after_reaper'].get('pooled', '?')} "
+        f"after {report['after_reaper']['waited_s']} s |",
         f"| the stack's teardown (Ctrl-C on `orchestrator up`: rollouts ended, sandboxes "
         f"destroyed) | {report['left'].get('teardown_s', '?')} s |",
         f"| sandboxes the stack's own teardown left (local_stack then sweeps them) | "
@@ -1467,7 +1480,7 @@ def main() -> None:
                     print(f"burst {number} over in {raw['wall_s']:.1f} s", flush=True)
                     if number == args.bursts:
                         print("waiting for the reaper", flush=True)
-                        report["after_reaper"] = wait_for_reaper(client, args.pool, timeout_s=180)
+                        report["after_reaper"] = wait_for_reaper(client, timeout_s=180)
                         counters.mark("reaped")
                 raw["samples"], raw["marks"] = sampler.samples, counters.marks
                 raws.append(raw)

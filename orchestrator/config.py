@@ -117,7 +117,13 @@ class Settings(BaseSettings):
         5.0, gt=0, description="Retry-After of a rollout refused at capacity."
     )
     create_concurrency: int = Field(
-        4, ge=1, description="Sandboxes a worker creates at once (rollouts' and pools')."
+        4, ge=1, description="Sandboxes a worker creates at once for rollouts waiting for one."
+    )
+    pool_fill_concurrency: int = Field(
+        1,
+        ge=1,
+        description="Sandboxes a worker creates at once to refill warm pools (only while no "
+        "rollout waits for one): few, so running rollouts' calls keep their share of the CPU.",
     )
     agent_rft_call_bound_s: float = Field(
         600.0,
