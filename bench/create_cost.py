@@ -1,11 +1,14 @@
-"""CPU seconds per sandbox create and per destroy, by process, variants side by side in one run.
+"""CPU seconds per sandbox create, reset and destroy, by process, variants side by side in
+one run.
 
-    python -m bench.create_cost [--creates 30] [--rounds 3] [--runtime runc crun runsc]
-                                [--image base|codebase] [--no-baseline]
+    python -m bench.create_cost [--creates 30] [--rounds 3] [--variants ...]
+                                [--image base|codebase]
 
 Each round runs every variant in turn: N sandboxes created one after the other through
-DockerBackend (as bench.exec_latency's bench_create does, but all kept), then destroyed
-one after the other. Each create and destroy phase is metered as a whole and divided by N.
+DockerBackend (as bench.exec_latency's bench_create does, but all kept), then each reset
+for another rollout (DockerBackend.reset: killed, /workspace remade, started, audited;
+not for variants running the agent from before the reset existed), then destroyed one
+after the other. Each phase is metered as a whole and divided by N.
 
 Where the CPU goes, by process:
 
@@ -52,6 +55,7 @@ from bench.common import (
 from orchestrator.config import Runtime, Settings
 from orchestrator.images.base import build_base_image
 from orchestrator.sandbox import labels
+from orchestrator.sandbox.agent import EXEC_AGENT_PATH
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
 
@@ -229,15 +233,18 @@ class Variant:
 
 def run_variant(meter: Meter, variant: Variant, image: str, n: int) -> dict[str, Any]:
     create_ms: list[float] = []
+    reset_ms: list[float] = []
     destroy_ms: list[float] = []
     handles: list[SandboxHandle] = []
     backend = variant.backend
+    spec = SandboxSpec.from_settings(
+        backend.settings, image=image, runtime=variant.runtime, rollout_id="bench"
+    )
+    # The agent of the commit before the reset existed has no manifest to audit with.
+    resettable = backend.agent_path == EXEC_AGENT_PATH
     try:
         before = meter.snapshot(set())
         for _ in range(n):
-            spec = SandboxSpec.from_settings(
-                backend.settings, image=image, runtime=variant.runtime, rollout_id="bench"
-            )
             started = time.perf_counter()
             handles.append(backend.create(spec))
             create_ms.append((time.perf_counter() - started) * 1000)
@@ -246,6 +253,20 @@ def run_variant(meter: Meter, variant: Variant, image: str, n: int) -> dict[str,
         # The sandboxes' cgroups did not exist before: all their usage is the create's.
         after.sandboxes = {c: container_cpu_s(c) for c in ours}
         created = meter.cost(before, after, ours)
+        reset: dict[str, float] = {}
+        if resettable:
+            # A reset for another rollout (recycling): kill, remake /workspace, start, audit.
+            before = meter.snapshot(ours)
+            before.sandboxes = {c: container_cpu_s(c) for c in ours}
+            for handle in handles:
+                started = time.perf_counter()
+                report = backend.reset(handle, spec)
+                reset_ms.append((time.perf_counter() - started) * 1000)
+                if not report.clean:
+                    raise RuntimeError(f"reset audit failed: {report.differences}")
+            after = meter.snapshot(ours)
+            after.sandboxes = {c: container_cpu_s(c) for c in ours}
+            reset = meter.cost(before, after, ours)
         before = meter.snapshot(ours)
         while handles:
             handle = handles.pop()
@@ -259,11 +280,15 @@ def run_variant(meter: Meter, variant: Variant, image: str, n: int) -> dict[str,
             backend.destroy(handle)
     return {
         "create_cpu_s": created,
+        "reset_cpu_s": reset,
         "destroy_cpu_s": destroyed,
         "create_ms": create_ms,
+        "reset_ms": reset_ms,
         "destroy_ms": destroy_ms,
     }
 
+
+PHASES = ("create", "reset", "destroy")
 
 # The last commit before issue 13's cheaper cold starts: "before" runs its exec agent.
 BASELINE_COMMIT = "bbd7e28"
@@ -371,7 +396,9 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per sandbox: each role's median over the rounds (a round that another tenant of the
     machine disturbed moves a median less than a sum), and the wall times of all rounds."""
     out: dict[str, Any] = {"n": sum(len(r["create_ms"]) for r in runs)}
-    for phase in ("create", "destroy"):
+    for phase in PHASES:
+        if not all(r.get(f"{phase}_cpu_s") for r in runs):
+            continue  # not measured for this variant (a reset with the old agent)
         per_round = [
             {role: s / len(r["create_ms"]) for role, s in r[f"{phase}_cpu_s"].items()} for r in runs
         ]
@@ -391,29 +418,36 @@ def render(report: dict[str, Any]) -> str:
         f"{report['creates_per_phase']} sandboxes each, {report['image']})",
         "",
     ]
-    for phase in ("create", "destroy"):
+    for phase in PHASES:
+        key = f"{phase}_cpu_s_per_sandbox"
+        if not any(key in v for v in variants.values()):
+            continue
         lines += [
             f"### per {phase}",
             "",
             "| process | " + " | ".join(labels_) + " |",
             "|---|" + "---|" * len(labels_),
         ]
-        roles = list(next(iter(variants.values()))[f"{phase}_cpu_s_per_sandbox"])
-        for role in roles:
-            cells = [f"{variants[v][f'{phase}_cpu_s_per_sandbox'][role]:.4f}" for v in labels_]
+        measured = [v[key] for v in variants.values() if key in v]
+        for role in measured[0]:
+            cells = [
+                f"{variants[v][key][role]:.4f}" if key in variants[v] else "n/a" for v in labels_
+            ]
             lines.append(f"| {role} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += [
         "## Wall time (ms)",
         "",
-        "| variant | n | create p50 | create p99 | destroy p50 | destroy p99 |",
-        "|---|---|---|---|---|---|",
+        "| variant | n | create p50 | create p99 | reset p50 | reset p99 | destroy p50 |"
+        " destroy p99 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for label, v in variants.items():
         c, d = v["create_ms"], v["destroy_ms"]
+        r = v.get("reset_ms") or {"p50": float("nan"), "p99": float("nan")}
         lines.append(
-            f"| {label} | {v['n']} | {c['p50']:.1f} | {c['p99']:.1f} | {d['p50']:.1f}"
-            f" | {d['p99']:.1f} |"
+            f"| {label} | {v['n']} | {c['p50']:.1f} | {c['p99']:.1f} | {r['p50']:.1f} | "
+            f"{r['p99']:.1f} | {d['p50']:.1f} | {d['p99']:.1f} |"
         )
     lines += [
         "",

@@ -285,6 +285,18 @@ class HostHealth(BaseModel):
     )
 
 
+class ResetReport(BaseModel):
+    """A sandbox reset for another rollout (:meth:`SandboxBackend.reset`), and its audit:
+    what it holds now compared with a fresh sandbox of the same spec."""
+
+    clean: bool = Field(description="Nothing differs from a fresh sandbox: it may serve again.")
+    differences: list[str] = Field(
+        default_factory=list, description="What differs (or why it could not be compared)."
+    )
+    digest: str = Field("", description="sha256 of the manifest after the reset.")
+    ms: float = 0.0
+
+
 class SandboxError(Exception):
     """An infrastructure fault: the sandbox or its backend failed, not the agent."""
 
@@ -431,3 +443,11 @@ class SandboxBackend(ABC):
     @abstractmethod
     def list_owned(self) -> list[SandboxHandle]:
         """Every sandbox of this deployment on this backend, found by labels."""
+
+    def reset(self, handle: SandboxHandle, spec: SandboxSpec) -> ResetReport:
+        """Make ``handle`` (made from ``spec``) as a fresh sandbox is, for another rollout:
+        every process gone, every writable filesystem remade, the agent started again;
+        then audit it against a fresh sandbox of ``spec``. A report that is not
+        :attr:`ResetReport.clean` means the sandbox must be destroyed. Raises
+        :class:`SandboxError` when the reset itself failed (destroy it too)."""
+        return ResetReport(clean=False, differences=[f"the {self.name} backend cannot reset"])

@@ -9,6 +9,7 @@ directory that is mounted into that sandbox only, so a call costs ~1 ms instead 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ from orchestrator.sandbox.backend import (
     BackendUnavailable,
     HostHealth,
     ProbeResult,
+    ResetReport,
     SandboxError,
     SandboxHandle,
     SandboxSpec,
@@ -86,6 +88,9 @@ class DockerBackend(agent.AgentBackend):
         self.sockets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.workspaces = Workspaces(self.client, settings.state_dir, settings.deployment)
         self._oci_runtimes: dict[str, str] = {}
+        # A fresh sandbox's manifest per spec (:func:`_spec_key`), taken at the first create
+        # of that spec in this process: what a reset sandbox is audited against.
+        self._fresh: dict[str, dict[str, Any]] = {}
         # The agent's source on this host, bind-mounted into every sandbox (a benchmark
         # points it at another version).
         self.agent_path = EXEC_AGENT_PATH
@@ -146,6 +151,12 @@ class DockerBackend(agent.AgentBackend):
         except BaseException:
             self.destroy(handle)
             raise
+        if _spec_key(spec) not in self._fresh:
+            try:
+                self._fresh[_spec_key(spec)] = self.manifest(handle)
+            except SandboxError as exc:
+                # Only a reset needs it: without it, a reset says it cannot compare.
+                bound.warning("sandbox.manifest_failed", error=str(exc))
         bound.info(
             "sandbox.created",
             image=spec.image,
@@ -287,6 +298,61 @@ class DockerBackend(agent.AgentBackend):
                     )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+    def manifest(self, handle: SandboxHandle) -> dict[str, Any]:
+        """The agent's account of everywhere state can persist in the sandbox (processes,
+        mounts, writable trees, System V IPC): exec_agent.sandbox_manifest."""
+        return self._call(handle, {"op": "manifest"}, PING_TIMEOUT_S)
+
+    def reset(self, handle: SandboxHandle, spec: SandboxSpec) -> ResetReport:
+        """Kill the container (every process, its init included), make its /workspace
+        upper layer anew, start it again (new tmpfs mounts, /dev/shm and IPC namespace),
+        wait for its agent, then compare its manifest and upper layer with a fresh
+        sandbox's of ``spec``."""
+        started = time.perf_counter()
+        fresh = self._fresh.get(_spec_key(spec))
+        if fresh is None:
+            return ResetReport(
+                clean=False,
+                differences=["no fresh sandbox of this spec was made by this process"],
+            )
+        name = self._resource_name(handle.sandbox_id)
+        bound = log.bind(sandbox_id=handle.sandbox_id, rollout_id=handle.rollout_id)
+        api = self.client.api
+        self._unpause(name)
+        try:
+            api.kill(name)
+            api.wait(name, timeout=int(self.settings.sandbox_start_timeout_s))
+        except NotFound as exc:
+            raise SandboxError(f"sandbox {handle.sandbox_id} is gone") from exc
+        except APIError as exc:
+            if "is not running" not in str(exc):
+                raise _docker_fault("stop the sandbox for its reset", exc) from exc
+        except DOCKER_FAILURES as exc:
+            raise _docker_fault("stop the sandbox for its reset", exc) from exc
+        self.workspaces.remake(spec.image, handle.sandbox_id, spec.limits.disk_mb_in(self.settings))
+        self._socket_path(handle.sandbox_id).unlink(missing_ok=True)
+        try:
+            api.start(name)
+        except DOCKER_FAILURES as exc:
+            raise _docker_fault("start the reset sandbox", exc) from exc
+        self._wait_for_agent(handle)
+        after = self.manifest(handle)
+        written = self.workspaces.upper_entries(handle.sandbox_id)
+        differences = _manifest_differences(fresh, after)
+        if written:
+            differences.append(f"/workspace upper layer not empty: {written[:10]}")
+        canonical = json.dumps({"manifest": after, "upper": written}, sort_keys=True)
+        report = ResetReport(
+            clean=not differences,
+            differences=differences,
+            digest=hashlib.sha256(canonical.encode()).hexdigest(),
+            ms=round((time.perf_counter() - started) * 1000, 1),
+        )
+        bound.info("sandbox.reset", clean=report.clean, ms=report.ms, digest=report.digest[:16])
+        if not report.clean:
+            bound.warning("sandbox.reset_audit_failed", differences=differences[:20])
+        return report
 
     def destroy(self, handle: SandboxHandle) -> None:
         self._destroy_by_id(handle.sandbox_id)
@@ -595,3 +661,24 @@ def _docker_fault(action: str, exc: Exception) -> SandboxError:
     if isinstance(exc, APIError):
         return SandboxError(f"docker refused to {action}: {text}")
     return BackendUnavailable(f"docker daemon unreachable while trying to {action}: {text}")
+
+
+def _spec_key(spec: SandboxSpec) -> str:
+    """What a fresh sandbox's manifest depends on: the spec but its owner and lifetime."""
+    return spec.model_dump_json(exclude={"rollout_id", "lifetime_s"})
+
+
+def _manifest_differences(fresh: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """Each way ``after`` differs from ``fresh`` (exec_agent.sandbox_manifest), named."""
+    differences = []
+    for part in ("processes", "mounts", "ipc"):
+        if fresh.get(part) != after.get(part):
+            differences.append(f"{part}: fresh {fresh.get(part)!r}, now {after.get(part)!r}")
+    fresh_trees, trees = fresh.get("trees") or {}, after.get("trees") or {}
+    for point in sorted(set(fresh_trees) | set(trees)):
+        was = {json.dumps(e) for e in fresh_trees.get(point) or []}
+        now = {json.dumps(e) for e in trees.get(point) or []}
+        if was != now:
+            extra, missing = sorted(now - was)[:5], sorted(was - now)[:5]
+            differences.append(f"{point}: added or changed {extra}, missing {missing}")
+    return differences

@@ -79,6 +79,20 @@ class Workspaces:
             "o": f"lowerdir={lower},upperdir={upper},workdir={work}",
         }
 
+    def remake(self, image: str, sandbox_id: str, disk_mb: int = 0) -> None:
+        """Discard the sandbox's upper layer and make a new, empty one at the same paths
+        (the volume's options name them): a reset sandbox's /workspace is the image's again.
+        Docker must have unmounted the overlay first (the container stopped)."""
+        self.remove(sandbox_id)
+        if (self.uppers / sandbox_id).exists():
+            raise SandboxError(f"the /workspace upper layer of {sandbox_id} is still in use")
+        self.volume_options(image, sandbox_id, disk_mb)
+
+    def upper_entries(self, sandbox_id: str) -> list[str]:
+        """What the sandbox has written to /workspace (its upper layer's top entries)."""
+        upper = self.uppers / sandbox_id / "upper"
+        return sorted(entry.name for entry in upper.iterdir())
+
     def image_path(self, sandbox_id: str) -> Path:
         """The sandbox's filesystem image (present only when its /workspace is capped)."""
         return self.uppers / f"{sandbox_id}{IMAGE_SUFFIX}"

@@ -519,6 +519,11 @@ class Agent:
     def ping(self, _req: dict[str, object]) -> dict[str, object]:
         return {"version": PROTOCOL_VERSION, "pid": os.getpid(), "time": time.time()}
 
+    def manifest(self, _req: dict[str, object]) -> dict[str, object]:
+        """Everywhere state can outlive a rollout, as the host compares it with a fresh
+        sandbox's before the sandbox serves another (:func:`sandbox_manifest`)."""
+        return sandbox_manifest()
+
     def exec(self, req: dict[str, object]) -> dict[str, object]:
         cwd = str(req.get("cwd") or WORKSPACE)
         argv = req.get("argv")
@@ -977,6 +982,82 @@ def read_lines(req: dict[str, object]) -> dict[str, object]:
     }
 
 
+# Kernel filesystems hold no state a command leaves (a process's /proc entries go with it;
+# /sys and the cgroup tree are read-only or root's); /dev/pts changes with every terminal;
+# /workspace is checked by the host, on its upper layer; the agent's socket directory is
+# the host's.
+MANIFEST_SKIP_FSTYPES = {"proc", "sysfs", "cgroup", "cgroup2", "devpts"}
+MANIFEST_SKIP_MOUNTS = {WORKSPACE, "/run/orchestrator"}
+MANIFEST_MAX_ENTRIES = 20_000
+SYSV_IPC = ("shm", "sem", "msg")
+
+
+def sandbox_manifest() -> dict[str, object]:
+    """The sandbox's processes (uid and name: pids differ between two fresh sandboxes),
+    its mounts (point, type, rw or ro), the tree of every writable filesystem but the
+    kernel's (path, type, mode, owner, size, link target) and its System V IPC objects."""
+    processes = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as status:
+                known = dict(line.split(":", 1) for line in status if ":" in line)
+        except OSError:
+            continue  # it exited meanwhile
+        processes.append([int(known["Uid"].split()[0]), known["Name"].strip()])
+    mounts = []
+    trees: dict[str, object] = {}
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            point = fields[4].replace("\\040", " ")
+            fstype = fields[fields.index("-") + 1]
+            writable = fields[5].split(",")[0] == "rw"
+            mounts.append([point, fstype, "rw" if writable else "ro"])
+            if (
+                writable
+                and fstype not in MANIFEST_SKIP_FSTYPES
+                and point not in MANIFEST_SKIP_MOUNTS
+            ):
+                trees[point] = tree_of(point)
+    ipc = {}
+    for kind in SYSV_IPC:
+        try:
+            with open(f"/proc/sysvipc/{kind}") as table:
+                ipc[kind] = len(table.readlines()) - 1  # the header
+        except OSError:
+            ipc[kind] = -1
+    return {"processes": sorted(processes), "mounts": sorted(mounts), "trees": trees, "ipc": ipc}
+
+
+def tree_of(root: str) -> list[list[object]]:
+    """Every entry under ``root`` on its own filesystem (mounts below it are listed apart),
+    sorted; a tree past :data:`MANIFEST_MAX_ENTRIES` ends with a truncation marker."""
+    device = os.lstat(root).st_dev
+    entries: list[list[object]] = []
+    stack = [root]
+    while stack and len(entries) < MANIFEST_MAX_ENTRIES:
+        path = stack.pop()
+        info = os.lstat(path)
+        relative = os.path.relpath(path, root)
+        kind = stat.S_IFMT(info.st_mode)
+        entry: list[object] = [relative, kind, stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid]
+        if stat.S_ISREG(kind):
+            entry.append(info.st_size)
+        elif stat.S_ISLNK(kind):
+            entry.append(os.readlink(path))
+        entries.append(entry)
+        if stat.S_ISDIR(kind) and info.st_dev == device:
+            try:
+                stack += [os.path.join(path, name) for name in os.listdir(path)]
+            except OSError as exc:
+                entries.append([relative, "unreadable", str(exc)])
+    if stack:
+        entries.append(["...", "truncated", len(stack)])
+    return sorted(entries, key=lambda e: str(e[0]))
+
+
 class Handler(socketserver.StreamRequestHandler):
     server: Server
 
@@ -997,6 +1078,7 @@ class Handler(socketserver.StreamRequestHandler):
                 "read_file": agent.read_file,
                 "signal": agent.signal,
                 "files": agent.files,
+                "manifest": agent.manifest,
             }[op]
             reply = {"ok": True, "result": method(req)}
         except Exception as exc:  # noqa: BLE001 - every failure must reach the caller
