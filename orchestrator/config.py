@@ -77,6 +77,12 @@ class Settings(BaseSettings):
     host_max_sandboxes: int = Field(
         512, ge=1, description="A host holding this many sandboxes takes no new ones."
     )
+    sandbox_reuse: bool = Field(
+        True,
+        description="A sandbox whose rollout ended cleanly is reset, audited and returned to "
+        "its warm pool instead of destroyed (Docker backend; an environment's reuse "
+        "overrides it; docs/architecture.md, Recycling).",
+    )
     pool_autosize: bool = Field(
         True,
         description="Warm pools follow demand: each (environment, codebase) keeps ready the "

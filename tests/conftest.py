@@ -43,6 +43,9 @@ RUN_ID = os.environ.setdefault("ORCH_TEST_RUN", uuid.uuid4().hex[:6])
 # exact, so its stacks keep only hand-set pools, and tests/e2e/test_pool_autosize.py runs
 # the default (its stacks set ORCH_POOL_AUTOSIZE=true). Every subprocess inherits this.
 os.environ.setdefault("ORCH_POOL_AUTOSIZE", "false")
+# Likewise recycling (also the product's default): a sandbox that goes back to its pool
+# after its rollout changes those counts; tests/e2e/test_recycling.py runs it.
+os.environ.setdefault("ORCH_SANDBOX_REUSE", "false")
 
 
 def _ours(labels: dict[str, str] | None) -> bool:

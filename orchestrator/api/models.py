@@ -135,6 +135,14 @@ class RolloutView(BaseModel):
     score: float | None
     timings: dict[str, float | None]
     pool_hit: bool | None = None
+    sandbox_reuses: int | None = Field(
+        None,
+        description="How many rollouts its sandbox served before this one (0: made for it; "
+        "recycled sandboxes, docs/architecture.md).",
+    )
+    sandbox_reset_digest: str | None = Field(
+        None, description="The audit digest of its sandbox's last reset ('' if never reset)."
+    )
     infra_failure: dict[str, Any] | None
     ended_by: dict[str, Any] | None = Field(
         None,
@@ -146,6 +154,11 @@ class RolloutView(BaseModel):
 class Trajectory(BaseModel):
     rollout_id: str
     steps: list[TrajectoryStep]
+    sandbox_id: str | None = None
+    sandbox_reuses: int | None = Field(
+        None, description="Rollouts its sandbox served before this one (see RolloutView)."
+    )
+    sandbox_reset_digest: str | None = None
 
 
 class ErrorBody(BaseModel):

@@ -86,13 +86,21 @@ async def get_rollout(rollout_id: RolloutId, svc: Svc) -> RolloutView:
 
 @router.get("/{rollout_id}/trajectory", responses=RESPONSES)
 async def get_trajectory(rollout_id: RolloutId, svc: Svc) -> Trajectory:
-    await known(svc.store, rollout_id)
-    return Trajectory(rollout_id=rollout_id, steps=await svc.store.trajectory(rollout_id))
+    rollout = await known(svc.store, rollout_id)
+    sandbox = rollout.sandbox
+    return Trajectory(
+        rollout_id=rollout_id,
+        steps=await svc.store.trajectory(rollout_id),
+        sandbox_id=sandbox.sandbox_id if sandbox else None,
+        sandbox_reuses=sandbox.reuse_count if sandbox else None,
+        sandbox_reset_digest=sandbox.reset_digest if sandbox else None,
+    )
 
 
 @router.delete("/{rollout_id}", responses=RESPONSES)
 async def delete_rollout(rollout_id: RolloutId, svc: Svc) -> RolloutView:
-    """Destroy the sandbox now; the record stays readable."""
+    """End the rollout now: its sandbox is destroyed (or, recycled, reset for another
+    rollout); the record stays readable."""
     rollout = await svc.close(rollout_id, "deleted")
     return view(rollout, await svc.store.call_count(rollout_id))
 
@@ -121,6 +129,8 @@ def view(rollout: Rollout, calls: int) -> RolloutView:
             "closed_at": rollout.closed_at,
         },
         pool_hit=rollout.pool_hit,
+        sandbox_reuses=rollout.sandbox.reuse_count if rollout.sandbox else None,
+        sandbox_reset_digest=rollout.sandbox.reset_digest if rollout.sandbox else None,
         infra_failure=rollout.infra_failure,
         ended_by=rollout.ended_by,
     )

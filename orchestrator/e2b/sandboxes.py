@@ -10,6 +10,7 @@ command's own failure.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 import uuid
@@ -48,6 +49,8 @@ from orchestrator.tools.command import COMMAND_TOOL
 # A sandbox id is a DNS label (E2B's clients may put it in a host name): lowercase
 # letters and digits, "e2b" first.
 ID_PREFIX = "e2b"
+SIGNAL_UNTIL_STARTED_S = 10.0
+"""How long a signal to a listed command waits for the agent to have started it."""
 _ALIVE = {RolloutState.CREATING.value, RolloutState.ACTIVE.value}
 
 
@@ -252,16 +255,25 @@ class E2BSandboxes:
         raise ConnectError(Code.NOT_FOUND, f"process {pid if pid is not None else tag} not found")
 
     async def signal(self, rollout: Rollout, pid: int, *, kill: bool) -> bool:
-        """Signal command ``pid``; False when it is not running."""
-        record = await self.processes_table.get(rollout.rollout_id, pid)
-        if record is None or rollout.sandbox is None:
-            return False
-        payload = SignalExec(handle=rollout.sandbox, exec_id=record["exec_id"], kill=kill)
-        raw = await self._worker(TaskName.SIGNAL_EXEC, rollout, payload.model_dump(mode="json"))
-        reply = SignalReply.model_validate(raw)
-        if reply.infra_error is not None:
-            raise InfraError(reply.infra_error, rollout_id=rollout.rollout_id)
-        return reply.found
+        """Signal command ``pid``; False when it is not running.
+
+        A command is listed from the moment it is accepted, but its agent knows it only
+        once the worker has started it: a signal in between (a busy host: seen under the
+        suite's load, ``kill()`` of a command just listed answering False) is sent again
+        until the agent has it, or until the command is no longer listed (it ended)."""
+        deadline = time.monotonic() + SIGNAL_UNTIL_STARTED_S
+        while True:
+            record = await self.processes_table.get(rollout.rollout_id, pid)
+            if record is None or rollout.sandbox is None:
+                return False
+            payload = SignalExec(handle=rollout.sandbox, exec_id=record["exec_id"], kill=kill)
+            raw = await self._worker(TaskName.SIGNAL_EXEC, rollout, payload.model_dump(mode="json"))
+            reply = SignalReply.model_validate(raw)
+            if reply.infra_error is not None:
+                raise InfraError(reply.infra_error, rollout_id=rollout.rollout_id)
+            if reply.found or time.monotonic() > deadline:
+                return reply.found
+            await asyncio.sleep(0.05)
 
     async def file_op(
         self,

@@ -377,7 +377,14 @@ class E2BOptions(BaseModel):
 # Fields added after environments were first pinned by rollouts: left out of the snapshot
 # while at their defaults, so an environment that does not use them keeps its digest (a
 # rollout pinned before they existed still finds its environment).
-_LATER_FIELDS = ("scratch_dirs", "e2b", "expected_concurrency", "pool_autosize")
+_LATER_FIELDS = (
+    "scratch_dirs",
+    "e2b",
+    "expected_concurrency",
+    "pool_autosize",
+    "reuse",
+    "max_reuses",
+)
 
 
 class EnvironmentConfig(BaseModel):
@@ -429,6 +436,14 @@ class EnvironmentConfig(BaseModel):
         ge=0,
         description="Warm sandboxes to keep ready per codebase at least (state/pools.py); "
         "a demand-sized pool grows above it.",
+    )
+    reuse: bool | None = Field(
+        None,
+        description="Recycle this environment's sandboxes after clean rollouts (reset, audited, "
+        "back to the pool); None: settings.sandbox_reuse.",
+    )
+    max_reuses: int = Field(
+        20, ge=0, description="Rollouts a sandbox may serve after its first, at most."
     )
     expected_concurrency: int = Field(
         0,

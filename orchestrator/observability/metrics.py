@@ -88,6 +88,13 @@ SANDBOXES_REAPED = Counter(
     "max_lifetime, infra_failed, stuck_creating, host_lost, host_unhealthy, expired, orphan).",
     ["reason"],
 )
+SANDBOXES_RECYCLED = Counter(
+    "orchestrator_sandboxes_recycled_total",
+    "Sandboxes of clean rollouts sent for recycling, by result: recycled (reset, audited "
+    "clean, back in their pool) or destroyed (a limit hit, its pool full, its reset or "
+    "audit failed).",
+    ["result"],
+)
 ORPHANS_FOUND = Counter(
     "orchestrator_orphans_found_total",
     "Owned sandboxes found with no live rollout owning them (by the host sweep).",

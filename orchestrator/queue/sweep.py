@@ -37,12 +37,18 @@ def sweep_orphans(backend: SandboxBackend, client: SyncRedis, settings: Settings
         if not handle.rollout_id:
             continue  # ad hoc sandboxes (`orchestrator sandbox run`) go at their expiry
         rollout_id = handle.rollout_id
+        # A recycled sandbox keeps the labels of the rollout it was made for: whether it
+        # lies in a pool, is on its way back to one, or which rollout took it is Redis's.
+        pooled, owner = pool_owner(client, keys, handle.sandbox_id, handle.host)
+        if pooled:
+            continue
         if rollout_id == POOL_LABEL:
-            pooled, owner = pool_owner(client, keys, handle.sandbox_id)
             # A young one may be on its way into its pool.
-            if pooled or now - handle.created_at.timestamp() < pool_delivery_s(settings):
+            if now - handle.created_at.timestamp() < pool_delivery_s(settings):
                 continue
             rollout_id = owner or f"{POOL_LABEL}-unclaimed"
+        elif owner:
+            rollout_id = owner
         why = _orphaned(sandbox_owner(client, keys, rollout_id), handle.sandbox_id, now)
         if why is None:
             continue

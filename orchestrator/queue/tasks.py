@@ -15,6 +15,7 @@ from typing import Any
 from celery.signals import setup_logging, worker_ready, worker_shutdown, worker_shutting_down
 
 from orchestrator.config import get_settings
+from orchestrator.observability import metrics
 from orchestrator.observability.logging import (
     bind_sandbox,
     capture_stray_output,
@@ -28,13 +29,14 @@ from orchestrator.queue.sweep import sweep_orphans
 from orchestrator.sandbox.backend import FileError, ProbeResult, SandboxError, SandboxHandle
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.state.broker import celery_app, task
-from orchestrator.state.pools import PoolTarget, targets
+from orchestrator.state.pools import POOL_LABEL, PoolTarget, same_spec, targets
 from orchestrator.state.tasks import (
     CreateSandbox,
     DestroySandbox,
     FileOpReply,
     FileOpRequest,
     ProbeSandbox,
+    RecycleSandbox,
     SandboxCreated,
     SignalExec,
     SignalReply,
@@ -319,6 +321,75 @@ def destroy_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
         return {"destroyed": True}
 
 
+@task(TaskName.RECYCLE_SANDBOX)
+def recycle_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
+    """Reset a sandbox whose rollout ended cleanly and put it in its pool, or destroy it
+    (rollouts/recycling.py says when). Through the pool lane: a reset costs about what a
+    create does, and waits while a rollout's own sandbox is being made."""
+    request = RecycleSandbox.model_validate(payload)
+    worker.pool_creations().submit(_recycle, request)
+    return {"accepted": True}
+
+
+def _recycle(request: RecycleSandbox) -> None:
+    handle = request.handle
+    with rollout_context(handle.rollout_id, sandbox_id=handle.sandbox_id):
+        settings = get_settings()
+        filler = worker.pool_filler()
+        backend = worker.backend()
+        pool = next(
+            (
+                p
+                for p in targets(worker.environments(), settings, filler.demand())
+                if p.name == request.pool
+            ),
+            None,
+        )
+        reserved = False
+        report = None
+        why = ""
+        try:
+            if pool is None or not same_spec(pool.spec, request.spec):
+                why = "its pool no longer takes sandboxes of its spec"
+            elif not filler.reserve(pool, 1):
+                why = "its pool is full"
+            else:
+                reserved = True
+                hit = backend.limits_hit(handle)
+                if hit:
+                    why = f"it hit {', '.join(hit)}"
+                elif not worker.creation_gate().pool_turn():
+                    why = "the worker is stopping"
+                else:
+                    report = backend.reset(handle, request.spec)
+                    if not report.clean:
+                        why = f"its audit found {'; '.join(report.differences)[:500]}"
+        except SandboxError as exc:
+            why = f"its reset failed: {exc}"
+        if not why and pool is not None and report is not None:
+            recycled = handle.model_copy(
+                update={
+                    "rollout_id": POOL_LABEL,
+                    "reuse_count": handle.reuse_count + 1,
+                    "reset_digest": report.digest,
+                }
+            )
+            filler.deliver(pool, recycled, request.transit)
+            metrics.SANDBOXES_RECYCLED.labels("recycled").inc()
+            log.info("sandbox.recycled", pool=pool.name, reuses=recycled.reuse_count, ms=report.ms)
+            return
+        metrics.SANDBOXES_RECYCLED.labels("destroyed").inc()
+        log.info("sandbox.not_recycled", why=why, reason=request.reason)
+        try:
+            backend.destroy(handle)
+        except SandboxError as exc:
+            # The host's sweep destroys it (its rollout is closed, it is in no pool).
+            log.warning("sandbox.destroy_failed", error=str(exc))
+        if reserved and pool is not None:
+            filler.deliver(pool, None)
+        worker.release_slot(handle.host, request.transit)
+
+
 @task(TaskName.SWEEP_HOST)
 def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
     """Destroy this host's expired sandboxes and leftovers by label, and every sandbox
@@ -362,7 +433,8 @@ def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
                 ignore_result=True,
             )
             worker.release_slot(handle.host)
-        jobs += [pool] * filler.reserve(pool, pool.size)
+        size = filler.refill_size(pool)
+        jobs += [pool] * filler.reserve(pool, size, size)
     if not jobs:
         return {"created": 0, "dropped": dropped}
     # Through the pool lane: never while a rollout's own sandbox waits to be made.

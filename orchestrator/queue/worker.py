@@ -171,9 +171,10 @@ def pool_filler() -> PoolFiller:
     return PoolFiller(get_settings(), redis_client())
 
 
-def release_slot(host_id: str) -> None:
-    """Give back a slot of ``host_id`` (its sandbox is gone or was never made)."""
-    admission.release_slot(redis_client(), keys(), host_id)
+def release_slot(host_id: str, transit: str = "") -> None:
+    """Give back a slot of ``host_id`` (its sandbox is gone or was never made), and its
+    member of the slots in transit if it had one."""
+    admission.release_slot(redis_client(), keys(), host_id, transit)
 
 
 class _InFlight:

@@ -15,8 +15,10 @@ from orchestrator.observability.logging import bind_sandbox, get_logger, in_roll
 from orchestrator.outcomes import Cause, Outcome
 from orchestrator.rollouts.errors import InfraError
 from orchestrator.rollouts.lookup import known, present
+from orchestrator.rollouts.recycling import RecyclePolicy
 from orchestrator.state.admission import Admission
 from orchestrator.state.models import RolloutState
+from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueClient, QueueTimeout
 from orchestrator.state.tasks import DestroySandbox, TaskName
@@ -30,6 +32,10 @@ class Closer:
         self.queue = queue
         self.keys = store.keys
         self.admission = admission
+        # Set by RolloutService once the environments can be resolved: which sandboxes go
+        # back to a pool instead of being destroyed (rollouts/recycling.py).
+        self.recycling: RecyclePolicy | None = None
+        self.pools: PoolClaims | None = None
 
     @in_rollout_context
     async def close(
@@ -51,7 +57,23 @@ class Closer:
         is stopping)."""
         rollout = await known(self.store, rollout_id)
         bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
-        if destroy and rollout.sandbox is not None and rollout.closed_at is None:
+        recycle = None
+        if destroy and self.recycling is not None and rollout.closed_at is None:
+            recycle = self.recycling.request(rollout, reason, ended_by)
+        if recycle is not None:
+            # Its slot stays taken, counted in transit until the worker puts the sandbox in
+            # its pool or destroys it; counted before the record closes, so no recount
+            # between the two gives it away.
+            handle = recycle.handle
+            recycle.transit = await self.admission.hold_for_recycling(
+                handle.host, handle.sandbox_id
+            )
+            await self.queue.send(
+                TaskName.RECYCLE_SANDBOX,
+                recycle.model_dump(mode="json"),
+                queue=self.keys.host_queue(handle.host),
+            )
+        elif destroy and rollout.sandbox is not None and rollout.closed_at is None:
             payload = DestroySandbox(handle=rollout.sandbox, reason=reason).model_dump(mode="json")
             queue = self.keys.host_queue(rollout.sandbox.host)
             if wait:
@@ -68,8 +90,10 @@ class Closer:
                     log.warning("rollout.destroy_deferred", rollout_id=rollout_id, error=str(exc))
             else:
                 await self.queue.send(TaskName.DESTROY_SANDBOX, payload, queue=queue)
-        if rollout.sandbox is not None and rollout.closed_at is None:
+        if rollout.sandbox is not None and rollout.closed_at is None and recycle is None:
             await self.admission.release(rollout.sandbox.host)
+        if rollout.pool_hit and rollout.closed_at is None and self.pools is not None:
+            await self.pools.returned(rollout.environment, rollout.codebase)
         state = rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED
         fields: dict[str, Any] = {"state": state, "closed_at": time.time()}
         if ended_by is not None and rollout.score is None:

@@ -25,6 +25,7 @@ from orchestrator.rollouts.calls import ToolCalls
 from orchestrator.rollouts.closes import Closer
 from orchestrator.rollouts.dispatch import CallDispatcher
 from orchestrator.rollouts.grades import Grading
+from orchestrator.rollouts.recycling import RecyclePolicy
 from orchestrator.rollouts.starts import Starter
 from orchestrator.state.admission import Admission
 from orchestrator.state.pools import PoolClaims
@@ -53,6 +54,8 @@ class RolloutService:
         self.starter = Starter(
             settings, store, environments, queue, self.admission, self.pools, self.closer
         )
+        self.closer.recycling = RecyclePolicy(settings, self.starter.environment_of)
+        self.closer.pools = self.pools
         self.calls = ToolCalls(settings, store, queue, self.dispatcher, self.starter, self.closer)
         self.grading = Grading(settings, store, self.starter, self.closer)
 

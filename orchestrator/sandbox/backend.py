@@ -156,6 +156,12 @@ class SandboxHandle(BaseModel):
     native_id: str = Field(description="The backend's own id (container id, pod name).")
     created_at: datetime
     expires_at: datetime
+    reuse_count: int = Field(
+        0, description="Rollouts it served before the current one (0: made for this one)."
+    )
+    reset_digest: str = Field(
+        "", description="The audit digest of its last reset (ResetReport.digest); '' if none."
+    )
 
 
 class StreamCapture(BaseModel):
@@ -443,6 +449,12 @@ class SandboxBackend(ABC):
     @abstractmethod
     def list_owned(self) -> list[SandboxHandle]:
         """Every sandbox of this deployment on this backend, found by labels."""
+
+    def limits_hit(self, handle: SandboxHandle) -> list[str]:
+        """The limits the sandbox hit since it started, as its backend recorded them (an
+        OOM kill, its process limit, a full /workspace): a sandbox that hit one is never
+        recycled. Empty when none, or when the backend keeps no such record."""
+        return []
 
     def reset(self, handle: SandboxHandle, spec: SandboxSpec) -> ResetReport:
         """Make ``handle`` (made from ``spec``) as a fresh sandbox is, for another rollout:

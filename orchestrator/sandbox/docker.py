@@ -299,6 +299,31 @@ class DockerBackend(agent.AgentBackend):
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
+    def limits_hit(self, handle: SandboxHandle) -> list[str]:
+        """From the container's cgroups (OOM kills, the pids limit reached) and its
+        /workspace filesystem (less than 1 MiB free), since the container last started."""
+        try:
+            container_id = self.client.api.inspect_container(
+                self._resource_name(handle.sandbox_id)
+            )["Id"]
+        except NotFound as exc:
+            raise SandboxError(f"sandbox {handle.sandbox_id} is gone") from exc
+        except DOCKER_FAILURES as exc:
+            raise _docker_fault("inspect the sandbox", exc) from exc
+        hit = []
+        if _cgroup_count(
+            container_id, "memory", ("memory.oom_control", "memory.events"), "oom_kill"
+        ):
+            hit.append("memory_limit")
+        if _cgroup_count(container_id, "pids", ("pids.events", "pids.events"), "max"):
+            hit.append("pids_limit")
+        top = self.workspaces.uppers / handle.sandbox_id
+        if top.is_mount():
+            fs = os.statvfs(top)
+            if fs.f_bavail * fs.f_frsize < 1 << 20:
+                hit.append("disk_limit")
+        return hit
+
     def manifest(self, handle: SandboxHandle) -> dict[str, Any]:
         """The agent's account of everywhere state can persist in the sandbox (processes,
         mounts, writable trees, System V IPC): exec_agent.sandbox_manifest."""
@@ -682,3 +707,27 @@ def _manifest_differences(fresh: dict[str, Any], after: dict[str, Any]) -> list[
             extra, missing = sorted(now - was)[:5], sorted(was - now)[:5]
             differences.append(f"{point}: added or changed {extra}, missing {missing}")
     return differences
+
+
+def _cgroup_count(container_id: str, controller: str, files: tuple[str, str], key: str) -> int:
+    """A counter (``key N`` lines) of the container's cgroup: v1 (``files[0]`` under the
+    controller's hierarchy, cgroupfs or systemd driver), else v2 (``files[1]``); 0 when the
+    file is not there (a runtime that keeps no such cgroup)."""
+    root = Path("/sys/fs/cgroup")
+    v1, v2 = files
+    for path in (
+        root / controller / "docker" / container_id / v1,
+        root / controller / "system.slice" / f"docker-{container_id}.scope" / v1,
+        root / "docker" / container_id / v2,
+        root / "system.slice" / f"docker-{container_id}.scope" / v2,
+    ):
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+        return 0
+    return 0

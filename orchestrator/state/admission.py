@@ -174,6 +174,14 @@ class Admission:
             pipe.zrem(self.keys.transit, transit_member(host, _holder_tag(holder)))
             await pipe.execute()
 
+    async def hold_for_recycling(self, host: str, sandbox_id: str) -> str:
+        """Keep the slot of a sandbox leaving its rollout for its pool (recycling): counted
+        in transit from now until the worker puts it in the pool or destroys it (which
+        gives the slot back, :func:`release_slot`). Returns the transit member."""
+        member = transit_member(host, f"recycle:{sandbox_id}")
+        await self.redis.zadd(self.keys.transit, {member: time.time() + TRANSIT_MAX_S})
+        return member
+
     async def settled(self, host: str, holder: str) -> None:
         """``holder``'s slot is counted by its record now: no longer in transit."""
         await self.redis.zrem(self.keys.transit, transit_member(host, _holder_tag(holder)))
@@ -234,7 +242,13 @@ def _holder_tag(holder: str) -> str:
     return f"start:{holder}"
 
 
-def release_slot(client: redis.Redis, keys: Keys, host: str) -> None:
+def release_slot(client: redis.Redis, keys: Keys, host: str, transit: str = "") -> None:
     """The worker's side (sync): give back a slot of ``host`` (its sandbox is gone or was
-    never made)."""
-    client.hincrby(keys.load, host, -1)
+    never made), and stop counting it in transit (``transit``: its member, if any)."""
+    if not transit:
+        client.hincrby(keys.load, host, -1)
+        return
+    pipe = client.pipeline(transaction=True)
+    pipe.hincrby(keys.load, host, -1)
+    pipe.zrem(keys.transit, transit)
+    pipe.execute()

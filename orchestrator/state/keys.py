@@ -126,7 +126,8 @@ class Keys:
     # Warm pools (state/pools.py).
 
     def pool(self, pool: str, part: str) -> str:
-        """List ``ready`` (sandbox handles) or string ``pending`` (creations reserved)."""
+        """List ``ready`` (sandbox handles), string ``pending`` (creations reserved) or
+        string ``out`` (sandboxes its rollouts hold, which recycling may bring back)."""
         return f"{self.prefix}pool:{pool}:{part}"
 
     @cached_property

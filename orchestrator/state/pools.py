@@ -77,6 +77,12 @@ return raw
 """
 
 
+# KEYS: a pool's count of sandboxes out with rollouts. One fewer, never below 0.
+_RETURNED = """
+if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then return redis.call('DECR', KEYS[1]) end
+return 0
+"""
+
 # KEYS: ready list, members set. ARGV: size. Takes out the newest ready sandboxes past the
 # size, for the caller to destroy (LPOP claims take the oldest, so a claim never races it).
 _TRIM = """
@@ -132,6 +138,13 @@ def autosized(env: EnvironmentConfig, settings: Settings) -> bool:
     return settings.pool_autosize and env.pool_autosize
 
 
+def same_spec(a: SandboxSpec, b: SandboxSpec) -> bool:
+    """Whether sandboxes of ``a`` and ``b`` are alike (their owner and lifetime aside): a
+    recycled sandbox goes only to a pool whose sandboxes it is like."""
+    ignore = {"rollout_id", "lifetime_s"}
+    return a.model_dump(exclude=ignore) == b.model_dump(exclude=ignore)
+
+
 @dataclass(frozen=True)
 class PoolTarget:
     """One pool: what its sandboxes are made from and how many to keep."""
@@ -139,6 +152,14 @@ class PoolTarget:
     name: str
     size: int
     spec: SandboxSpec
+    recycles: bool = False
+    """Its rollouts' sandboxes come back to it (recycling): refills leave room for them."""
+
+
+def recycles(env: EnvironmentConfig, settings: Settings) -> bool:
+    """Whether ``env``'s sandboxes are recycled (rollouts/recycling.py decides per rollout)."""
+    reuse = env.reuse if env.reuse is not None else settings.sandbox_reuse
+    return reuse and settings.sandbox_backend == "docker"
 
 
 def pool_name(environment: str, codebase: str | None) -> str:
@@ -187,6 +208,7 @@ def targets(
                 name=pool,
                 size=pool_size(env, settings, demand.get(pool)),
                 spec=resolved.sandbox_spec(settings, POOL_LABEL),
+                recycles=recycles(env, settings),
             )
 
 
@@ -214,10 +236,21 @@ class PoolFiller:
         )
         return [SandboxHandle.model_validate_json(raw) for raw in raws]
 
-    def reserve(self, pool: PoolTarget, wanted: int) -> int:
-        """How many sandboxes this filler may create for ``pool`` now."""
+    def reserve(self, pool: PoolTarget, wanted: int, size: int | None = None) -> int:
+        """How many sandboxes this filler may add to ``pool`` now (``size``: the pool's
+        size to fill up to, default its own)."""
         keys = [self.keys.pool(pool.name, "ready"), self._pending(pool)]
-        return int(self._reserve(keys=keys, args=[pool.size, wanted]))
+        limit = pool.size if size is None else size
+        return int(self._reserve(keys=keys, args=[limit, wanted]))
+
+    def refill_size(self, pool: PoolTarget) -> int:
+        """What a refill fills ``pool`` up to: its size, less the sandboxes its rollouts
+        hold when they come back to it (recycling), so a refill does not make sandboxes
+        that the rollouts' own, reset, would find no room beside."""
+        if not pool.recycles:
+            return pool.size
+        out = int(self.client.get(self.keys.pool(pool.name, "out")) or 0)
+        return max(0, pool.size - out)
 
     def take_slot(self, tag: str) -> str | None:
         """A slot of this host's capacity for a pool creation, counted in transit in the
@@ -283,14 +316,20 @@ class PoolFiller:
         return self.keys.pool(pool.name, "pending")
 
 
-def pool_owner(client: redis.Redis, keys: Keys, sandbox_id: str) -> tuple[bool, str]:
-    """(lies in a pool, the rollout that took it or '') for the orphan sweep."""
+def pool_owner(
+    client: redis.Redis, keys: Keys, sandbox_id: str, host: str = ""
+) -> tuple[bool, str]:
+    """(lies in a pool or is on its way back to one, the rollout that took it from a pool
+    or ''), for the orphan sweep. On its way back: being recycled (its slot held in transit
+    by state/admission.Admission.hold_for_recycling, on ``host``)."""
     pipe = client.pipeline(transaction=False)
     pipe.sismember(keys.pool_members, sandbox_id)
     pipe.get(keys.pool_claim(sandbox_id))
-    pooled, owner = pipe.execute()
+    pipe.zscore(keys.transit, transit_member(host, f"recycle:{sandbox_id}"))
+    pooled, owner, recycling = pipe.execute()
     text = owner.decode() if isinstance(owner, bytes) else (owner or "")
-    return bool(pooled), str(text)
+    returning = recycling is not None and float(recycling) > time.time()
+    return bool(pooled) or returning, str(text)
 
 
 class PoolClaims:
@@ -301,6 +340,9 @@ class PoolClaims:
         self.client = client  # redis.asyncio.Redis with decoded responses
         self.keys = Keys.of(settings.deployment)
         self._take = client.register_script(_TAKE)
+        self._returned = client.register_script(_RETURNED)
+        # Three reaper passes: the reaper counts what a pool's rollouts hold on each.
+        self._out_ttl_s = max(30, int(3 * settings.reaper_interval_s))
 
     async def take(self, resolved: ResolvedEnvironment) -> SandboxHandle | None:
         """A ready sandbox of this rollout's pool, or None (no pool, or empty). The caller
@@ -314,9 +356,19 @@ class PoolClaims:
         raw = await self._take(keys=keys, args=[time.time() + TRANSIT_MAX_S])
         if raw is None:
             return None
+        # Out with its rollout until the reaper's next count (record_demand); a count no
+        # pass corrects (its rollouts were all gone before one came) lapses on its own.
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.incr(self.keys.pool(name, "out"))
+            pipe.expire(self.keys.pool(name, "out"), self._out_ttl_s)
+            await pipe.execute()
         # Still a pool member (the orphan sweep spares it), and its slot in transit (the
         # recount keeps it), until bound to its rollout.
         return SandboxHandle.model_validate_json(raw)
+
+    async def returned(self, environment: str, codebase: str | None) -> None:
+        """A rollout that took a sandbox from this pool ended: one fewer out with rollouts."""
+        await self._returned(keys=[self.keys.pool(pool_name(environment, codebase), "out")])
 
     async def bind(self, handle: SandboxHandle, rollout_id: str, ttl_s: int) -> None:
         """From now on the sandbox is ``rollout_id``'s (and the sweep judges it by it)."""
@@ -359,8 +411,13 @@ class PoolClaims:
             for name, now_seen in seen.items()
             if (kept := next_demand(known.get(name), now_seen, window)) != known.get(name)
         }
-        if updates:
-            await self.client.hset(self.keys.pool_demand, mapping=updates)
+        async with self.client.pipeline(transaction=False) as pipe:
+            if updates:
+                pipe.hset(self.keys.pool_demand, mapping=updates)
+            # What each pool's rollouts hold now, counted afresh (claims add to it between).
+            for name in seen:
+                pipe.set(self.keys.pool(name, "out"), counts.get(name, 0), ex=self._out_ttl_s)
+            await pipe.execute()
 
     async def ready(self, pool: str) -> list[SandboxHandle]:
         """The ready sandboxes of ``pool`` (the reaper's slot recount counts them)."""

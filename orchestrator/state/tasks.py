@@ -29,6 +29,7 @@ class TaskName(StrEnum):
     FILE_OP = "orchestrator.file_op"
     SIGNAL_EXEC = "orchestrator.signal_exec"
     DESTROY_SANDBOX = "orchestrator.destroy_sandbox"
+    RECYCLE_SANDBOX = "orchestrator.recycle_sandbox"
     SWEEP_HOST = "orchestrator.sweep_host"
     REFILL_POOLS = "orchestrator.refill_pools"
     REAP = "orchestrator.reap"
@@ -81,6 +82,18 @@ class ToolCallDone(BaseModel):
 
 class DestroySandbox(BaseModel):
     handle: SandboxHandle
+    reason: str
+
+
+class RecycleSandbox(BaseModel):
+    """A sandbox whose rollout ended cleanly, to reset and return to ``pool`` (or destroy,
+    when its audit or its pool says no). Its slot is counted in transit (``transit``, a
+    member of state/keys.Keys.transit) until it is in the pool or gone."""
+
+    handle: SandboxHandle
+    spec: SandboxSpec = Field(description="What it was made from: its audit's reference.")
+    pool: str
+    transit: str
     reason: str
 
 

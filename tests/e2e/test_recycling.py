@@ -1,0 +1,175 @@
+"""Recycling on a real stack (API, worker, beat, Redis, sandboxes): a sandbox whose rollout
+ended cleanly is reset, audited and returned to its pool; the next rollout takes the same
+sandbox, says so (reuses, reset digest), and finds nothing the last one left. A rollout
+that failed for an infrastructure reason, or whose sandbox hit a limit, never hands its
+sandbox on. The rest of the suite runs with recycling off (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import docker
+import httpx
+import pytest
+import redis
+import yaml
+
+from orchestrator.state.keys import Keys
+from orchestrator.state.pools import pool_name
+from tests.e2e.conftest import Stack, side_stack
+from tests.e2e.helpers import wait_for
+
+pytestmark = pytest.mark.xdist_group("e2e")
+
+PLANT = (
+    "echo planted > /tmp/planted; echo 'echo hijacked' >> ~/.bashrc; "
+    "echo planted > /workspace/planted; rm -f /workspace/README.md; "
+    "setsid sleep 1000 > /dev/null 2>&1 < /dev/null & "
+    "(trap '' TERM; exec sleep 1001) > /dev/null 2>&1 < /dev/null & echo planted"
+)
+LOOK = "ls -A /tmp ~ /workspace; ps -eo uid=,comm= | grep -v -e ps -e bash -e grep || true"
+
+
+@pytest.fixture(scope="module")
+def recycling_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("recycling")
+    environments = root / "environments.yaml"
+    environments.write_text(
+        yaml.safe_dump(
+            {
+                "environments": [
+                    {
+                        "name": "reused",
+                        "codebase": stack.codebase,
+                        "tools": ["shell", "read_file"],
+                        "grader": {"name": "file_f1"},
+                        "pool_size": 1,
+                        "max_reuses": 10,
+                        "limits": {"memory_mb": 256},
+                    }
+                ]
+            }
+        )
+    )
+    env = {"ORCH_SANDBOX_REUSE": "true", "ORCH_POOL_AUTOSIZE": "false"}
+    with side_stack(stack, root, name="rc", environments_file=environments, env=env) as side:
+        yield side
+
+
+def _ready(stack: Stack) -> list[str]:
+    client = redis.Redis.from_url(stack.settings.redis_url, decode_responses=True)
+    try:
+        key = Keys.of(stack.settings.deployment).pool(pool_name("reused", stack.codebase), "ready")
+        return [json.loads(raw)["sandbox_id"] for raw in client.lrange(key, 0, -1)]
+    finally:
+        client.close()
+
+
+def _start(client: httpx.Client, stack: Stack) -> dict[str, Any]:
+    item = {"codebase": stack.codebase, "prompt": "p", "gold_files": ["README.md"]}
+    created = client.post("/v1/rollouts", json={"environment": "reused", "item": item})
+    assert created.status_code == 201, created.text
+    rollout: dict[str, Any] = client.get(f"/v1/rollouts/{created.json()['rollout_id']}").json()
+    return rollout
+
+
+def _shell(client: httpx.Client, rollout: dict[str, Any], command: str) -> dict[str, Any]:
+    reply = client.post(
+        f"/v1/rollouts/{rollout['rollout_id']}/tools/shell",
+        json={"arguments": {"command": command}},
+    )
+    assert reply.status_code == 200, reply.text
+    result: dict[str, Any] = reply.json()
+    return result
+
+
+def _take_pooled(client: httpx.Client, stack: Stack, sandbox_id: str) -> dict[str, Any]:
+    """A new rollout, once ``sandbox_id`` is the pool's only ready sandbox."""
+    wait_for(lambda: _ready(stack) == [sandbox_id], timeout_s=60, what=f"{sandbox_id} pooled")
+    rollout = _start(client, stack)
+    assert rollout["pool_hit"] and rollout["sandbox_id"] == sandbox_id, rollout
+    return rollout
+
+
+def test_a_clean_rollouts_sandbox_serves_the_next_one_with_nothing_left(
+    recycling_stack: Stack,
+) -> None:
+    with recycling_stack.client() as client:
+        wait_for(lambda: len(_ready(recycling_stack)) == 1, timeout_s=60, what="a ready one")
+        first = _start(client, recycling_stack)
+        assert first["pool_hit"] and first["sandbox_reuses"] == 0, first
+        fresh_view = _shell(client, first, LOOK)["output"]
+        assert "planted" in _shell(client, first, PLANT)["output"]
+        sandbox = first["sandbox_id"]
+        assert client.delete(f"/v1/rollouts/{first['rollout_id']}").status_code == 200
+        # While its rollout held it, no refill took its place: it comes back to its pool.
+        second = _take_pooled(client, recycling_stack, sandbox)
+        assert second["sandbox_reuses"] == 1 and second["sandbox_reset_digest"], second
+        after = _shell(client, second, LOOK)["output"]
+        assert after == fresh_view, (fresh_view, after)
+        trajectory = client.get(f"/v1/rollouts/{second['rollout_id']}/trajectory").json()
+        assert trajectory["sandbox_id"] == sandbox and trajectory["sandbox_reuses"] == 1
+        client.delete(f"/v1/rollouts/{second['rollout_id']}")
+
+
+def test_a_sandbox_that_hit_its_memory_limit_is_destroyed_not_recycled(
+    recycling_stack: Stack,
+) -> None:
+    with recycling_stack.client() as client:
+        wait_for(lambda: len(_ready(recycling_stack)) >= 1, timeout_s=60, what="a ready one")
+        rollout = _start(client, recycling_stack)
+        hog = _shell(client, rollout, "python3 -c 'b = b\"x\" * (1 << 30)'; echo exit=$?")
+        assert "exit=137" in hog["output"] or hog.get("limits_hit"), hog
+        sandbox = rollout["sandbox_id"]
+        client.delete(f"/v1/rollouts/{rollout['rollout_id']}")
+        docker_client = docker.from_env()
+        try:
+            wait_for(
+                lambda: (
+                    not docker_client.containers.list(
+                        all=True, filters={"label": f"orchestrator.sandbox={sandbox}"}
+                    )
+                ),
+                timeout_s=60,
+                what="the sandbox destroyed",
+            )
+        finally:
+            docker_client.close()
+        assert sandbox not in _ready(recycling_stack)
+        assert recycling_stack.logs is not None
+        said = (recycling_stack.logs / "worker.log").read_text()
+        assert '"why": "it hit memory_limit"' in said, "refused for the limit it hit"
+
+
+def test_a_failed_rollouts_sandbox_is_destroyed_not_recycled(recycling_stack: Stack) -> None:
+    with recycling_stack.client() as client:
+        wait_for(lambda: len(_ready(recycling_stack)) >= 1, timeout_s=60, what="a ready one")
+        rollout = _start(client, recycling_stack)
+        sandbox = rollout["sandbox_id"]
+        docker_client = docker.from_env()
+        try:
+            # The sandbox dies behind the orchestrator's back: an infrastructure failure.
+            (container,) = docker_client.containers.list(
+                filters={"label": f"orchestrator.sandbox={sandbox}"}
+            )
+            container.kill()
+            reply = client.post(
+                f"/v1/rollouts/{rollout['rollout_id']}/tools/shell",
+                json={"arguments": {"command": "true"}},
+            )
+            assert reply.status_code == 503, reply.text
+            client.delete(f"/v1/rollouts/{rollout['rollout_id']}")
+            wait_for(
+                lambda: (
+                    not docker_client.containers.list(
+                        all=True, filters={"label": f"orchestrator.sandbox={sandbox}"}
+                    )
+                ),
+                timeout_s=60,
+                what="the failed rollout's sandbox destroyed",
+            )
+        finally:
+            docker_client.close()
+        assert sandbox not in _ready(recycling_stack)
