@@ -78,6 +78,7 @@ from orchestrator.sandbox import labels
 from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import GcReport, collect_expired
+from orchestrator.state.keys import Keys
 from orchestrator.state.pools import POOL_LABEL
 
 ENVIRONMENT = "bench-burst"
@@ -919,9 +920,20 @@ def forget_deployment(settings: Settings, deployment: str) -> int:
 
 
 def rollout_sandboxes(client: docker.DockerClient, deployment: str) -> int:
-    """Running sandboxes of the deployment that a rollout holds (pools' ready ones not)."""
+    """Running sandboxes of the deployment that a rollout holds: not in a pool (Redis's
+    pool members; a recycled one keeps its first rollout's labels)."""
     found = client.api.containers(filters={"label": labels.deployment_filter(deployment)})
-    return sum(1 for c in found if (c.get("Labels") or {}).get(labels.ROLLOUT) != POOL_LABEL)
+    store = redis.Redis.from_url(Settings().redis_url, decode_responses=True)
+    try:
+        pooled = set(store.smembers(Keys.of(deployment).pool_members))
+    finally:
+        store.close()
+    return sum(
+        1
+        for c in found
+        if (c.get("Labels") or {}).get(labels.ROLLOUT) != POOL_LABEL
+        and (c.get("Labels") or {}).get(labels.SANDBOX) not in pooled
+    )
 
 
 def wait_for_reaper(client: docker.DockerClient, timeout_s: float) -> dict[str, Any]:

@@ -324,10 +324,13 @@ def destroy_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
 @task(TaskName.RECYCLE_SANDBOX)
 def recycle_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     """Reset a sandbox whose rollout ended cleanly and put it in its pool, or destroy it
-    (rollouts/recycling.py says when). Through the pool lane: a reset costs about what a
-    create does, and waits while a rollout's own sandbox is being made."""
+    (rollouts/recycling.py says when). Through the rollouts' creation lane, as one of
+    theirs: the sandbox it makes is one a rollout of the next burst takes, so it goes
+    before refills (which would make new ones beside it) and beside rollouts' creations.
+    (In the pool lane, one at a time and behind every cold create, a second burst found
+    33 of its 256 rollouts' sandboxes reset in time, and 504 sandboxes ran at once.)"""
     request = RecycleSandbox.model_validate(payload)
-    worker.pool_creations().submit(_recycle, request)
+    worker.create_for_rollout(_recycle, request)
     return {"accepted": True}
 
 
@@ -358,8 +361,6 @@ def _recycle(request: RecycleSandbox) -> None:
                 hit = backend.limits_hit(handle)
                 if hit:
                     why = f"it hit {', '.join(hit)}"
-                elif not worker.creation_gate().pool_turn():
-                    why = "the worker is stopping"
                 else:
                     report = backend.reset(handle, request.spec)
                     if not report.clean:
