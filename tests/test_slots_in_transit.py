@@ -209,3 +209,35 @@ def test_a_recount_during_which_slots_moved_writes_nothing(unit: Settings) -> No
             await async_redis.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_sandbox_on_its_way_back_is_sent_once_and_pooled_once(unit: Settings) -> None:
+    """Two closes of one rollout at once may not both recycle its sandbox: it would lie in
+    its pool twice, and two rollouts would share it. Only the first hold is granted, the
+    slot counts once in transit, and delivering the same sandbox twice pools it once."""
+
+    async def scenario() -> None:
+        sync = redis.Redis.from_url(unit.redis_url)
+        async_redis = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
+        admission = Admission(unit, async_redis)
+        filler = PoolFiller(unit, sync)
+        pool = PoolTarget(name="pooled:-", size=2, spec=SandboxSpec(image="x"))
+        try:
+            holds = await asyncio.gather(
+                *(admission.hold_for_recycling(unit.host_id, "sbx-back") for _ in range(2))
+            )
+            assert sorted(bool(h) for h in holds) == [False, True], holds
+            assert await admission.in_transit() == {unit.host_id: 1}
+            member = next(h for h in holds if h)
+            handle = _handle(unit, "sbx-back")
+            for _ in range(2):
+                assert filler.reserve(pool, 1) == 1
+                filler.deliver(pool, handle, member)
+            ready = sync.lrange(Keys.of(unit.deployment).pool(pool.name, "ready"), 0, -1)
+            assert len(ready) == 1, ready
+            assert await admission.in_transit() == {}
+        finally:
+            sync.close()
+            await async_redis.aclose()
+
+    asyncio.run(scenario())

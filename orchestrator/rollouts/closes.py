@@ -68,11 +68,12 @@ class Closer:
             recycle.transit = await self.admission.hold_for_recycling(
                 handle.host, handle.sandbox_id
             )
-            await self.queue.send(
-                TaskName.RECYCLE_SANDBOX,
-                recycle.model_dump(mode="json"),
-                queue=self.keys.host_queue(handle.host),
-            )
+            if recycle.transit:  # else another close of this rollout sent it already
+                await self.queue.send(
+                    TaskName.RECYCLE_SANDBOX,
+                    recycle.model_dump(mode="json"),
+                    queue=self.keys.host_queue(handle.host),
+                )
         elif destroy and rollout.sandbox is not None and rollout.closed_at is None:
             payload = DestroySandbox(handle=rollout.sandbox, reason=reason).model_dump(mode="json")
             queue = self.keys.host_queue(rollout.sandbox.host)

@@ -177,10 +177,14 @@ class Admission:
     async def hold_for_recycling(self, host: str, sandbox_id: str) -> str:
         """Keep the slot of a sandbox leaving its rollout for its pool (recycling): counted
         in transit from now until the worker puts it in the pool or destroys it (which
-        gives the slot back, :func:`release_slot`). Returns the transit member."""
+        gives the slot back, :func:`release_slot`). Returns the transit member, or '' when
+        the sandbox is on its way already (two closes of one rollout at once: only one
+        may send it, or it would lie in its pool twice, for two rollouts)."""
         member = transit_member(host, f"recycle:{sandbox_id}")
-        await self.redis.zadd(self.keys.transit, {member: time.time() + TRANSIT_MAX_S})
-        return member
+        added = await self.redis.zadd(
+            self.keys.transit, {member: time.time() + TRANSIT_MAX_S}, nx=True
+        )
+        return member if added else ""
 
     async def settled(self, host: str, holder: str) -> None:
         """``holder``'s slot is counted by its record now: no longer in transit."""

@@ -55,11 +55,11 @@ return n
 
 # KEYS: ready list, pending counter, members set, slots in transit. ARGV: handle JSON (''
 # when the creation failed), sandbox id, the creation's transit member. One step, so the
-# sandbox's slot is always counted in one place: in transit, then in the ready list.
+# sandbox's slot is always counted in one place: in transit, then in the ready list. A
+# sandbox in a pool already is not put there again (two rollouts would take it).
 _DELIVER = """
-if ARGV[1] ~= '' then
+if ARGV[1] ~= '' and redis.call('SADD', KEYS[3], ARGV[2]) == 1 then
   redis.call('RPUSH', KEYS[1], ARGV[1])
-  redis.call('SADD', KEYS[3], ARGV[2])
 end
 if tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
 redis.call('ZREM', KEYS[4], ARGV[3])
