@@ -365,8 +365,8 @@ def _recycle(request: RecycleSandbox) -> None:
                     report = backend.reset(handle, request.spec)
                     if not report.clean:
                         why = f"its audit found {'; '.join(report.differences)[:500]}"
-        except SandboxError as exc:
-            why = f"its reset failed: {exc}"
+        except Exception as exc:  # noqa: BLE001 - whatever failed, it ends pooled or destroyed
+            why = f"its reset failed: {type(exc).__name__}: {exc}"
         if not why and pool is not None and report is not None:
             recycled = handle.model_copy(
                 update={
