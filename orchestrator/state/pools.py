@@ -14,7 +14,8 @@ environment's ``expected_concurrency`` before any is seen, plus ``pool_headroom`
 below a hand-set ``pool_size``, never above what the live hosts can hold. A pool bigger
 than its size is trimmed (:meth:`PoolFiller.trim`), so pools shrink when demand falls.
 
-A pool sandbox is used by one rollout only and destroyed with it. It holds its host's
+A pool sandbox serves one rollout at a time: when that rollout ends it is destroyed, or
+reset and returned here (recycling: rollouts/recycling.py). It holds its host's
 admission slot (state/admission.py) from creation, and hands it to its rollout. Workers
 fill pools (queue/tasks.refill_pools: on every reaper pass, and after every claim); the
 API claims with LPOP and probes the sandbox before handing it out.
