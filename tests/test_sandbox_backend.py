@@ -805,7 +805,8 @@ def test_whole_sandbox_oom_is_the_agents_doing(
     # At once, as the worker does: the probe waits for the dying sandbox to be seen exited.
     probe = backend.probe(handle)
     assert probe.state == "exited" and not probe.alive, probe
-    assert probe.oom_killed and probe.exit_code == 137, probe
+    # 137 when the kernel took gVisor's sentry; 2 when it took its gofer (docker.py).
+    assert probe.oom_killed and probe.exit_code in (137, 2), probe
     assert probe.agent_caused == "memory_limit", probe
 
 

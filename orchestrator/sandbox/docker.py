@@ -499,8 +499,12 @@ class DockerBackend(agent.AgentBackend):
             kernel_says = " (the kernel's log)" if oom_killed else ""
         # Docker sets OOMKilled on any OOM kill in the container, even one of a single
         # command that the sandbox survived; SIGKILL as the exit status says the OOM
-        # killer took the whole sandbox.
-        whole_oom = killed and oom_killed
+        # killer took the whole sandbox. Under gVisor the kernel may pick the gofer instead
+        # of the sentry (an `exe` of uid 65534 and oom_score_adj 0 in the kernel's log, not
+        # the sentry's 1): the sandbox then exits 2, not 137, dead of the same OOM (seen
+        # once in a fresh-clone run's test_whole_sandbox_oom_is_the_agents_doing[runsc]).
+        gvisor_died = handle.runtime == "runsc" and stopped and exit_code not in (0, None)
+        whole_oom = oom_killed and (killed or gvisor_died)
         detail = f"state={state}"
         if stopped:
             detail += (
