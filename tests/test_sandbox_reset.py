@@ -37,6 +37,15 @@ setsid sleep 1001 > /dev/null 2>&1 < /dev/null &
 bash -c 'trap "" TERM HUP INT; exec sleep 1004' > /dev/null 2>&1 < /dev/null &
 flock /tmp/lock sleep 1005 > /dev/null 2>&1 < /dev/null &
 python3 -c 'import os, time; os.setsid(); time.sleep(1006)' > /dev/null 2>&1 < /dev/null &
+# The agent ends what is left in the command's process group when it returns: wait until
+# the four detached ones (sleep 1001, 1002, 1003, the python) are in sessions of their own.
+me=$(ps -o sid= -p $$ | tr -d ' ')
+for i in $(seq 400); do
+  detached=$(ps -eo uid=,sid=,comm= | awk -v me="$me" \
+    '$1 == 1000 && $2 != me && ($3 == "sleep" || $3 == "python3")' | wc -l)
+  [ "$detached" -ge 4 ] && break
+  sleep 0.05
+done
 echo done
 """
 
