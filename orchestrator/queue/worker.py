@@ -117,10 +117,6 @@ class CreationGate:
         self._rollouts = 0
         self._closed = False
 
-    @property
-    def rollouts_waiting(self) -> int:
-        return self._rollouts
-
     def rollout_queued(self) -> None:
         with self._cond:
             self._rollouts += 1

@@ -93,6 +93,21 @@ def _take_pooled(client: httpx.Client, stack: Stack, sandbox_id: str) -> dict[st
     return rollout
 
 
+def _wait_destroyed(sandbox_id: str, what: str) -> None:
+    """Until no container of ``sandbox_id`` is left (by its label: a recycled sandbox keeps
+    its first rollout's)."""
+    client = docker.from_env()
+    try:
+        label = f"orchestrator.sandbox={sandbox_id}"
+        wait_for(
+            lambda: not client.containers.list(all=True, filters={"label": label}),
+            timeout_s=60,
+            what=what,
+        )
+    finally:
+        client.close()
+
+
 def test_a_clean_rollouts_sandbox_serves_the_next_one_with_nothing_left(
     recycling_stack: Stack,
 ) -> None:
@@ -124,19 +139,7 @@ def test_a_sandbox_that_hit_its_memory_limit_is_destroyed_not_recycled(
         assert "exit=137" in hog["output"] or hog.get("limits_hit"), hog
         sandbox = rollout["sandbox_id"]
         client.delete(f"/v1/rollouts/{rollout['rollout_id']}")
-        docker_client = docker.from_env()
-        try:
-            wait_for(
-                lambda: (
-                    not docker_client.containers.list(
-                        all=True, filters={"label": f"orchestrator.sandbox={sandbox}"}
-                    )
-                ),
-                timeout_s=60,
-                what="the sandbox destroyed",
-            )
-        finally:
-            docker_client.close()
+        _wait_destroyed(sandbox, "the sandbox destroyed")
         assert sandbox not in _ready(recycling_stack)
         assert recycling_stack.logs is not None
         said = (recycling_stack.logs / "worker.log").read_text()
@@ -161,15 +164,7 @@ def test_a_failed_rollouts_sandbox_is_destroyed_not_recycled(recycling_stack: St
             )
             assert reply.status_code == 503, reply.text
             client.delete(f"/v1/rollouts/{rollout['rollout_id']}")
-            wait_for(
-                lambda: (
-                    not docker_client.containers.list(
-                        all=True, filters={"label": f"orchestrator.sandbox={sandbox}"}
-                    )
-                ),
-                timeout_s=60,
-                what="the failed rollout's sandbox destroyed",
-            )
         finally:
             docker_client.close()
+        _wait_destroyed(sandbox, "the failed rollout's sandbox destroyed")
         assert sandbox not in _ready(recycling_stack)
