@@ -56,6 +56,7 @@ from typing import Any
 import docker
 import httpx
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench import plots
 from bench.common import (
@@ -79,7 +80,7 @@ from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle, SandboxS
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import GcReport, collect_expired
 from orchestrator.state.keys import Keys
-from orchestrator.state.pools import POOL_LABEL
+from orchestrator.state.pools import POOL_LABEL, pool_name
 
 ENVIRONMENT = "bench-burst"
 # A deployment of its own per run: nothing in Redis (pools, admission slots, rollouts) from
@@ -765,7 +766,8 @@ def idle_phase(settings: Settings, image: str, n: int) -> dict[str, Any]:
 
 def environments_yaml(codebase: str, pool: int) -> str:
     """The bench environment: the requests codebase, no tool budget, a warm pool of ``pool``
-    sandboxes (``pool_size``), a short grace after grading so the reaper drains quickly."""
+    sandboxes (``pool_size``); the default grace after grading (0: the grade hands the
+    sandbox back)."""
     lines = [
         "environments:",
         f"  - name: {ENVIRONMENT}",
@@ -773,7 +775,6 @@ def environments_yaml(codebase: str, pool: int) -> str:
         "    tools: [shell, read_file]",
         "    grader: {name: file_f1}",
         "    idle_timeout_s: 120",
-        "    grace_after_grade_s: 5",
         f"    pool_size: {pool}",
     ]
     return "\n".join(lines) + "\n"
@@ -936,6 +937,77 @@ def rollout_sandboxes(client: docker.DockerClient, deployment: str) -> int:
     )
 
 
+_NO_LEVELS = {"ready": "?", "recycling": "?", "awaiting": "?"}
+
+
+def _recycling_cell(b: dict[str, Any]) -> str:
+    counts = b.get("recycling")
+    if counts is None:
+        return "?"
+    shown = [f"{result} {count}" for result, count in sorted(counts.items()) if count]
+    return ", ".join(shown) or "none"
+
+
+def _waits_cell(b: dict[str, Any]) -> str:
+    waits = b.get("recycle_waits")
+    if waits is None:
+        return "?"
+    shown = [
+        f"{result} {w['count']} ({w['mean_s']:g} s)"
+        for result, w in sorted(waits.items())
+        if w["count"]
+    ]
+    return ", ".join(shown) or "none"
+
+
+def pool_levels(settings: Settings, codebase: str) -> dict[str, int]:
+    """The bench pool now: its ready sandboxes, those being reset for it (recycling), and
+    the new rollouts waiting for one of those."""
+    keys = Keys.of(settings.deployment)
+    name = pool_name(ENVIRONMENT, codebase)
+    store = redis.Redis.from_url(settings.redis_url)
+    try:
+        pipe = store.pipeline(transaction=False)
+        pipe.llen(keys.pool(name, "ready"))
+        pipe.zcount(keys.pool(name, "recycling"), time.time(), "+inf")
+        pipe.get(keys.pool(name, "awaiting"))
+        ready, recycling, awaiting = pipe.execute()
+    finally:
+        store.close()
+    return {"ready": int(ready), "recycling": int(recycling), "awaiting": int(awaiting or 0)}
+
+
+def recycled_so_far(settings: Settings) -> dict[str, float]:
+    """The worker's orchestrator_sandboxes_recycled_total by result (its /metrics;
+    queue/tasks.RecycleResult)."""
+    counts: dict[str, float] = {}
+    try:
+        text = httpx.get(f"http://127.0.0.1:{settings.worker_metrics_port}/metrics").text
+    except httpx.HTTPError:
+        return counts
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "orchestrator_sandboxes_recycled_total":
+                counts[sample.labels["result"]] = sample.value
+    return counts
+
+
+def recycle_waits_so_far(base: str) -> dict[str, list[float]]:
+    """The API's orchestrator_pool_recycle_wait_seconds by result: [count, sum of s]."""
+    waits: dict[str, list[float]] = {}
+    try:
+        text = httpx.get(f"{base}/metrics").text
+    except httpx.HTTPError:
+        return waits
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("orchestrator_pool_recycle_wait_seconds")
+            if name in ("_count", "_sum"):
+                got = waits.setdefault(sample.labels["result"], [0.0, 0.0])
+                got[name == "_sum"] += sample.value
+    return waits
+
+
 def wait_for_reaper(client: docker.DockerClient, timeout_s: float) -> dict[str, Any]:
     """After grading, the reaper closes rollouts past their grace: wait until no rollout
     holds a sandbox (the warm pools, demand-sized or not, stay)."""
@@ -1071,6 +1143,9 @@ def analyse(raw: dict[str, Any], n: int, pool: dict[str, Any]) -> dict[str, Any]
             "client: first call": summary(first_call_ms),
         },
         "pool_hits": len(hit_ms),
+        "pool_at_launch": raw.get("pool_at_launch"),
+        "recycling": raw.get("recycling"),
+        "recycle_waits": raw.get("recycle_waits"),
         "pool_hit_field": any(
             "pool_hit" in v or "pool_hit" in (v.get("timings") or {}) for v in views.values()
         ),
@@ -1187,6 +1262,12 @@ def side_by_side(bursts: list[dict[str, Any]]) -> list[str]:
             lambda b, q=q: round(b["acquisition_ms"]["all (created → ready)"][q], 1),
         )
     row("pool hits", lambda b: b["pool_hits"])
+    row(
+        "pool at launch: ready / being reset",
+        lambda b: "{ready} / {recycling}".format(**(b.get("pool_at_launch") or _NO_LEVELS)),
+    )
+    row("sandboxes sent for recycling during the burst, by result", _recycling_cell)
+    row("waits for a sandbox being reset: count (mean s), by result", _waits_cell)
     for q in ("p50", "p99"):
         row(
             f"later tool calls {q} (ms)",
@@ -1476,6 +1557,9 @@ def main() -> None:
             print(f"pool: {pool}", flush=True)
             for number in range(1, args.bursts + 1):
                 counters = Counters()
+                at_launch = pool_levels(settings, codebase)
+                recycled_before = recycled_so_far(settings)
+                waits_before = recycle_waits_so_far(base)
                 with Sampler(counters, client, DEPLOYMENT) as sampler:
                     raw = asyncio.run(
                         burst_phase(
@@ -1490,6 +1574,24 @@ def main() -> None:
                         )
                     )
                     print(f"burst {number} over in {raw['wall_s']:.1f} s", flush=True)
+                    raw["pool_at_launch"] = at_launch
+                    recycled_after = recycled_so_far(settings)
+                    raw["recycling"] = {
+                        result: int(recycled_after[result] - recycled_before.get(result, 0.0))
+                        for result in recycled_after
+                    }
+                    waits_after = recycle_waits_so_far(base)
+                    raw["recycle_waits"] = {
+                        result: {
+                            "count": int(n - waits_before.get(result, [0.0, 0.0])[0]),
+                            "mean_s": round(
+                                (total - waits_before.get(result, [0.0, 0.0])[1])
+                                / max(1.0, n - waits_before.get(result, [0.0, 0.0])[0]),
+                                2,
+                            ),
+                        }
+                        for result, (n, total) in waits_after.items()
+                    }
                     if number == args.bursts:
                         print("waiting for the reaper", flush=True)
                         report["after_reaper"] = wait_for_reaper(client, timeout_s=180)

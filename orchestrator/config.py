@@ -104,6 +104,15 @@ class Settings(BaseSettings):
         description="The most ready sandboxes one demand-sized pool keeps (each also needs "
         "a host slot: host_max_sandboxes and free memory bound them further).",
     )
+    pool_recycle_wait_s: float = Field(
+        60.0,
+        ge=0,
+        description="How long a new rollout that finds its pool empty waits, at most, for a "
+        "sandbox being reset for that pool (recycling; one waiter per reset; it stops "
+        "waiting as soon as no reset is left) before it takes a cold one; 0: never waits. "
+        "Resets are queued ahead of the cold creates that would follow, so the wait "
+        "costs a waiter no place.",
+    )
     host_min_free_disk_mb: int = Field(
         2048, ge=0, description="A host with less free disk under state_dir takes no new ones."
     )

@@ -9,7 +9,6 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from orchestrator.sandbox.backend import SandboxHandle
 from orchestrator.state.collector import StateCollector
 from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.keys import Keys
+from tests.redis_units import pool_handle
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -66,18 +66,7 @@ def _pooled_environments(settings: Settings) -> str:
 
 
 def _handle(host: str, sandbox_id: str) -> SandboxHandle:
-    now = datetime.now(UTC)
-    return SandboxHandle(
-        sandbox_id=sandbox_id,
-        backend="docker",
-        host=host,
-        runtime="runc",
-        rollout_id="pool",
-        image="img",
-        native_id=sandbox_id,
-        created_at=now,
-        expires_at=now + timedelta(hours=1),
-    )
+    return pool_handle(host, sandbox_id)
 
 
 def _populate(settings: Settings, live: int) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
 
 import pytest
 import redis
@@ -20,45 +19,19 @@ from orchestrator.state.admission import Admission
 from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import PoolClaims, PoolFiller, PoolTarget
-
-ENVIRONMENTS = """\
-environments:
-  - name: pooled
-    image: orchestrator/sandbox-base:latest
-    pool_size: 2
-    tools: [shell]
-    grader: {name: file_f1}
-"""
+from tests.redis_units import POOLED_ENVIRONMENT, own_deployment, pool_handle
 
 
 @pytest.fixture
 def unit(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Settings]:
     path = tmp_path_factory.mktemp("transit") / "environments.yaml"
-    path.write_text(ENVIRONMENTS)
-    own = settings.model_copy(
-        update={"deployment": settings.deployment + "-tr", "environments_file": path}
-    )
-    yield own
-    client = redis.Redis.from_url(own.redis_url)
-    keys = list(client.scan_iter(match=f"{Keys.of(own.deployment).prefix}*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    path.write_text(POOLED_ENVIRONMENT)
+    with own_deployment(settings, "tr", path) as own:
+        yield own
 
 
 def _handle(settings: Settings, sandbox_id: str) -> SandboxHandle:
-    now = datetime.now(UTC)
-    return SandboxHandle(
-        sandbox_id=sandbox_id,
-        backend="docker",
-        host=settings.host_id,
-        runtime="runc",
-        rollout_id="pool",
-        image="orchestrator/sandbox-base:latest",
-        native_id=sandbox_id,
-        created_at=now,
-        expires_at=now + timedelta(hours=1),
-    )
+    return pool_handle(settings.host_id, sandbox_id, "orchestrator/sandbox-base:latest")
 
 
 def _resolved(settings: Settings) -> ResolvedEnvironment:

@@ -429,7 +429,11 @@ class EnvironmentConfig(BaseModel):
         None, ge=10, description="Hard expiry of the sandbox; None: settings.sandbox_lifetime_s."
     )
     grace_after_grade_s: int = Field(
-        120, ge=0, description="Keep the sandbox this long after grading (grade retries)."
+        0,
+        ge=0,
+        description="Keep the rollout open and its sandbox this long after its grade (to look "
+        "into it); 0: the grade closes the rollout and recycles or destroys its sandbox at "
+        "once. A retried grade returns the score stored either way.",
     )
     pool_size: int = Field(
         0,

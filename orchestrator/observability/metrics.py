@@ -91,8 +91,8 @@ SANDBOXES_REAPED = Counter(
 SANDBOXES_RECYCLED = Counter(
     "orchestrator_sandboxes_recycled_total",
     "Sandboxes of clean rollouts sent for recycling, by result: recycled (reset, audited "
-    "clean, back in their pool) or destroyed (a limit hit, its pool full, its reset or "
-    "audit failed).",
+    "clean, back in their pool), or destroyed because of spec_changed, pool_full, "
+    "limit_hit, audit_failed or reset_failed (queue/tasks.RecycleResult).",
     ["result"],
 )
 ORPHANS_FOUND = Counter(
@@ -109,6 +109,14 @@ HTTP_REQUEST_SECONDS = Histogram(
     "API request latency by route template.",
     ["route"],
     buckets=_LATENCY_BUCKETS,
+)
+RECYCLE_WAITS = Histogram(
+    "orchestrator_pool_recycle_wait_seconds",
+    "How long a new rollout that found its pool empty waited for a sandbox being reset for "
+    "it, by result: taken (it got one), none_left (the resets ended without one for it) or "
+    "timed_out (pool_recycle_wait_s passed); the last two then take a cold sandbox.",
+    ["result"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120),
 )
 ADMISSION_REJECTED = Counter(
     "orchestrator_admission_rejected_total",

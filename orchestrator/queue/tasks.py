@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any
 
 from celery.signals import setup_logging, worker_ready, worker_shutdown, worker_shutting_down
@@ -334,6 +335,18 @@ def recycle_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     return {"accepted": True}
 
 
+class RecycleResult(StrEnum):
+    """How a recycling ended (the ``result`` of orchestrator_sandboxes_recycled_total):
+    back in its pool, or destroyed, and why."""
+
+    RECYCLED = "recycled"
+    SPEC_CHANGED = "spec_changed"  # its pool is gone or takes another spec now
+    POOL_FULL = "pool_full"
+    LIMIT_HIT = "limit_hit"  # an OOM kill, its process limit, a full /workspace
+    AUDIT_FAILED = "audit_failed"  # reset, but not the same as a fresh sandbox
+    RESET_FAILED = "reset_failed"
+
+
 def _recycle(request: RecycleSandbox) -> None:
     handle = request.handle
     with rollout_context(handle.rollout_id, sandbox_id=handle.sandbox_id):
@@ -350,24 +363,29 @@ def _recycle(request: RecycleSandbox) -> None:
         )
         reserved = False
         report = None
-        why = ""
+        result, why = RecycleResult.RECYCLED, ""
         try:
             if pool is None or not same_spec(pool.spec, request.spec):
-                why = "its pool no longer takes sandboxes of its spec"
+                result, why = RecycleResult.SPEC_CHANGED, "its pool takes no sandbox of its spec"
             elif not filler.reserve(pool, 1):
-                why = "its pool is full"
+                result, why = RecycleResult.POOL_FULL, "its pool is full"
             else:
                 reserved = True
                 hit = backend.limits_hit(handle)
                 if hit:
-                    why = f"it hit {', '.join(hit)}"
+                    result, why = RecycleResult.LIMIT_HIT, f"it hit {', '.join(hit)}"
                 else:
                     report = backend.reset(handle, request.spec)
                     if not report.clean:
-                        why = f"its audit found {'; '.join(report.differences)[:500]}"
+                        found = "; ".join(report.differences)[:500]
+                        result, why = RecycleResult.AUDIT_FAILED, f"its audit found {found}"
         except Exception as exc:  # noqa: BLE001 - whatever failed, it ends pooled or destroyed
-            why = f"its reset failed: {type(exc).__name__}: {exc}"
-        if not why and pool is not None and report is not None:
+            result, why = (
+                RecycleResult.RESET_FAILED,
+                f"its reset failed: {type(exc).__name__}: {exc}",
+            )
+        metrics.SANDBOXES_RECYCLED.labels(result).inc()
+        if result == RecycleResult.RECYCLED and pool is not None and report is not None:
             recycled = handle.model_copy(
                 update={
                     "rollout_id": POOL_LABEL,
@@ -376,11 +394,15 @@ def _recycle(request: RecycleSandbox) -> None:
                 }
             )
             filler.deliver(pool, recycled, request.transit)
-            metrics.SANDBOXES_RECYCLED.labels("recycled").inc()
+            filler.recycled(request.pool, handle.sandbox_id)  # after: a waiter finds it ready
             log.info("sandbox.recycled", pool=pool.name, reuses=recycled.reuse_count, ms=report.ms)
             return
-        metrics.SANDBOXES_RECYCLED.labels("destroyed").inc()
-        log.info("sandbox.not_recycled", why=why, reason=request.reason)
+        filler.recycled(request.pool, handle.sandbox_id)  # its waiters make cold ones now
+        # A reset or an audit that fails is not what a normal run does: worth a warning.
+        abnormal = result in (RecycleResult.AUDIT_FAILED, RecycleResult.RESET_FAILED)
+        (log.warning if abnormal else log.info)(
+            "sandbox.not_recycled", result=result, why=why, reason=request.reason
+        )
         try:
             backend.destroy(handle)
         except SandboxError as exc:

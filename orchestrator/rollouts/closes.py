@@ -69,6 +69,8 @@ class Closer:
                 handle.host, handle.sandbox_id
             )
             if recycle.transit:  # else another close of this rollout sent it already
+                if self.pools is not None:  # before the send: the worker's end comes after
+                    await self.pools.recycling(recycle.pool, handle.sandbox_id)
                 await self.queue.send(
                     TaskName.RECYCLE_SANDBOX,
                     recycle.model_dump(mode="json"),

@@ -22,10 +22,11 @@ from orchestrator.observability.logging import bind_sandbox, get_logger, in_roll
 from orchestrator.outcomes import Cause, Outcome
 from orchestrator.rollouts.bounds import Deadline
 from orchestrator.rollouts.closes import Closer
-from orchestrator.rollouts.errors import GraderFailed, Rejected, RolloutVanished
+from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected, RolloutVanished
 from orchestrator.rollouts.lookup import present, unknown
 from orchestrator.rollouts.models import new_record
 from orchestrator.rollouts.starts import Starter
+from orchestrator.state.errors import StateError
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueTimeout
@@ -112,7 +113,22 @@ class Grading:
         log.info(
             "rollout.graded", rollout_id=rollout_id, score=updated.score, tool_calls=len(trajectory)
         )
+        if self.starter.environment_of(rollout).environment.grace_after_grade_s == 0:
+            await self._hand_back(rollout_id)
         return GradeReply(score=updated.score, details=updated.grade_details or {})
+
+    async def _hand_back(self, rollout_id: str) -> None:
+        """Close a rollout at its grade: its sandbox goes back to its pool (recycled) or is
+        destroyed now, not a reaper pass after a grace period. Nothing after the score
+        needs the sandbox: a call is a 409 and a retried grade returns the score stored.
+        A destroy is waited for, as any close's is, so a trainer's close after the grade
+        still returns with the sandbox gone; a recycle is only sent. The score is stored
+        already, so a close that fails costs the reply nothing: the reaper's next pass
+        closes what is left (its grace is 0 too)."""
+        try:
+            await self.closer.close(rollout_id, "graded")
+        except (InfraError, StateError) as exc:
+            log.warning("rollout.close_at_grade_failed", rollout_id=rollout_id, error=str(exc))
 
     async def _probe_before_grading(self, rollout: Rollout) -> None:
         """For a grader that needs the sandbox: a sandbox that died behind the agent's

@@ -222,8 +222,11 @@ class Starter:
         ``reserve_s``). None: the rollout appeared meanwhile (a concurrent first call made
         it)."""
         started = time.monotonic()
+        recycle_wait_s = deadline.cap(self.settings.pool_recycle_wait_s, reserve=reserve_s)
         for _ in range(3):
             handle = await self.pools.take(resolved)
+            if handle is None:  # a sandbox being reset for the pool is nearer than a cold one
+                handle = await self.pools.take_recycled(resolved, recycle_wait_s)
             if handle is None:
                 break
             if await self._usable(handle, resolved):

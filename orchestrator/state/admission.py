@@ -5,7 +5,10 @@ sandboxes included) from before it is created until it is destroyed. A slot is t
 one Lua step that picks the least loaded schedulable host still under its capacity, so a
 burst of hundreds of rollouts in one second cannot overcommit a host between two
 heartbeats. Past capacity, a new rollout waits in a bounded queue (at most
-``admission_queue_max`` waiting, each at most ``admission_wait_s``), then is refused with
+``admission_queue_max`` waiting, each at most ``admission_wait_s``), seated first come
+first served (in the order of their deadlines, which for one kind of request is the order
+they came in: neither a new arrival nor a pool's refill takes a slot one of them wants),
+then is refused with
 :class:`AtCapacity`: 503 + Retry-After for Agent RFT (the trainer retries, then
 discards), 429 + Retry-After for the rollout API.
 """
@@ -31,18 +34,28 @@ from orchestrator.state.keys import Keys
 # holder, in one step: until the record of the new rollout, or the pool's ready list, counts
 # it, the reaper's recount (which reads those) must not give the slot away. (Taken first
 # and marked after, a recount in between once admitted one rollout too many to a full
-# host.) KEYS: load hash, slots in transit. ARGV: transit member's tag, until when to count
-# it, then host, capacity, host, capacity, ... in the order to prefer on a tie. Returns the
-# host whose slot was taken, or false when all are full.
+# host.) First come first served: a taker gets a slot only while more are free than
+# rollouts wait ahead of it in the admission queue (all of them, for a taker not in it: a
+# new arrival, or a pool's refill, never takes a slot from a rollout that waits). KEYS: load
+# hash, slots in transit, admission queue. ARGV: transit member's tag, until when to count
+# it, the taker's place in the queue ('' when not in it), now, then host, capacity, host,
+# capacity, ... in the order to prefer on a tie. Returns the host whose slot was taken, or
+# false.
 TAKE_SLOT = """
-local best, best_load = nil, nil
-for i = 3, #ARGV, 2 do
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[4])
+local ahead = false
+if ARGV[3] ~= '' then ahead = redis.call('ZRANK', KEYS[3], ARGV[3]) end
+if not ahead then ahead = redis.call('ZCARD', KEYS[3]) end
+local best, best_load, free = nil, nil, 0
+for i = 5, #ARGV, 2 do
   local load = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
-  if load < tonumber(ARGV[i + 1]) and (best_load == nil or load < best_load) then
-    best, best_load = ARGV[i], load
+  local capacity = tonumber(ARGV[i + 1])
+  if load < capacity then
+    free = free + capacity - load
+    if best_load == nil or load < best_load then best, best_load = ARGV[i], load end
   end
 end
-if best == nil then return false end
+if best == nil or free <= ahead then return false end
 redis.call('HINCRBY', KEYS[1], best, 1)
 redis.call('ZADD', KEYS[2], ARGV[2], best .. '|' .. ARGV[1])
 return best
@@ -97,9 +110,11 @@ class Admission:
         self._take = self.redis.register_script(TAKE_SLOT)
         self._enter = self.redis.register_script(_ENTER)
 
-    async def try_take(self, holder: str) -> str | None:
+    async def try_take(self, holder: str, waiter: str = "") -> str | None:
         """A slot on a schedulable host now, or None; counted in transit for ``holder``
-        until :meth:`settled` (its record names the host) or :meth:`release`."""
+        until :meth:`settled` (its record names the host) or :meth:`release`. None too
+        while the rollouts waiting ahead (``waiter``: the caller's place in the queue;
+        none: every one in it) want every free slot."""
         pairs: list[Any] = []
         hosts = [beat for beat in await self.heartbeats.live() if beat.schedulable]
         random.shuffle(hosts)  # a tie goes to any of them: a burst spreads out
@@ -108,10 +123,10 @@ class Admission:
             pairs += [beat.host, capacity]
         if not pairs:
             return None
-        until = time.time() + TRANSIT_MAX_S
+        now = time.time()
         host = await self._take(
-            keys=[self.keys.load, self.keys.transit],
-            args=[_holder_tag(holder), until, *pairs],
+            keys=[self.keys.load, self.keys.transit, self.keys.waiting],
+            args=[_holder_tag(holder), now + TRANSIT_MAX_S, waiter, now, *pairs],
         )
         return str(host) if host else None
 
@@ -149,9 +164,11 @@ class Admission:
             deadline = time.monotonic() + wait_s
             delay = 0.05
             while time.monotonic() < deadline:
+                # At most a quarter second: a slot kept for the head of the queue stays
+                # unused until the head asks again.
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))  # noqa: S311 - jitter
-                delay = min(delay * 1.5, 0.5)
-                host = await self.try_take(holder)
+                delay = min(delay * 1.5, 0.25)
+                host = await self.try_take(holder, waiter)
                 if host is not None:
                     return host
                 if give_up is not None and await give_up():

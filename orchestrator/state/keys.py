@@ -126,8 +126,10 @@ class Keys:
     # Warm pools (state/pools.py).
 
     def pool(self, pool: str, part: str) -> str:
-        """List ``ready`` (sandbox handles), string ``pending`` (creations reserved) or
-        string ``out`` (sandboxes its rollouts hold, which recycling may bring back)."""
+        """List ``ready`` (sandbox handles), string ``pending`` (creations reserved),
+        string ``out`` (sandboxes its rollouts hold, which recycling may bring back), sorted
+        set ``recycling`` (ids of sandboxes being reset for it, scored by when to stop
+        counting them) or string ``awaiting`` (new rollouts waiting for one of those)."""
         return f"{self.prefix}pool:{pool}:{part}"
 
     @cached_property

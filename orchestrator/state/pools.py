@@ -15,7 +15,10 @@ below a hand-set ``pool_size``, never above what the live hosts can hold. A pool
 than its size is trimmed (:meth:`PoolFiller.trim`), so pools shrink when demand falls.
 
 A pool sandbox serves one rollout at a time: when that rollout ends it is destroyed, or
-reset and returned here (recycling: rollouts/recycling.py). It holds its host's
+reset and returned here (recycling: rollouts/recycling.py). While it is being reset it is
+in the pool's recycling set, and a new rollout that finds the pool empty waits for it
+(:meth:`PoolClaims.take_recycled`, one waiter per reset) rather than making a cold one
+beside it. It holds its host's
 admission slot (state/admission.py) from creation, and hands it to its rollout. Workers
 fill pools (queue/tasks.refill_pools: on every reaper pass, and after every claim); the
 API claims with LPOP and probes the sandbox before handing it out.
@@ -23,6 +26,7 @@ API claims with LPOP and probes the sandbox before handing it out.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import Counter
@@ -36,6 +40,7 @@ from pydantic import BaseModel
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
 from orchestrator.environments.models import EnvironmentConfig
+from orchestrator.observability import metrics
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.state.admission import TAKE_SLOT, TRANSIT_MAX_S, transit_member
 from orchestrator.state.keys import Keys
@@ -78,7 +83,44 @@ return raw
 """
 
 
-# KEYS: a pool's count of sandboxes out with rollouts. One fewer, never below 0.
+# KEYS: the pool's recycling set, its awaiting count. ARGV: now. A new rollout that found
+# its pool empty may wait for a sandbox being recycled for it, one waiter per sandbox in
+# reset: more waiters than resets would wait for nothing and make their cold creates late.
+# Returns 1 when the caller is counted as a waiter.
+_AWAIT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+local resetting = redis.call('ZCARD', KEYS[1])
+if tonumber(redis.call('GET', KEYS[2]) or '0') >= resetting then return 0 end
+redis.call('INCR', KEYS[2])
+redis.call('EXPIRE', KEYS[2], 60)
+return 1
+"""
+
+# KEYS: ready list, slots in transit, recycling set. ARGV: until when to count the slot in
+# transit, now. A ready sandbox (as _TAKE), else 1 while a sandbox is still being reset
+# for the pool, else 0: a waiter's poll in one round trip.
+_TAKE_OR_WAIT = """
+local raw = redis.call('LPOP', KEYS[1])
+if raw then
+  local handle = cjson.decode(raw)
+  redis.call('ZADD', KEYS[2], ARGV[1], handle['host'] .. '|' .. handle['sandbox_id'])
+  return raw
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[2])
+if redis.call('ZCARD', KEYS[3]) > 0 then return 1 end
+return 0
+"""
+
+RECYCLING_MAX_S = 120.0
+"""A sandbox in a pool's recycling set for longer than this is not waited for any more (its
+worker died with the reset queued: the sweep destroys it)."""
+
+RECYCLE_POLL_S = 0.05
+"""How often a rollout waiting for a recycled sandbox looks for it (a reset takes 0.2 s
+and more; a poll is one Lua step)."""
+
+# KEYS: a pool's count of sandboxes out with rollouts (or of its waiters). One fewer, never
+# below 0.
 _RETURNED = """
 if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then return redis.call('DECR', KEYS[1]) end
 return 0
@@ -246,21 +288,26 @@ class PoolFiller:
 
     def refill_size(self, pool: PoolTarget) -> int:
         """What a refill fills ``pool`` up to: its size, less the sandboxes its rollouts
-        hold when they come back to it (recycling), so a refill does not make sandboxes
-        that the rollouts' own, reset, would find no room beside."""
+        hold and those being reset for it, which come back to it (recycling), so a refill
+        does not make sandboxes that the rollouts' own, reset, would find no room beside."""
         if not pool.recycles:
             return pool.size
-        out = int(self.client.get(self.keys.pool(pool.name, "out")) or 0)
-        return max(0, pool.size - out)
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.get(self.keys.pool(pool.name, "out"))
+            pipe.zcount(self.keys.pool(pool.name, "recycling"), time.time(), "+inf")
+            out, resetting = pipe.execute()
+        return max(0, pool.size - int(out or 0) - int(resetting))
 
     def take_slot(self, tag: str) -> str | None:
         """A slot of this host's capacity for a pool creation, counted in transit in the
         same step (the reaper's recount sees it before the sandbox reaches the ready
         list); the transit member to give :meth:`deliver`, None when the host is full."""
         host, capacity = self.settings.host_id, self.settings.host_max_sandboxes
+        now = time.time()
+        # Not in the admission queue: a refill never takes a slot a waiting rollout wants.
         taken = self._take_slot(
-            keys=[self.keys.load, self.keys.transit],
-            args=[tag, time.time() + TRANSIT_MAX_S, host, capacity],
+            keys=[self.keys.load, self.keys.transit, self.keys.waiting],
+            args=[tag, now + TRANSIT_MAX_S, "", now, host, capacity],
         )
         return transit_member(host, tag) if taken else None
 
@@ -280,6 +327,11 @@ class PoolFiller:
                 transit,
             ],
         )
+
+    def recycled(self, pool: str, sandbox_id: str) -> None:
+        """The reset of a sandbox sent back to ``pool`` is over (it is in the pool, or
+        destroyed): no new rollout waits for it any more."""
+        self.client.zrem(self.keys.pool(pool, "recycling"), sandbox_id)
 
     def prune(self, pool: PoolTarget, *, min_left_s: float) -> list[SandboxHandle]:
         """Take out of the pool the sandboxes with less than ``min_left_s`` before their
@@ -342,6 +394,8 @@ class PoolClaims:
         self.keys = Keys.of(settings.deployment)
         self._take = client.register_script(_TAKE)
         self._returned = client.register_script(_RETURNED)
+        self._await = client.register_script(_AWAIT)
+        self._take_or_wait = client.register_script(_TAKE_OR_WAIT)
         # Three reaper passes: the reaper counts what a pool's rollouts hold on each.
         self._out_ttl_s = max(30, int(3 * settings.reaper_interval_s))
 
@@ -355,8 +409,51 @@ class PoolClaims:
         name = pool_name(resolved.environment.name, resolved.codebase)
         keys = [self.keys.pool(name, "ready"), self.keys.transit]
         raw = await self._take(keys=keys, args=[time.time() + TRANSIT_MAX_S])
-        if raw is None:
+        return None if raw is None else await self._claimed(name, raw)
+
+    async def take_recycled(
+        self, resolved: ResolvedEnvironment, wait_s: float
+    ) -> SandboxHandle | None:
+        """For a rollout that found its pool empty: a sandbox of the pool that is being
+        reset (recycled from a rollout that ended), once it is back, waiting at most
+        ``wait_s``; None at once when no reset is under way that another waiter has not
+        counted on, or when the resets end without one for us."""
+        name = pool_name(resolved.environment.name, resolved.codebase)
+        recycling, awaiting = self.keys.pool(name, "recycling"), self.keys.pool(name, "awaiting")
+        if wait_s <= 0 or not await self._await(keys=[recycling, awaiting], args=[time.time()]):
             return None
+        keys = [self.keys.pool(name, "ready"), self.keys.transit, recycling]
+        started = time.monotonic()
+        result, handle = "timed_out", None
+        try:
+            while time.monotonic() - started < wait_s:
+                await asyncio.sleep(RECYCLE_POLL_S)
+                raw = await self._take_or_wait(
+                    keys=keys, args=[time.time() + TRANSIT_MAX_S, time.time()]
+                )
+                if isinstance(raw, str):
+                    result, handle = "taken", await self._claimed(name, raw)
+                    break
+                if not raw:
+                    result = "none_left"
+                    break
+        finally:
+            await self._returned(keys=[awaiting])
+            metrics.RECYCLE_WAITS.labels(result).observe(time.monotonic() - started)
+        return handle
+
+    async def recycling(self, pool: str, sandbox_id: str) -> None:
+        """A sandbox is on its way back to ``pool`` (sent for reset): new rollouts that find
+        the pool empty may wait for it (:meth:`take_recycled`). The worker's
+        :meth:`PoolFiller.recycled` ends it; a reset that never ends stops counting after
+        :data:`RECYCLING_MAX_S`."""
+        key = self.keys.pool(pool, "recycling")
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.zadd(key, {sandbox_id: time.time() + RECYCLING_MAX_S})
+            pipe.expire(key, int(RECYCLING_MAX_S))
+            await pipe.execute()
+
+    async def _claimed(self, name: str, raw: str) -> SandboxHandle:
         # Out with its rollout until the reaper's next count (record_demand); a count no
         # pass corrects (its rollouts were all gone before one came) lapses on its own.
         async with self.client.pipeline(transaction=False) as pipe:

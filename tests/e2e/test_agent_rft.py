@@ -126,7 +126,9 @@ def test_scripted_agent_completes_a_rollout(stack: Stack, planning_item: dict[st
         assert score == pytest.approx(file_f1(answer, item)) == 1.0
 
         rollout = client.get(f"/v1/rollouts/{trace}").json()
-        assert rollout["state"] == "graded"
+        # The default grace_after_grade_s (0): the grade closed the rollout.
+        timings = rollout["timings"]
+        assert rollout["state"] == "closed" and timings["closed_at"] >= timings["graded_at"]
         assert rollout["tool_calls"] == 6
         assert rollout["score"] == score
 

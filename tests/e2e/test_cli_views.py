@@ -104,8 +104,8 @@ def test_status_json_shows_hosts_sandboxes_queues_and_failures(
     assert Keys.of(stack.settings.deployment).shared_queue in queues
     assert Keys.of(stack.settings.deployment).host_queue(stack.settings.host_id) in queues
     assert snapshot.admission is not None and snapshot.admission.slots_total >= 1
-    assert snapshot.live_rollouts >= 2
-    assert snapshot.sandboxes.rollouts_by_state.get("graded", 0) >= 1
+    # The infra-failed one; the graded one closed at its grade (grace_after_grade_s 0).
+    assert snapshot.live_rollouts >= 1
     assert snapshot.sandboxes.rollouts_by_state.get("infra_failed", 0) >= 1
     failure = next(f for f in snapshot.recent_failures if f.rollout_id == rollouts.failed)
     assert failure.trace_id == rollouts.failed

@@ -66,10 +66,11 @@ def test_full_rollout_sync(
         assert rollout.grade(answer="[]").score == score.score, "the first score stands"
         steps = rollout.trajectory().steps
         assert [s.call_id for s in steps[:1]] == ["c-1"]
-        assert rollout.view().state == "graded"
+        # The default grace_after_grade_s (0): the grade closed it, and its sandbox goes.
+        assert rollout.view().state == "closed"
     assert rollout.closed
     assert client.get(rollout.id).state == "closed"
-    assert sandboxes_of(stack.settings, rollout.id) == []
+    wait_for(lambda: sandboxes_of(stack.settings, rollout.id) == [], timeout_s=30, what="destroyed")
 
 
 def test_full_rollout_async(stack: Stack, planning_item: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ import yaml
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import pool_name
 from tests.e2e.conftest import Stack, side_stack
-from tests.e2e.helpers import wait_for
+from tests.e2e.helpers import function_call, new_trace, wait_for
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -127,6 +127,47 @@ def test_a_clean_rollouts_sandbox_serves_the_next_one_with_nothing_left(
         trajectory = client.get(f"/v1/rollouts/{second['rollout_id']}/trajectory").json()
         assert trajectory["sandbox_id"] == sandbox and trajectory["sandbox_reuses"] == 1
         client.delete(f"/v1/rollouts/{second['rollout_id']}")
+
+
+def test_a_grade_hands_the_sandbox_to_the_next_rollout_at_once(recycling_stack: Stack) -> None:
+    """The default grace after grading is 0: the grade itself sends the sandbox for reset,
+    and a rollout started the moment the grade returns takes that sandbox (waiting for its
+    reset if it is still under way) instead of a cold one, as at a step boundary."""
+    item = {
+        "environment": "reused",
+        "codebase": recycling_stack.codebase,
+        "prompt": "p",
+        "gold_files": ["README.md"],
+    }
+    with recycling_stack.client() as client:
+        wait_for(lambda: len(_ready(recycling_stack)) == 1, timeout_s=60, what="a ready one")
+        first, second = new_trace(), new_trace()
+        plant = function_call(first, item, "shell", {"command": PLANT})
+        try:
+            assert client.post("/agent-rft/tools", json=plant).status_code == 200
+            before = client.get(f"/v1/rollouts/{first}").json()
+            graded = client.post(
+                "/agent-rft/grade",
+                json={"sample": {"output_text": "README.md"}, "item": item, "trace_id": first},
+            )
+            assert graded.status_code == 200 and graded.json()["score"] == 1.0, graded.text
+            look = client.post(
+                "/agent-rft/tools", json=function_call(second, item, "shell", {"command": LOOK})
+            )
+            assert look.status_code == 200, look.text
+            assert "planted" not in look.json()["output"]
+            view = client.get(f"/v1/rollouts/{second}").json()
+            assert view["sandbox_id"] == before["sandbox_id"] and view["pool_hit"], view
+            assert view["sandbox_reuses"] == before["sandbox_reuses"] + 1, (before, view)
+            # A retried grade of the first still gets its score, its sandbox gone on.
+            again = client.post(
+                "/agent-rft/grade",
+                json={"sample": {"output_text": "x"}, "item": item, "trace_id": first},
+            )
+            assert again.status_code == 200 and again.json()["score"] == 1.0, again.text
+        finally:
+            for trace in (first, second):  # a rollout left open would hold the pool's one
+                client.delete(f"/v1/rollouts/{trace}")
 
 
 def test_a_sandbox_that_hit_its_memory_limit_is_destroyed_not_recycled(

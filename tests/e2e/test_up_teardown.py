@@ -43,6 +43,8 @@ def up_stack(stack: Stack, tmp_path: Path) -> Iterator[Stack]:
                         "pool_size": POOL,
                         "tools": ["shell", "read_file"],
                         "grader": {"name": "file_f1"},
+                        # A graded rollout stays open (and is the teardown's to end).
+                        "grace_after_grade_s": 60,
                     }
                 ]
             }

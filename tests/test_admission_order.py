@@ -1,0 +1,109 @@
+"""Admission is first come first served, on real Redis: past capacity, new rollouts wait
+in the admission queue and are seated in the order they came; a rollout that arrives
+while others wait, and a pool's refill, never take a slot one of them wants."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from orchestrator.config import Settings
+from orchestrator.state.admission import Admission
+from orchestrator.state.heartbeat import Heartbeat
+from orchestrator.state.keys import Keys
+from orchestrator.state.pools import PoolFiller
+from tests.redis_units import own_deployment
+
+
+@pytest.fixture
+def unit(settings: Settings) -> Iterator[Settings]:
+    with own_deployment(settings, "fcfs") as own:
+        yield own
+
+
+async def _one_host(client: aioredis.Redis, settings: Settings, capacity: int) -> None:
+    beat = Heartbeat(
+        host=settings.host_id, instance="i1", time=time.time(), schedulable=True, capacity=capacity
+    )
+    keys = Keys.of(settings.deployment)
+    await client.sadd(keys.hosts, settings.host_id)
+    await client.set(keys.heartbeat(settings.host_id), beat.model_dump_json(), ex=60)
+
+
+async def _queued(admission: Admission, count: int) -> None:
+    """Until ``count`` rollouts wait in the admission queue."""
+    deadline = time.monotonic() + 10
+    while await admission.waiting(time.time()) < count:
+        assert time.monotonic() < deadline, "the waiters never queued"
+        await asyncio.sleep(0.01)
+
+
+def test_waiters_are_seated_in_the_order_they_came(unit: Settings) -> None:
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
+        admission = Admission(unit, client)
+        await _one_host(client, unit, capacity=1)
+        seated: list[str] = []
+
+        async def start(holder: str) -> None:
+            await admission.take(holder, wait_s=20)
+            seated.append(holder)
+
+        try:
+            assert await admission.try_take("ro_running") == unit.host_id
+            waiters = []
+            for n, holder in enumerate(("ro_first", "ro_second", "ro_third")):
+                waiters.append(asyncio.create_task(start(holder)))
+                await _queued(admission, n + 1)
+            for expected in ("ro_first", "ro_second", "ro_third"):
+                # A slot comes free; a rollout arriving now finds it kept for the queue.
+                await admission.release(unit.host_id)
+                assert await admission.try_take("ro_late") is None
+                deadline = time.monotonic() + 10
+                while expected not in seated:
+                    assert time.monotonic() < deadline, seated
+                    await asyncio.sleep(0.01)
+                assert seated[-1] == expected, seated
+            await asyncio.gather(*waiters)
+            assert seated == ["ro_first", "ro_second", "ro_third"]
+            # The queue is empty: a new arrival takes a free slot at once.
+            await admission.release(unit.host_id)
+            assert await admission.try_take("ro_late") == unit.host_id
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_only_free_slots_beyond_the_waiters_go_to_others(unit: Settings) -> None:
+    """Two free slots and one waiter: one slot is the waiter's, the other anyone's, a
+    pool's refill included."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
+        sync = redis.Redis.from_url(unit.redis_url)
+        admission = Admission(unit, client)
+        filler = PoolFiller(unit.model_copy(update={"host_max_sandboxes": 3}), sync)
+        await _one_host(client, unit, capacity=3)
+        try:
+            for holder in ("ro_a", "ro_b", "ro_c"):
+                assert await admission.try_take(holder) == unit.host_id
+            waiter = asyncio.create_task(admission.take("ro_waiting", wait_s=20))
+            await _queued(admission, 1)
+            await admission.release(unit.host_id)
+            assert filler.take_slot("create:refill") is None, "the waiter's slot"
+            assert await admission.try_take("ro_new") is None
+            await admission.release(unit.host_id)
+            assert await admission.try_take("ro_new") == unit.host_id
+            assert await waiter == unit.host_id
+            assert await admission.waiting(time.time()) == 0
+        finally:
+            await client.aclose()
+            sync.close()
+
+    asyncio.run(scenario())
