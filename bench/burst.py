@@ -2,6 +2,7 @@
 
     python -m bench.burst [--rollouts 256] [--pool 64] [--bursts 1] [--idle-sandboxes 1000]
                           [--seed 0] [--launch-window 1.0] [--profile]
+    python -m bench.burst --bursts 0     # the idle phase alone: bench/results/burst-idle.*
 
 Starts its own deployment (API, one worker, beat) on loopback with an environment on the
 real `requests` codebase (no tool budget) and, once the warm pool (if any) is full, launches
@@ -11,10 +12,11 @@ then find) with 0.2-1.0 s of think time before each step and before grading, the
 grade. ``--bursts 2``: a second identical burst starts as soon as the first is over (its
 last sandboxes still being reset for the pool), as at two training steps in a row; the
 report puts the bursts side by side, with the pool at each launch (ready, being reset), what
-became of the sandboxes sent for recycling, and the rollouts' waits for them. 5xx and transport errors are retried at most 3 times
-with the same call_id (the trainer's rule); a rollout still failing is discarded. Other 4xx
-go to the model (not retried). Every response is counted by outcome; 200s are split into ok
-and agent_error from the trajectory the orchestrator recorded.
+became of the sandboxes sent for recycling, and the rollouts' waits for them. 5xx and
+transport errors are retried at most 3 times with the same call_id (the trainer's rule); a
+rollout still failing is discarded. Other 4xx go to the model (not retried). Every
+response is counted by outcome; 200s are split into ok and agent_error from the trajectory
+the orchestrator recorded.
 
 Reports sandbox acquisition (the rollout record's created -> sandbox ready, split by pool
 hit and cold, and the client's view: first call minus its exec time), tool-call latency
@@ -1010,6 +1012,19 @@ def recycle_waits_so_far(base: str) -> dict[str, list[float]]:
     return waits
 
 
+def waits_between(
+    before: dict[str, list[float]], after: dict[str, list[float]]
+) -> dict[str, dict[str, float]]:
+    """The waits for a reset between two reads of :func:`recycle_waits_so_far`: their
+    count and mean, by result."""
+    waits = {}
+    for result, (count, total) in after.items():
+        count_before, total_before = before.get(result, [0.0, 0.0])
+        n = int(count - count_before)
+        waits[result] = {"count": n, "mean_s": round((total - total_before) / max(1, n), 2)}
+    return waits
+
+
 def wait_for_reaper(client: docker.DockerClient, timeout_s: float) -> dict[str, Any]:
     """After grading, the reaper closes rollouts past their grace: wait until no rollout
     holds a sandbox (the warm pools, demand-sized or not, stay)."""
@@ -1219,20 +1234,19 @@ def render(report: dict[str, Any]) -> str:
     if len(bursts) > 1:
         lines += ["", *side_by_side(bursts)]
     idle = report.get("idle")
-    lines += [
-        "",
-        "| stack | value |",
-        "|---|---|",
-        f"| rollouts' sandboxes running once the reaper ran / pools' ready ones | "
-        f"{report['after_reaper']['running']} / {report['after_reaper'].get('pooled', '?')} "
-        f"after {report['after_reaper']['waited_s']} s |",
-        f"| the stack's teardown (Ctrl-C on `orchestrator up`: rollouts ended, sandboxes "
-        f"destroyed) | {report['left'].get('teardown_s', '?')} s |",
-        f"| sandboxes the stack's own teardown left (local_stack then sweeps them) | "
-        f"{report['left'].get('left_by_stack_shutdown', '?')} |",
-        f"| containers / volumes left after teardown | {report['left']['containers']} / "
-        f"{report['left']['volumes']} |",
-    ]
+    lines += ["", "| stack | value |", "|---|---|"]
+    if "after_reaper" in report:  # else no stack ran (--bursts 0)
+        reaped, left = report["after_reaper"], report["left"]
+        lines += [
+            f"| rollouts' sandboxes running once the reaper ran / pools' ready ones | "
+            f"{reaped['running']} / {reaped.get('pooled', '?')} after {reaped['waited_s']} s |",
+            f"| the stack's teardown (Ctrl-C on `orchestrator up`: rollouts ended, sandboxes "
+            f"destroyed) | {left.get('teardown_s', '?')} s |",
+            f"| sandboxes the stack's own teardown left (local_stack then sweeps them) | "
+            f"{left.get('left_by_stack_shutdown', '?')} |",
+            f"| containers / volumes left after teardown | {left['containers']} / "
+            f"{left['volumes']} |",
+        ]
     if idle:
         lines.append(
             f"| idle phase: sandboxes created / answering | {idle['created']} / "
@@ -1386,8 +1400,9 @@ def targets(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
                 and per_mb * IDLE_SANDBOXES <= IDLE_MEMORY_MB,
             )
         )
-    left = report["left"]["containers"]
-    rows.append(("containers left after teardown", "0", str(left), left == 0))
+    if "left" in report:
+        left = report["left"]["containers"]
+        rows.append(("containers left after teardown", "0", str(left), left == 0))
     return rows
 
 
@@ -1485,6 +1500,75 @@ def plot_burst(b: dict[str, Any], name: str, later: bool) -> list[Path]:
 # -- main --------------------------------------------------------------------------------------
 
 
+def stack_phase(
+    args: argparse.Namespace,
+    settings: Settings,
+    token: str,
+    codebase: str,
+    client: docker.DockerClient,
+    state: Path,
+    report: dict[str, Any],
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Start the stack, run ``args.bursts`` bursts on it, stop it; (the pool at launch, each
+    burst's raw record). Fills ``report``'s after_reaper and left."""
+    raws: list[dict[str, Any]] = []
+    try:
+        swept: dict[str, int] = {}
+        with (
+            counting_final_sweep(swept),
+            local_stack(settings, log=state / "stack.log") as base,
+        ):
+            pool = wait_for_pool(client, args.pool)
+            print(f"pool: {pool}", flush=True)
+            for number in range(1, args.bursts + 1):
+                counters = Counters()
+                at_launch = pool_levels(settings, codebase)
+                recycled_before = recycled_so_far(settings)
+                waits_before = recycle_waits_so_far(base)
+                with Sampler(counters, client, DEPLOYMENT) as sampler:
+                    raw = asyncio.run(
+                        burst_phase(
+                            base,
+                            token,
+                            args.rollouts,
+                            args.launch_window,
+                            args.seed + number - 1,
+                            counters,
+                            client,
+                            state if args.profile else None,
+                        )
+                    )
+                    print(f"burst {number} over in {raw['wall_s']:.1f} s", flush=True)
+                    raw["pool_at_launch"] = at_launch
+                    recycled_after = recycled_so_far(settings)
+                    raw["recycling"] = {
+                        result: int(recycled_after[result] - recycled_before.get(result, 0.0))
+                        for result in recycled_after
+                    }
+                    waits_after = recycle_waits_so_far(base)
+                    raw["recycle_waits"] = waits_between(waits_before, waits_after)
+                    if number == args.bursts:
+                        print("waiting for the reaper", flush=True)
+                        report["after_reaper"] = wait_for_reaper(client, timeout_s=180)
+                        counters.mark("reaped")
+                raw["samples"], raw["marks"] = sampler.samples, counters.marks
+                raws.append(raw)
+            stopping = time.monotonic()
+        # The stack has stopped: `orchestrator up` ended its rollouts and destroyed its
+        # sandboxes; local_stack's exit then destroys anything it left.
+        containers, volumes = owned_resources(client, DEPLOYMENT)
+        teardown_s = round(time.monotonic() - stopping, 1)
+        report["left"] = {
+            "containers": containers,
+            "volumes": volumes,
+            "teardown_s": teardown_s,
+            **swept,
+        }
+    finally:
+        forget_deployment(settings, DEPLOYMENT)
+    return pool, raws
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rollouts", type=int, default=256)
@@ -1555,71 +1639,10 @@ def main() -> None:
     report: dict[str, Any] = {
         "config": vars(args) | {"codebase_image": image, "deployment": DEPLOYMENT}
     }
+    pool: dict[str, Any] = {"size": 0, "warm": 0, "waited_s": 0.0}
     raws: list[dict[str, Any]] = []
-    try:
-        swept: dict[str, int] = {}
-        with (
-            counting_final_sweep(swept),
-            local_stack(settings, log=state / "stack.log") as base,
-        ):
-            pool = wait_for_pool(client, args.pool)
-            print(f"pool: {pool}", flush=True)
-            for number in range(1, args.bursts + 1):
-                counters = Counters()
-                at_launch = pool_levels(settings, codebase)
-                recycled_before = recycled_so_far(settings)
-                waits_before = recycle_waits_so_far(base)
-                with Sampler(counters, client, DEPLOYMENT) as sampler:
-                    raw = asyncio.run(
-                        burst_phase(
-                            base,
-                            token,
-                            args.rollouts,
-                            args.launch_window,
-                            args.seed + number - 1,
-                            counters,
-                            client,
-                            state if args.profile else None,
-                        )
-                    )
-                    print(f"burst {number} over in {raw['wall_s']:.1f} s", flush=True)
-                    raw["pool_at_launch"] = at_launch
-                    recycled_after = recycled_so_far(settings)
-                    raw["recycling"] = {
-                        result: int(recycled_after[result] - recycled_before.get(result, 0.0))
-                        for result in recycled_after
-                    }
-                    waits_after = recycle_waits_so_far(base)
-                    raw["recycle_waits"] = {
-                        result: {
-                            "count": int(n - waits_before.get(result, [0.0, 0.0])[0]),
-                            "mean_s": round(
-                                (total - waits_before.get(result, [0.0, 0.0])[1])
-                                / max(1.0, n - waits_before.get(result, [0.0, 0.0])[0]),
-                                2,
-                            ),
-                        }
-                        for result, (n, total) in waits_after.items()
-                    }
-                    if number == args.bursts:
-                        print("waiting for the reaper", flush=True)
-                        report["after_reaper"] = wait_for_reaper(client, timeout_s=180)
-                        counters.mark("reaped")
-                raw["samples"], raw["marks"] = sampler.samples, counters.marks
-                raws.append(raw)
-            stopping = time.monotonic()
-        # The stack has stopped: `orchestrator up` ended its rollouts and destroyed its
-        # sandboxes; local_stack's exit then destroys anything it left.
-        containers, volumes = owned_resources(client, DEPLOYMENT)
-        teardown_s = round(time.monotonic() - stopping, 1)
-        report["left"] = {
-            "containers": containers,
-            "volumes": volumes,
-            "teardown_s": teardown_s,
-            **swept,
-        }
-    finally:
-        forget_deployment(settings, DEPLOYMENT)
+    if args.bursts:  # else the idle phase alone: no stack
+        pool, raws = stack_phase(args, settings, token, codebase, client, state, report)
     report["bursts"] = [analyse(raw, args.rollouts, pool) for raw in raws]
     if args.idle_sandboxes:
         idle_settings = settings.model_copy(update={"deployment": IDLE_DEPLOYMENT})
@@ -1629,6 +1652,9 @@ def main() -> None:
     ]
     markdown = render(report)
     print(markdown)
+    if not args.bursts:  # the idle phase alone: a report of its own, burst.json stays
+        print(f"wrote {write_report('burst-idle', report, markdown)}")
+        return
     for path in plot(report):
         print(f"wrote {path}")
     # The samples behind the plots (timeline, every call, every rollout) go to a compact file
