@@ -1,9 +1,12 @@
 """Grading a rollout, once: a retry (even a concurrent one) gets the score stored first;
 a rollout that failed, or whose sandbox died behind the agent's back, is a 503 and never
-a score; a grader that raises is a 503, never a zero.
+a score; a grader that raises is a 503, never a zero. The grade that stores the score
+closes the rollout too (its environment's ``grace_after_grade_s``, default 0), so its
+sandbox goes back to its pool, or is destroyed, at once.
 
 Given the start (a grade waits for the rollout's sandbox, and reads its pinned
-environment) and the close (a fault found before grading fails the rollout).
+environment) and the close (a fault found before grading fails the rollout; the score
+stored, it ends the rollout).
 """
 
 from __future__ import annotations
@@ -113,7 +116,8 @@ class Grading:
         log.info(
             "rollout.graded", rollout_id=rollout_id, score=updated.score, tool_calls=len(trajectory)
         )
-        if self.starter.environment_of(rollout).environment.grace_after_grade_s == 0:
+        grace_s = self.starter.environment_of(rollout).environment.grace_after_grade_s
+        if grace_s == 0 and updated.closed_at is None:  # (a trainer may have closed it)
             await self._hand_back(rollout_id)
         return GradeReply(score=updated.score, details=updated.grade_details or {})
 
