@@ -8,6 +8,8 @@ stops them all on Ctrl-C, ending the rollouts and sandboxes it holds (unless
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import os
 import secrets
 import signal
@@ -139,9 +141,14 @@ def up(
     env = {**os.environ, "ORCH_API_TOKENS": token, "ORCH_GRADER_URL_SECRET": secret}
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     procs = {
-        "worker": subprocess.Popen(worker_command(settings), env=env),
-        "beat": subprocess.Popen(beat_command(settings), env=env),
-        "api": subprocess.Popen(api_command(settings), env=env),
+        name: subprocess.Popen(
+            command, env=env, preexec_fn=functools.partial(_die_with, os.getpid())
+        )
+        for name, command in (
+            ("worker", worker_command(settings)),
+            ("beat", beat_command(settings)),
+            ("api", api_command(settings)),
+        )
     }
     base = f"http://{settings.api_host}:{settings.api_port}"
     stopping = False
@@ -182,6 +189,23 @@ def up(
         code = _end_what_it_holds(settings, lambda: _stop(procs, "worker")) or code
     _stop(procs, "worker")
     raise typer.Exit(code)
+
+
+def _die_with(parent: int) -> None:
+    """In a child of ``up`` (pid ``parent``), before it runs: SIGTERM it when ``up`` dies,
+    however it dies. Killed outright (SIGKILL, an OOM kill), ``up`` cannot stop its
+    children, and a worker left behind went on refilling its pools with no one to end them
+    (seen: a test's killed stack left its worker, API and two sandboxes running for hours).
+    A SIGTERMed worker drains and keeps its sandboxes, for the next start's sweep. ``up``
+    forks them before it starts a thread, so this runs in a single-threaded child."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:  # up died before the prctl: no signal would come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _stop(procs: dict[str, subprocess.Popen[bytes]], *names: str) -> None:

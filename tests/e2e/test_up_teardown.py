@@ -187,3 +187,36 @@ def test_keep_sandboxes_leaves_them_for_the_next_start(up_stack: Stack) -> None:
         assert again.json()["output"].strip() == "kept", "the same sandbox, taken up again"
         output = _ctrl_c(proc, up_stack.logs or Path())
     assert owned_count(up_stack.settings) == 0
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a killed parent's children may be left unreaped)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def test_a_killed_up_takes_its_worker_api_and_beat_with_it(up_stack: Stack) -> None:
+    """SIGKILLed, ``up`` cannot stop its children: they end themselves when it dies (a
+    worker left running went on refilling its pool with nobody to end it)."""
+    with running_up(up_stack) as proc:
+        children = _children(proc.pid)
+        assert len(children) == 3, children  # worker, beat, API
+        proc.kill()
+        proc.wait()
+        wait_for(
+            lambda: not any(_running(pid) for pid in children),
+            timeout_s=60,
+            what="the worker, beat and API to end with their parent",
+        )
+    # The drained worker kept its pool's sandboxes, as a restarted production worker does;
+    # the next start's sweep (here, the fixture's) takes them.
