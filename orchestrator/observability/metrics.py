@@ -114,7 +114,8 @@ RECYCLE_WAITS = Histogram(
     "orchestrator_pool_recycle_wait_seconds",
     "How long a new rollout that found its pool empty waited for a sandbox being reset for "
     "it, by result: taken (it got one), none_left (the resets ended without one for it) or "
-    "timed_out (pool_recycle_wait_s passed); the last two then take a cold sandbox.",
+    "timed_out (pool_recycle_wait_s passed); the last two then take a cold sandbox "
+    "(state/pools.RecycleWait).",
     ["result"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120),
 )

@@ -32,6 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import redis
@@ -110,6 +111,16 @@ redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[2])
 if redis.call('ZCARD', KEYS[3]) > 0 then return 1 end
 return 0
 """
+
+
+class RecycleWait(StrEnum):
+    """How a rollout's wait for a sandbox being reset for its pool ended (the ``result`` of
+    orchestrator_pool_recycle_wait_seconds)."""
+
+    TAKEN = "taken"
+    NONE_LEFT = "none_left"  # the resets ended without one for it
+    TIMED_OUT = "timed_out"  # pool_recycle_wait_s passed
+
 
 RECYCLING_MAX_S = 120.0
 """A sandbox in a pool's recycling set for longer than this is not waited for any more (its
@@ -424,7 +435,7 @@ class PoolClaims:
             return None
         keys = [self.keys.pool(name, "ready"), self.keys.transit, recycling]
         started = time.monotonic()
-        result, handle = "timed_out", None
+        result, handle = RecycleWait.TIMED_OUT, None
         try:
             while time.monotonic() - started < wait_s:
                 await asyncio.sleep(RECYCLE_POLL_S)
@@ -432,10 +443,10 @@ class PoolClaims:
                     keys=keys, args=[time.time() + TRANSIT_MAX_S, time.time()]
                 )
                 if isinstance(raw, str):
-                    result, handle = "taken", await self._claimed(name, raw)
+                    result, handle = RecycleWait.TAKEN, await self._claimed(name, raw)
                     break
                 if not raw:
-                    result = "none_left"
+                    result = RecycleWait.NONE_LEFT
                     break
         finally:
             await self._returned(keys=[awaiting])
