@@ -7,6 +7,7 @@ that the orchestrator ended before its grade (:meth:`Closer.refuse_failed`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -24,6 +25,9 @@ from orchestrator.state.replies import QueueClient, QueueTimeout
 from orchestrator.state.tasks import DestroySandbox, TaskName
 
 log = get_logger(__name__)
+
+CLOSE_LEASE_S = 40.0
+"""The longest a close takes: its wait for the destroy (30 s) and a few round trips."""
 
 
 class Closer:
@@ -57,6 +61,13 @@ class Closer:
         is stopping)."""
         rollout = await known(self.store, rollout_id)
         bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
+        if rollout.closed_at is None and not await self.store.take_close_lease(
+            rollout_id, CLOSE_LEASE_S
+        ):
+            # Another close of it is under way (the grade's and a reaper pass's at once):
+            # that one destroys or recycles the sandbox and releases its slot. Both would
+            # have released the slot twice (seen: a host at -10 slots used).
+            return await self._closed_by_another(rollout_id)
         recycle = None
         if destroy and self.recycling is not None and rollout.closed_at is None:
             recycle = self.recycling.request(rollout, reason, ended_by)
@@ -119,6 +130,15 @@ class Closer:
             metrics.TOOL_CALLS_PER_ROLLOUT.observe(await self.store.call_count(rollout_id))
         log.info("rollout.closed", rollout_id=rollout_id, reason=reason)
         return updated
+
+    async def _closed_by_another(self, rollout_id: str) -> Rollout:
+        """The record once the close under way has closed it (or its lease lapsed)."""
+        deadline = time.monotonic() + CLOSE_LEASE_S
+        while True:
+            rollout = await known(self.store, rollout_id)
+            if rollout.closed_at is not None or time.monotonic() > deadline:
+                return rollout
+            await asyncio.sleep(0.05)
 
     async def fail(
         self, rollout_id: str, cause: str, message: str, evidence: dict[str, Any]

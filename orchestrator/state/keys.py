@@ -64,6 +64,11 @@ class Keys:
     def ticket(self, rollout_id: str, call_id: str) -> str:
         return f"{self.prefix}rollout:{rollout_id}:run:{call_id}"
 
+    def closing(self, rollout_id: str) -> str:
+        """String: held by the one close that ends the rollout (its sandbox destroyed or
+        recycled, its slot released: once)."""
+        return f"{self.prefix}rollout:{rollout_id}:closing"
+
     def starting(self, rollout_id: str) -> str:
         return f"{self.prefix}rollout:{rollout_id}:starting"
 

@@ -537,6 +537,14 @@ class RolloutStore:
     async def end_start_lease(self, rollout_id: str) -> None:
         await self.redis.delete(self.keys.starting(rollout_id))
 
+    async def take_close_lease(self, rollout_id: str, ttl_s: float) -> bool:
+        """The lease of the one close that ends the rollout; False while another close of
+        it is under way (its grade's and the reaper's, say). It lapses after ``ttl_s``, so
+        a closer that died leaves the rollout to the reaper's next pass."""
+        return bool(
+            await self.redis.set(self.keys.closing(rollout_id), "1", nx=True, ex=int(ttl_s))
+        )
+
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
 

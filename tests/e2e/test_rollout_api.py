@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import redis
 
+from orchestrator.state.keys import Keys
 from tests.e2e.conftest import Stack
 from tests.e2e.helpers import error_code, file_f1, sandboxes_of
 
@@ -132,6 +135,40 @@ def test_calls_after_delete_are_409(stack: Stack, planning_item: dict[str, Any])
         # Deleting again is harmless; the record stays readable and closed.
         assert client.delete(f"/v1/rollouts/{rollout_id}").json()["state"] == "closed"
         assert client.get(f"/v1/rollouts/{rollout_id}").json()["state"] == "closed"
+
+
+def test_concurrent_closes_release_the_slot_once(
+    stack: Stack, planning_item: dict[str, Any]
+) -> None:
+    """Closes of one rollout at once (its grade's and a reaper pass's, a trainer's retried
+    DELETE) end it once: each would have given the sandbox's slot back (seen: a host at
+    -10 slots used, which admits more than its capacity)."""
+    host = stack.settings.host_id
+    with stack.client() as client:
+        created = client.post("/v1/rollouts", json={"item": planning_item})
+        assert created.status_code == 201, created.text
+        rollout_id = created.json()["rollout_id"]
+        held = _slots(stack)[host]
+
+        def close(_: int) -> int:
+            with stack.client() as own:
+                return own.delete(f"/v1/rollouts/{rollout_id}").status_code
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            assert list(pool.map(close, range(8))) == [200] * 8
+        assert client.get(f"/v1/rollouts/{rollout_id}").json()["state"] == "closed"
+    assert sandboxes_of(stack.settings, rollout_id) == []
+    # One slot given back (a reaper recount between would only set the true count).
+    assert _slots(stack)[host] == held - 1
+
+
+def _slots(stack: Stack) -> dict[str, int]:
+    client = redis.Redis.from_url(stack.settings.redis_url, decode_responses=True)
+    try:
+        loads = client.hgetall(Keys.of(stack.settings.deployment).load)
+        return {str(h): int(n) for h, n in loads.items()}
+    finally:
+        client.close()
 
 
 def test_calls_after_grade_are_409(stack: Stack, planning_item: dict[str, Any]) -> None:
