@@ -61,75 +61,89 @@ class Closer:
         is stopping)."""
         rollout = await known(self.store, rollout_id)
         bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
-        if rollout.closed_at is None and not await self.store.take_close_lease(
-            rollout_id, CLOSE_LEASE_S
-        ):
-            # Another close of it is under way (the grade's and a reaper pass's at once):
-            # that one destroys or recycles the sandbox and releases its slot. Both would
-            # have released the slot twice (seen: a host at -10 slots used).
-            return await self._closed_by_another(rollout_id)
-        recycle = None
-        if destroy and self.recycling is not None and rollout.closed_at is None:
-            recycle = self.recycling.request(rollout, reason, ended_by)
-        if recycle is not None:
-            # Its slot stays taken, counted in transit until the worker puts the sandbox in
-            # its pool or destroys it; counted before the record closes, so no recount
-            # between the two gives it away.
-            handle = recycle.handle
-            recycle.transit = await self.admission.hold_for_recycling(
-                handle.host, handle.sandbox_id
-            )
-            if recycle.transit:  # else another close of this rollout sent it already
-                if self.pools is not None:  # before the send: the worker's end comes after
-                    await self.pools.recycling(recycle.pool, handle.sandbox_id)
-                await self.queue.send(
-                    TaskName.RECYCLE_SANDBOX,
-                    recycle.model_dump(mode="json"),
-                    queue=self.keys.host_queue(handle.host),
+        leased = False
+        if rollout.closed_at is None:
+            if not await self.store.take_close_lease(rollout_id, CLOSE_LEASE_S):
+                # Another close of it is under way (the grade's and a reaper pass's at
+                # once): that one destroys or recycles the sandbox and releases its slot.
+                # Both would have released the slot twice (seen: a host at -10 slots used).
+                return await self._closed_by_another(rollout_id)
+            leased = True
+            # Read again under the lease: a close that held it before us may have ended
+            # the rollout since our read (and given the lease back).
+            rollout = await known(self.store, rollout_id)
+        try:
+            recycle = None
+            if destroy and self.recycling is not None and rollout.closed_at is None:
+                recycle = self.recycling.request(rollout, reason, ended_by)
+            if recycle is not None:
+                # Its slot stays taken, counted in transit until the worker puts the sandbox in
+                # its pool or destroys it; counted before the record closes, so no recount
+                # between the two gives it away.
+                handle = recycle.handle
+                recycle.transit = await self.admission.hold_for_recycling(
+                    handle.host, handle.sandbox_id
                 )
-        elif destroy and rollout.sandbox is not None and rollout.closed_at is None:
-            payload = DestroySandbox(handle=rollout.sandbox, reason=reason).model_dump(mode="json")
-            queue = self.keys.host_queue(rollout.sandbox.host)
-            if wait:
-                try:
-                    await self.queue.call(
-                        TaskName.DESTROY_SANDBOX,
-                        payload,
-                        queue=queue,
-                        timeout_s=30,
-                        host_id=rollout.sandbox.host,
+                if recycle.transit:  # else another close of this rollout sent it already
+                    if self.pools is not None:  # before the send: the worker's end comes after
+                        await self.pools.recycling(recycle.pool, handle.sandbox_id)
+                    await self.queue.send(
+                        TaskName.RECYCLE_SANDBOX,
+                        recycle.model_dump(mode="json"),
+                        queue=self.keys.host_queue(handle.host),
                     )
-                except QueueTimeout as exc:
-                    # The host's label sweep destroys it when the worker is back.
-                    log.warning("rollout.destroy_deferred", rollout_id=rollout_id, error=str(exc))
-            else:
-                await self.queue.send(TaskName.DESTROY_SANDBOX, payload, queue=queue)
-        if rollout.sandbox is not None and rollout.closed_at is None and recycle is None:
-            await self.admission.release(rollout.sandbox.host)
-        if rollout.pool_hit and rollout.closed_at is None and self.pools is not None:
-            await self.pools.returned(rollout.environment, rollout.codebase)
-        state = rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED
-        fields: dict[str, Any] = {"state": state, "closed_at": time.time()}
-        if ended_by is not None and rollout.score is None:
-            fields["ended_by"] = {
-                "cause": ended_by,
-                "message": f"the orchestrator ended this rollout before its grade: {why}",
-                "at": time.time(),
-            }
-        if rollout.outcome is None:
-            # Ended without a grade and without a fault (idle, lifetime, closed by the
-            # trainer): nothing went wrong on our side.
-            fields["outcome"] = (
-                Outcome.INFRA_ERROR if state == RolloutState.INFRA_FAILED else Outcome.OK
+            elif destroy and rollout.sandbox is not None and rollout.closed_at is None:
+                payload = DestroySandbox(handle=rollout.sandbox, reason=reason).model_dump(
+                    mode="json"
+                )
+                queue = self.keys.host_queue(rollout.sandbox.host)
+                if wait:
+                    try:
+                        await self.queue.call(
+                            TaskName.DESTROY_SANDBOX,
+                            payload,
+                            queue=queue,
+                            timeout_s=30,
+                            host_id=rollout.sandbox.host,
+                        )
+                    except QueueTimeout as exc:
+                        # The host's label sweep destroys it when the worker is back.
+                        log.warning(
+                            "rollout.destroy_deferred", rollout_id=rollout_id, error=str(exc)
+                        )
+                else:
+                    await self.queue.send(TaskName.DESTROY_SANDBOX, payload, queue=queue)
+            if rollout.sandbox is not None and rollout.closed_at is None and recycle is None:
+                await self.admission.release(rollout.sandbox.host)
+            if rollout.pool_hit and rollout.closed_at is None and self.pools is not None:
+                await self.pools.returned(rollout.environment, rollout.codebase)
+            state = (
+                rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED
             )
-        updated = present(
-            await self.store.update(rollout_id, **fields), rollout_id, "it was closed"
-        )
-        if rollout.closed_at is None:  # counted once, by the close that ended it
-            metrics.ROLLOUTS_FINISHED.labels(updated.outcome or Outcome.OK).inc()
-            metrics.TOOL_CALLS_PER_ROLLOUT.observe(await self.store.call_count(rollout_id))
-        log.info("rollout.closed", rollout_id=rollout_id, reason=reason)
-        return updated
+            fields: dict[str, Any] = {"state": state, "closed_at": time.time()}
+            if ended_by is not None and rollout.score is None:
+                fields["ended_by"] = {
+                    "cause": ended_by,
+                    "message": f"the orchestrator ended this rollout before its grade: {why}",
+                    "at": time.time(),
+                }
+            if rollout.outcome is None:
+                # Ended without a grade and without a fault (idle, lifetime, closed by the
+                # trainer): nothing went wrong on our side.
+                fields["outcome"] = (
+                    Outcome.INFRA_ERROR if state == RolloutState.INFRA_FAILED else Outcome.OK
+                )
+            updated = present(
+                await self.store.update(rollout_id, **fields), rollout_id, "it was closed"
+            )
+            if rollout.closed_at is None:  # counted once, by the close that ended it
+                metrics.ROLLOUTS_FINISHED.labels(updated.outcome or Outcome.OK).inc()
+                metrics.TOOL_CALLS_PER_ROLLOUT.observe(await self.store.call_count(rollout_id))
+            log.info("rollout.closed", rollout_id=rollout_id, reason=reason)
+            return updated
+        finally:
+            if leased:  # closed (or failed: a close may be tried again at once)
+                await self.store.end_close_lease(rollout_id)
 
     async def _closed_by_another(self, rollout_id: str) -> Rollout:
         """The record once the close under way has closed it (or its lease lapsed)."""

@@ -545,6 +545,9 @@ class RolloutStore:
             await self.redis.set(self.keys.closing(rollout_id), "1", nx=True, ex=int(ttl_s))
         )
 
+    async def end_close_lease(self, rollout_id: str) -> None:
+        await self.redis.delete(self.keys.closing(rollout_id))
+
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
 

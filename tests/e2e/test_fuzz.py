@@ -545,6 +545,7 @@ def test_fuzz_live_rollout_grade(
         if first["score"] is not None:
             assert score == first["score"]
         view = client.get(f"/v1/rollouts/{graded_rollout}").json()
-        assert (view["state"], view["score"]) == ("graded", score)
+        # The grade closed it (grace_after_grade_s 0): its score stays, its sandbox went.
+        assert (view["state"], view["score"]) == ("closed", score)
     else:
         assert_rejected_changed_nothing(response, before, deployment.state())
