@@ -17,7 +17,7 @@ import redis
 from orchestrator.config import Settings
 from orchestrator.state.keys import Keys
 from orchestrator.state.records import CallStartStatus, RolloutStore
-from orchestrator.state.tickets import TicketState, WorkerTickets
+from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState, WorkerTickets
 
 pytestmark = pytest.mark.anyio
 
@@ -65,12 +65,24 @@ async def test_a_claimed_call_cannot_be_cancelled(
     status, seq, attempt = await _begin(store)
     assert (status, seq) == ("run", 1)
     key = keys.ticket("r1", "c1")
-    assert workers.claim(key, attempt, "w1", time.time()) == "running"
+    assert workers.claim(key, attempt, "w1", time.time(), "d1") == "running"
     assert await store.tickets.cancel("r1", "c1", attempt) == TicketState.RUNNING
-    # A second delivery of the same message is skipped.
-    assert workers.claim(key, attempt, "w2", time.time()) == "running"
     ticket = await store.tickets.read("r1", "c1")
     assert ticket.worker == "w1"
+
+
+async def test_a_message_delivered_twice_runs_once(
+    store: RolloutStore, workers: WorkerTickets, keys: Keys
+) -> None:
+    """A second delivery of the same message, to this worker or another, is skipped; the
+    first delivery's claim, sent again after a dropped connection, still finds itself."""
+    _, _, attempt = await _begin(store)
+    key = keys.ticket("r1", "c1")
+    assert workers.claim(key, attempt, "w1", time.time(), "d1") == "running"
+    assert workers.claim(key, attempt, "w1", time.time(), "d2") == DUPLICATE_DELIVERY
+    assert workers.claim(key, attempt, "w2", time.time(), "d3") == DUPLICATE_DELIVERY
+    assert workers.claim(key, attempt, "w1", time.time(), "d1") == "running"
+    assert (await store.tickets.read("r1", "c1")).worker == "w1"
 
 
 async def test_a_cancelled_call_is_never_claimed_and_keeps_its_seq(
@@ -79,14 +91,14 @@ async def test_a_cancelled_call_is_never_claimed_and_keeps_its_seq(
     _, seq, attempt = await _begin(store)
     key = keys.ticket("r1", "c1")
     assert await store.tickets.cancel("r1", "c1", attempt) == TicketState.CANCELLED
-    assert workers.claim(key, attempt, "w1", time.time()) == "cancelled"
+    assert workers.claim(key, attempt, "w1", time.time(), "d1") == "cancelled"
     await store.end_call("r1", "c1", attempt, reply=None, step=None)
     status, again, new_attempt = await _begin(store)
     assert (status, again) == ("run", seq), "the retry takes the place of the call never run"
     assert new_attempt != attempt
     # The first attempt's message, if it is still queued, is skipped: superseded.
-    assert workers.claim(key, attempt, "w1", time.time()) == "superseded"
-    assert workers.claim(key, new_attempt, "w1", time.time()) == "running"
+    assert workers.claim(key, attempt, "w1", time.time(), "d2") == "superseded"
+    assert workers.claim(key, new_attempt, "w1", time.time(), "d3") == "running"
 
 
 async def test_claim_and_cancel_race_has_exactly_one_winner(
@@ -99,7 +111,7 @@ async def test_claim_and_cancel_race_has_exactly_one_winner(
         claims: list[str] = []
         worker = threading.Thread(
             target=lambda k=key, a=attempt, out=claims: out.append(
-                workers.claim(k, a, "w", time.time())
+                workers.claim(k, a, "w", time.time(), "d")
             )
         )
         worker.start()
@@ -113,7 +125,7 @@ async def test_the_result_outlives_its_waiter_and_a_retry_settles_it_once(
 ) -> None:
     _, seq, attempt = await _begin(store)
     key = keys.ticket("r1", "c1")
-    workers.claim(key, attempt, "w1", time.time())
+    workers.claim(key, attempt, "w1", time.time(), "d1")
     result = json.dumps({"result": None})
     state, reply_to = workers.finish(key, "w1", result, time.time())
     assert (state, reply_to) == ("done", keys.reply("r1"))
@@ -136,7 +148,7 @@ async def test_a_result_after_the_call_was_declared_lost_is_evidence_only(
 ) -> None:
     _, _, attempt = await _begin(store)
     key = keys.ticket("r1", "c1")
-    workers.claim(key, attempt, "w1", time.time())
+    workers.claim(key, attempt, "w1", time.time(), "d1")
     assert await store.tickets.mark_lost("r1", "c1", "w1") == TicketState.LOST
     state, reply_to = workers.finish(key, "w1", json.dumps({"late": True}), time.time())
     assert (state, reply_to) == ("lost", "")

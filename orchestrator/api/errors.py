@@ -94,7 +94,15 @@ def install(app: FastAPI) -> None:
         return error_response(exc.status, Outcome.REJECTED, exc.code, exc.message)
 
     @app.exception_handler(InfraError)
-    async def _infra(_: Request, exc: InfraError) -> JSONResponse:
+    async def _infra(request: Request, exc: InfraError) -> JSONResponse:
+        # The trainer discards or retries on it: what it was told, and why, is on record.
+        log.warning(
+            "api.infra_error",
+            rollout_id=exc.rollout_id,
+            path=loggable_path(request.url.path),
+            code=exc.code,
+            error=exc.message,
+        )
         return error_response(
             503,
             Outcome.INFRA_ERROR,

@@ -45,7 +45,7 @@ from orchestrator.state.tasks import (
     ToolCall,
     ToolCallDone,
 )
-from orchestrator.state.tickets import TicketState
+from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState
 from orchestrator.tools.base import ToolResult, agent_error
 
 log = get_logger(__name__)
@@ -163,9 +163,13 @@ def run_tool(payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_tool(call: ToolCall, started: float) -> dict[str, Any]:
-    claimed = worker.tickets().claim(call.ticket, call.attempt, worker.INSTANCE, started)
+    # This delivery's own claim: a message the broker delivered twice must still run once.
+    delivery = uuid.uuid4().hex
+    claimed = worker.tickets().claim(call.ticket, call.attempt, worker.INSTANCE, started, delivery)
     if claimed != TicketState.RUNNING:
-        log.info("tool.skipped", rollout_id=call.rollout_id, call_id=call.call_id, ticket=claimed)
+        # A duplicate is the broker's doing and never expected: worth a look.
+        level = log.warning if claimed == DUPLICATE_DELIVERY else log.info
+        level("tool.skipped", rollout_id=call.rollout_id, call_id=call.call_id, ticket=claimed)
         return {"skipped": claimed}
     with worker.in_flight.running(call):
         try:

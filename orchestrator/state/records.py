@@ -192,7 +192,7 @@ else
 end
 redis.call('HSET', KEYS[6], 'state', 'queued', 'seq', seq, 'attempt', ARGV[1],
   'reply_to', ARGV[6], 'queued_at', ARGV[3])
-redis.call('HDEL', KEYS[6], 'worker', 'result')
+redis.call('HDEL', KEYS[6], 'worker', 'claim', 'result')
 redis.call('EXPIRE', KEYS[6], ARGV[5])
 if redis.call('HGET', KEYS[6], 'open') ~= '1' then
   redis.call('HSET', KEYS[6], 'open', '1')

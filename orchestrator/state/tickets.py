@@ -13,7 +13,9 @@ lost call may have run in part, so its rollout is ``infra_failed``. The ticket a
 the finished call's result, so the result outlives the connection that waited for it.
 
 Each attempt to send the call has its own ``attempt`` id; a worker only claims the attempt
-the ticket names, so a stale message of an earlier attempt is skipped, never run.
+the ticket names, so a stale message of an earlier attempt is skipped, never run. Each
+delivery of a message claims under its own ``claim`` id, so a message delivered twice runs
+once, whatever the broker does.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from orchestrator.state.keys import Keys
 TICKET_TTL_S = 86400
 REPLY_LIST_TTL_S = 300
 """A reply nobody popped (its caller gave up) goes after this."""
+
+
+DUPLICATE_DELIVERY = "duplicate"
+"""What a claim answers a second delivery of a message whose call runs already."""
 
 
 class TicketState(StrEnum):
@@ -64,13 +70,21 @@ class Ticket(BaseModel):
         )
 
 
-# KEYS: ticket. ARGV: attempt, worker instance, now. Returns the state after the call.
-CLAIM = """
+# KEYS: ticket. ARGV: attempt, worker instance, now, claim (one per delivery of the task
+# message). Returns the state after the call, as the worker should read it: 'running' only
+# for this delivery's own claim (run twice when the connection dropped), 'duplicate' for
+# any other delivery of a call that is running already.
+CLAIM = f"""
 local st = redis.call('HGET', KEYS[1], 'state')
 if not st then return 'missing' end
+if st == 'running' then
+  if redis.call('HGET', KEYS[1], 'claim') == ARGV[4] then return 'running' end
+  return '{DUPLICATE_DELIVERY}'
+end
 if st ~= 'queued' then return st end
 if redis.call('HGET', KEYS[1], 'attempt') ~= ARGV[1] then return 'superseded' end
-redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'claimed_at', ARGV[3])
+redis.call('HSET', KEYS[1], 'state', 'running', 'worker', ARGV[2], 'claim', ARGV[4],
+  'claimed_at', ARGV[3])
 return 'running'
 """
 
@@ -162,9 +176,11 @@ class WorkerTickets:
         self._finish = client.register_script(FINISH)
 
     @_through_outage
-    def claim(self, key: str, attempt: str, instance: str, now: float) -> str:
-        """``running`` when this worker may run the call; anything else: skip it."""
-        return _text(self._claim(keys=[key], args=[attempt, instance, now]))
+    def claim(self, key: str, attempt: str, instance: str, now: float, claim: str) -> str:
+        """``running`` when this delivery of the call's message may run it; anything else
+        (``duplicate``: another delivery runs it): skip it. ``claim`` names the delivery,
+        so that this claim retried after a dropped connection still finds itself."""
+        return _text(self._claim(keys=[key], args=[attempt, instance, now, claim]))
 
     @_through_outage
     def finish(self, key: str, instance: str, result_json: str, now: float) -> tuple[str, str]:

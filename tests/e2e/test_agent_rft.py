@@ -7,11 +7,17 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from typing import Any
 
 import httpx
 import pytest
 
+from orchestrator.state.broker import celery_app, task_message
+from orchestrator.state.keys import Keys
+from orchestrator.state.records import RolloutStore
+from orchestrator.state.tasks import TaskName, ToolCall
+from orchestrator.state.tickets import TicketState
 from tests.e2e.conftest import Stack
 from tests.e2e.helpers import (
     REPLY_KEYS,
@@ -350,6 +356,74 @@ def test_retried_call_returns_stored_output_without_rerunning(
             steps[2]["call_id"],
         ]
         client.delete(f"/v1/rollouts/{trace}")
+
+
+def test_a_message_delivered_twice_runs_once(stack: Stack, planning_item: dict[str, Any]) -> None:
+    """A broker that delivers a call's task message twice (kombu promises no exactly-once)
+    still runs the call once: the second delivery, pushed to the real worker while the first
+    runs, finds the call claimed by another delivery and is skipped (state/tickets.py)."""
+    trace = new_trace()
+    runs = {"command": "echo x >> /tmp/runs; sleep 4; wc -l < /tmp/runs"}
+    slow = function_call(trace, planning_item, "shell", runs)
+    settings = stack.settings
+    keys = Keys.of(settings.deployment)
+
+    async def deliver_again() -> None:
+        store = RolloutStore.connect(settings, role="test")
+        try:
+            deadline = time.monotonic() + 30
+            ticket = await store.tickets.read(trace, slow["call_id"])
+            while ticket.state != TicketState.RUNNING:
+                assert time.monotonic() < deadline, f"the call never ran: {ticket}"
+                await asyncio.sleep(0.02)
+                ticket = await store.tickets.read(trace, slow["call_id"])
+            rollout = await store.get(trace)
+            assert rollout is not None and rollout.sandbox is not None
+            assert rollout.environment_digest is not None
+            again = ToolCall(
+                rollout_id=trace,
+                call_id=slow["call_id"],
+                ticket=keys.ticket(trace, slow["call_id"]),
+                attempt=ticket.attempt,
+                environment=rollout.environment,
+                environment_digest=rollout.environment_digest,
+                handle=rollout.sandbox,
+                tool="shell",
+                arguments=runs,
+                enqueued_at=time.time(),
+            )
+            queue = keys.host_queue(rollout.sandbox.host)
+            message = task_message(
+                celery_app(), TaskName.RUN_TOOL, again.model_dump(mode="json"),
+                queue=queue, expires_s=60,
+            )  # fmt: skip
+            await store.redis.lpush(queue, message)
+            while message in await store.redis.lrange(queue, 0, -1):
+                assert time.monotonic() < deadline, "the worker never took the second delivery"
+                await asyncio.sleep(0.02)
+            taken = await store.tickets.read(trace, slow["call_id"])
+            # Taken while the first delivery still ran: the case a claim must tell apart.
+            assert taken.state == TicketState.RUNNING, taken
+        finally:
+            await store.close()
+
+    async def both() -> str:
+        async with stack.async_client() as aclient:
+            first, _ = await asyncio.gather(
+                aclient.post("/agent-rft/tools", json=slow), deliver_again()
+            )
+        assert first.status_code == 200, first.text
+        output: str = first.json()["output"]
+        return output
+
+    with stack.client() as client:
+        try:
+            call(client, function_call(trace, planning_item, "shell", {"command": "true"}))
+            assert asyncio.run(both()).strip() == "1"
+            check = function_call(trace, planning_item, "shell", {"command": "wc -l < /tmp/runs"})
+            assert call(client, check).strip() == "1", "the call ran twice"
+        finally:
+            client.delete(f"/v1/rollouts/{trace}")
 
 
 def test_rollout_and_trajectory_visible(stack: Stack, planning_item: dict[str, Any]) -> None:

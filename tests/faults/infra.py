@@ -155,6 +155,16 @@ class FaultStack:
             time.sleep(0.2)
         raise RuntimeError(f"the fault stack is not healthy after {timeout_s} s: {last}")
 
+    def log_lines(self, rollout_id: str, limit: int = 80) -> list[str]:
+        """The stack's log lines (api, worker, beat) that name ``rollout_id``, by file."""
+        found: list[str] = []
+        for log in sorted(self.stack.logs.glob("*.log")) if self.stack.logs else []:
+            with contextlib.suppress(OSError):
+                for line in log.read_text(errors="replace").splitlines():
+                    if rollout_id in line:
+                        found.append(f"{log.stem}: {line[:400]}")
+        return found[-limit:]
+
     def heartbeat_gone(self) -> bool:
         client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
         try:

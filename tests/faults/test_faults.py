@@ -27,7 +27,7 @@ import requests
 
 from tests.faults.conftest import BROKEN_GRADER_ENVIRONMENT, COMMAND_TIMEOUT_S, ENVIRONMENT
 from tests.faults.infra import FaultStack
-from tests.faults.report import Row, flagged, make_row, write_row
+from tests.faults.report import Row, flagged, ledger_check, make_row, write_row
 from tests.faults.trainer import Plan, Result, Step, Trainer, read_file, shell
 
 pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.slow]
@@ -134,6 +134,9 @@ def finish(
     records = faults.records([r.trace_id for r in results])
     for result in results:
         result.record = records[result.trace_id]
+        lost, twice, _, _ = ledger_check(result)
+        if lost or twice:
+            result.log_lines = faults.log_lines(result.trace_id)
     row = make_row(
         fault,
         results,
@@ -183,6 +186,7 @@ def _dump(results: list[Result]) -> str:
         if r.grade_attempts:
             lines.append(f"    grade [{', '.join(str(a.status) for a in r.grade_attempts)}]")
         lines.append(f"    ledger {r.ledger}")
+        lines.extend(f"    | {line}" for line in r.log_lines)
     return "\n".join(lines)
 
 

@@ -112,6 +112,9 @@ class Result:
     """The sandbox's ledger when the trainer was done with it; None if unreadable."""
     record: dict[str, Any] | None = None
     """The rollout's record (GET /v1/rollouts/{id}) at the end of the batch."""
+    log_lines: list[str] = field(default_factory=list)
+    """The stack's log lines about this rollout, when its ledger shows a call lost or run
+    twice: the evidence to find out why."""
 
     @property
     def trace_id(self) -> str:
