@@ -6,9 +6,10 @@ one run.
 
 Each round runs every variant in turn: N sandboxes created one after the other through
 DockerBackend (as bench.exec_latency's bench_create does, but all kept), then each reset
-for another rollout (DockerBackend.reset: killed, /workspace remade, started, audited;
-not for variants running the agent from before the reset existed), then destroyed one
-after the other. Each phase is metered as a whole and divided by N.
+for another rollout (DockerBackend.reset, audited: in place where the host mounts
+/workspace, by a restart of the container otherwise; not for variants running the agent
+from before the reset existed), then destroyed one after the other. Each phase is metered
+as a whole and divided by N.
 
 Where the CPU goes, by process:
 
@@ -294,12 +295,16 @@ PHASES = ("create", "reset", "destroy")
 BASELINE_COMMIT = "bbd7e28"
 # name -> (runtime, settings changed from the defaults, whether it runs the old agent).
 # before: runc and the old agent; runc+agent: the new agent alone; now: crun and the new
-# agent (the defaults); now-nodisk: now with /workspace uncapped (what the ext4 cap costs
-# at all, so the most a stock of ready-made images could save); runsc-*: gVisor.
+# agent (the defaults: the host mounts /workspace, a reset keeps the container running);
+# now-restart: now with Docker mounting /workspace, so a reset restarts the container (the
+# reset before it could be done in place); now-nodisk: now with /workspace uncapped (what
+# the ext4 cap costs at all, so the most a stock of ready-made images could save);
+# runsc-*: gVisor.
 VARIANTS: dict[str, tuple[Runtime, dict[str, Any], bool]] = {
     "before": ("runc", {"docker_runc_runtime": "runc"}, True),
     "runc+agent": ("runc", {"docker_runc_runtime": "runc"}, False),
     "now": ("runc", {}, False),
+    "now-restart": ("runc", {"docker_workspace_mount": "docker"}, False),
     # What the ext4 cap costs at all: the most a stock of ready-made images could save.
     "now-nodisk": ("runc", {"sandbox_disk_mb": 0}, False),
     "runsc-before": ("runsc", {}, True),
@@ -352,7 +357,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         nargs="+",
-        default=["before (runc, old agent)", "runc, new agent", "now (crun, new agent)"],
+        default=["before", "now", "now-restart"],
         choices=VARIANTS,
     )
     parser.add_argument("--image", choices=["base", "codebase"], default="base")

@@ -180,6 +180,14 @@ class Settings(BaseSettings):
         "backend: crun, the same containers from a C runtime at a fraction of runc's CPU per "
         "create, or runc. crun is used only when dockerd has it registered, else runc.",
     )
+    docker_workspace_mount: Literal["host", "docker"] = Field(
+        "host",
+        description="Who mounts a runc/crun sandbox's /workspace on the Docker backend: host "
+        "(the worker, on a directory the container binds with rslave propagation; a reset "
+        "for another rollout keeps the container running) or docker (a volume Docker mounts; "
+        "a reset restarts the container). host needs dockerd in the worker's mount namespace "
+        "(a create says so when it is not). gVisor sandboxes always use docker.",
+    )
 
     base_os_image: str = Field(
         "debian:bookworm-slim",

@@ -35,6 +35,7 @@ from orchestrator.sandbox.backend import (
 )
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
+from orchestrator.sandbox.mounts import mounted_at
 from tests.sandbox_scripts import PIDS_FILLER
 
 pytestmark = pytest.mark.xdist_group("sandbox_backend")
@@ -274,15 +275,16 @@ def test_destroy_is_idempotent(
     finally:
         backend.destroy(handle)
 
-    # Removed behind the backend's back: the named volume and the socket dir stay, and
-    # destroy still cleans them up without complaint.
+    # Removed behind the backend's back: its /workspace (mounted by the host) and the
+    # socket dir stay, and destroy still cleans them up without complaint.
     handle = backend.create(spec)
+    merged = backend.workspaces.uppers / handle.sandbox_id / "merged"
     try:
         client.api.remove_container(handle.native_id, force=True)
-        assert handle.native_id in {v.name for v in client.volumes.list()}
+        assert mounted_at(merged) == 2, "the mount point's bind and the overlay on it"
         backend.destroy(handle)
         backend.destroy(handle)
-        assert handle.native_id not in {v.name for v in client.volumes.list()}
+        assert mounted_at(merged) == 0 and not merged.exists()
         assert not (backend.sockets_dir / handle.sandbox_id).exists()
     finally:
         backend.destroy(handle)
@@ -477,7 +479,7 @@ def test_sweep_leftovers_removes_orphans_only(
         assert orphan_volume.name not in volumes
         assert foreign_volume.name in volumes
         assert young_volume.name in volumes, "a fresh volume may be a sandbox being created"
-        assert live.native_id in volumes
+        assert mounted_at(private_backend.workspaces.uppers / live.sandbox_id / "merged") == 2
         assert not orphan_dir.exists()
         assert not orphan_upper.exists()
         assert (private_backend.workspaces.uppers / live.sandbox_id).is_dir()
@@ -724,17 +726,20 @@ def test_sweep_unmounts_the_workspace_of_a_sandbox_lost_in_a_crash(
     top = private_backend.workspaces.uppers / lost.sandbox_id
     image = private_backend.workspaces.image_path(lost.sandbox_id)
     assert run(private_backend, lost, "echo x > /workspace/f").exit_code == 0
-    # A worker that crashed after its container went: mount, image and loop device stay.
+    # A worker that crashed after its container went: mounts, image and loop device stay
+    # (the host's overlay and mount point too: the host mounts a runc sandbox's
+    # /workspace, and Docker made no volume).
     client.api.remove_container(lost.native_id, force=True)
-    client.api.remove_volume(lost.native_id, force=True)
-    assert top.is_mount()
+    assert not client.api.volumes(filters={"name": lost.native_id}).get("Volumes")
+    merged = top / "merged"
+    assert top.is_mount() and mounted_at(merged) == 2
     os.utime(image, (0, 0))
     os.utime(top, (0, 0))
     live = private_backend.create(SandboxSpec(image=base_image))
     try:
         assert private_backend.sweep_leftovers() >= 1
         assert not top.exists() and not image.exists()
-        assert loop_devices_of(image) == []
+        assert loop_devices_of(image) == [] and mounted_at(merged) == 0
         live_top = private_backend.workspaces.uppers / live.sandbox_id
         assert live_top.is_mount(), "a live sandbox's filesystem stays"
         assert out(run(private_backend, live, "echo still-here")) == "still-here\n"

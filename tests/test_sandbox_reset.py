@@ -102,7 +102,7 @@ def _stdout(result: ExecResult) -> str:
 
 
 def test_planted_state_is_gone_after_a_reset(
-    backend: DockerBackend, sandbox: tuple[SandboxHandle, SandboxSpec]
+    backend: DockerBackend, sandbox: tuple[SandboxHandle, SandboxSpec], runtime: Runtime
 ) -> None:
     handle, spec = sandbox
     fresh_view = _stdout(_run(backend, handle, LOOK))
@@ -116,9 +116,15 @@ def test_planted_state_is_gone_after_a_reset(
     for place in ("/tmp", "/home/agent", "/dev/shm", "/scratch"):
         assert any(d.startswith(f"{place}:") for d in seen), (place, seen)
 
+    started = backend.client.api.inspect_container(handle.native_id)["State"]["StartedAt"]
     report = backend.reset(handle, spec)
     assert report.clean, report.differences
     assert report.digest and report.ms > 0
+    # In place (the container kept running) but under gVisor, whose gofer never sees the
+    # host's mount of a new /workspace.
+    assert report.way == ("restart" if runtime == "runsc" else "in_place")
+    again = backend.client.api.inspect_container(handle.native_id)["State"]["StartedAt"]
+    assert (again == started) == (report.way == "in_place")
 
     after = _stdout(_run(backend, handle, LOOK))
     assert "planted" not in after and "hijacked" not in after and "new-file" not in after

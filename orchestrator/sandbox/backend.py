@@ -301,6 +301,7 @@ class ResetReport(BaseModel):
     )
     digest: str = Field("", description="sha256 of the manifest after the reset.")
     ms: float = 0.0
+    way: str = Field("", description="How: 'in_place' (the container kept running) or 'restart'.")
 
 
 class SandboxError(Exception):

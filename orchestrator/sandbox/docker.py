@@ -56,6 +56,9 @@ SANDBOX_UID = 1000
 # user's process groups; it drops even these from its bounding set before running anything.
 AGENT_CAPABILITIES = ["SETUID", "SETGID", "SETPCAP", "KILL"]
 PING_TIMEOUT_S = 5.0
+# How long the agent's scrub (an in-place reset) may take to see the agent's user's last
+# process gone; one that outlives it (stuck in the kernel) fails the reset.
+SCRUB_TIMEOUT_S = 10.0
 INSPECT_EVERY_S = 0.5
 # How long a probe whose agent did not answer waits for a dying sandbox to be seen exited.
 SANDBOX_ID_HEX = 12
@@ -94,6 +97,12 @@ class DockerBackend(agent.AgentBackend):
         # The agent's source on this host, bind-mounted into every sandbox (a benchmark
         # points it at another version).
         self.agent_path = EXEC_AGENT_PATH
+
+    def _host_mounts_workspace(self, runtime: str) -> bool:
+        """Whether the host mounts the sandbox's /workspace itself (workspace.py): as
+        configured, but never under gVisor, whose gofer never sees a mount made after the
+        sandbox started."""
+        return runtime != "runsc" and self.settings.docker_workspace_mount == "host"
 
     def oci_runtime(self, runtime: str) -> str:
         """The Docker runtime a sandbox of ``runtime`` runs on: runtime 'runc' means a
@@ -153,10 +162,19 @@ class DockerBackend(agent.AgentBackend):
             raise
         if _spec_key(spec) not in self._fresh:
             try:
-                self._fresh[_spec_key(spec)] = self.manifest(handle)
+                fresh = self.manifest(handle)
             except SandboxError as exc:
                 # Only a reset needs it: without it, a reset says it cannot compare.
                 bound.warning("sandbox.manifest_failed", error=str(exc))
+            else:
+                if self.workspaces.host_mounted(sandbox_id) and not _overlay_at_workspace(fresh):
+                    self.destroy(handle)
+                    raise SandboxError(
+                        "the host's mount of /workspace did not reach the sandbox: dockerd "
+                        "runs in a mount namespace of its own; set "
+                        "ORCH_DOCKER_WORKSPACE_MOUNT=docker"
+                    )
+                self._fresh[_spec_key(spec)] = fresh
         bound.info(
             "sandbox.created",
             image=spec.image,
@@ -171,7 +189,23 @@ class DockerBackend(agent.AgentBackend):
         api = self.client.api
         limits = spec.limits
         disk_mb = spec.limits.disk_mb_in(self.settings)
-        workspace = self.workspaces.volume_options(spec.image, stamp[labels.SANDBOX], disk_mb)
+        sandbox_id = stamp[labels.SANDBOX]
+        host_mounted = self._host_mounts_workspace(spec.runtime)
+        if host_mounted:
+            point = self.workspaces.mount_point(spec.image, sandbox_id, disk_mb)
+            workspace = Mount("/workspace", str(point), type="bind", propagation="rslave")
+        else:
+            # An overlay of the image's /workspace (see workspace.py): writable though the
+            # root filesystem is not, made in constant time, gone with the sandbox.
+            options = self.workspaces.volume_options(spec.image, sandbox_id, disk_mb)
+            workspace = Mount(
+                "/workspace",
+                name,
+                type="volume",
+                no_copy=True,
+                labels=stamp,
+                driver_config=DriverConfig("local", options),
+            )
         memory = f"{limits.memory_mb}m"
         host_config = api.create_host_config(
             network_mode="none",
@@ -203,16 +237,7 @@ class DockerBackend(agent.AgentBackend):
             mounts=[
                 Mount(SOCKET_DIR_IN_SANDBOX, str(socket_dir), type="bind"),
                 Mount(AGENT_IN_SANDBOX, str(self.agent_path), type="bind", read_only=True),
-                # An overlay of the image's /workspace (see workspace.py): writable though
-                # the root filesystem is not, made in constant time, gone with the sandbox.
-                Mount(
-                    "/workspace",
-                    name,
-                    type="volume",
-                    no_copy=True,
-                    labels=stamp,
-                    driver_config=DriverConfig("local", workspace),
-                ),
+                workspace,
             ],
         )
         command = [
@@ -269,6 +294,12 @@ class DockerBackend(agent.AgentBackend):
             raise SandboxError(f"sandbox image {spec.image!r} not found on {self.host}") from exc
         except DOCKER_FAILURES as exc:
             raise _docker_fault("create sandbox", exc) from exc
+        if host_mounted:
+            # Only now: the container's bind of the mount point exists, and the overlay
+            # propagates into it (mounted before, the bind would take the overlay itself,
+            # which a reset could not replace). The agent's working directory is the bind,
+            # so nothing of the sandbox ever holds the overlay but the agent's user.
+            self.workspaces.mount(sandbox_id)
 
     def _wait_for_agent(self, handle: SandboxHandle) -> None:
         deadline = time.monotonic() + self.settings.sandbox_start_timeout_s
@@ -301,7 +332,9 @@ class DockerBackend(agent.AgentBackend):
 
     def limits_hit(self, handle: SandboxHandle) -> list[str]:
         """From the container's cgroups (OOM kills, the pids limit reached) and its
-        /workspace filesystem (less than 1 MiB free), since the container last started."""
+        /workspace filesystem (less than 1 MiB free), since the container last started: an
+        in-place reset does not restart it, but a sandbox with any of these is never
+        reset for another rollout, so they are its current rollout's."""
         try:
             container_id = self.client.api.inspect_container(
                 self._resource_name(handle.sandbox_id)
@@ -330,10 +363,15 @@ class DockerBackend(agent.AgentBackend):
         return self._call(handle, {"op": "manifest"}, PING_TIMEOUT_S)
 
     def reset(self, handle: SandboxHandle, spec: SandboxSpec) -> ResetReport:
-        """Kill the container (every process, its init included), make its /workspace
-        upper layer anew, start it again (new tmpfs mounts, /dev/shm and IPC namespace),
-        wait for its agent, then compare its manifest and upper layer with a fresh
-        sandbox's of ``spec``."""
+        """Make the sandbox as a fresh one of ``spec`` is, then compare its manifest and
+        upper layer with a fresh sandbox's.
+
+        Where the host mounts /workspace (runc, crun), in place: the agent kills every
+        process of the agent's user and empties every writable place
+        (exec_agent.scrub), the host unmounts the overlay, empties its upper layer and
+        mounts it again; the container keeps running. Under gVisor, by a restart: the
+        container is killed (every process, its init included), its upper layer made
+        anew, and it starts again (new tmpfs mounts, /dev/shm and IPC namespace)."""
         started = time.perf_counter()
         fresh = self._fresh.get(_spec_key(spec))
         if fresh is None:
@@ -341,8 +379,55 @@ class DockerBackend(agent.AgentBackend):
                 clean=False,
                 differences=["no fresh sandbox of this spec was made by this process"],
             )
-        name = self._resource_name(handle.sandbox_id)
         bound = log.bind(sandbox_id=handle.sandbox_id, rollout_id=handle.rollout_id)
+        if self.workspaces.host_mounted(handle.sandbox_id):
+            self._scrub(handle, fresh)
+            self.workspaces.renew(handle.sandbox_id)
+            way = "in_place"
+        else:
+            self._restart(handle, spec)
+            way = "restart"
+        after = self.manifest(handle)
+        written = self.workspaces.upper_entries(handle.sandbox_id)
+        differences = _manifest_differences(fresh, after)
+        if written:
+            differences.append(f"/workspace upper layer not empty: {written[:10]}")
+        canonical = json.dumps({"manifest": after, "upper": written}, sort_keys=True)
+        report = ResetReport(
+            clean=not differences,
+            differences=differences,
+            digest=hashlib.sha256(canonical.encode()).hexdigest(),
+            ms=round((time.perf_counter() - started) * 1000, 1),
+            way=way,
+        )
+        bound.info(
+            "sandbox.reset", clean=report.clean, way=way, ms=report.ms, digest=report.digest[:16]
+        )
+        if not report.clean:
+            bound.warning("sandbox.reset_audit_failed", differences=differences[:20])
+        return report
+
+    def _scrub(self, handle: SandboxHandle, fresh: dict[str, Any]) -> None:
+        """The agent's half of an in-place reset: it ends the agent's user's processes and
+        System V IPC, and empties the writable trees, giving their roots back the modes a
+        fresh sandbox's have (exec_agent.scrub)."""
+        modes = {
+            point: entries[0][2]
+            for point, entries in fresh.get("trees", {}).items()
+            if entries and entries[0][0] == "."
+        }
+        request = {"op": "scrub", "modes": modes, "timeout_s": SCRUB_TIMEOUT_S}
+        done = self._call(handle, request, SCRUB_TIMEOUT_S + PING_TIMEOUT_S)
+        if done.get("processes"):
+            raise SandboxError(
+                f"processes of the agent's user outlived the scrub: {done['processes'][:5]}"
+            )
+        if "error" in done:
+            raise SandboxError(f"the scrub failed: {done['error']}")
+
+    def _restart(self, handle: SandboxHandle, spec: SandboxSpec) -> None:
+        """The restart half of a reset (see :meth:`reset`)."""
+        name = self._resource_name(handle.sandbox_id)
         api = self.client.api
         self._unpause(name)
         try:
@@ -362,22 +447,6 @@ class DockerBackend(agent.AgentBackend):
         except DOCKER_FAILURES as exc:
             raise _docker_fault("start the reset sandbox", exc) from exc
         self._wait_for_agent(handle)
-        after = self.manifest(handle)
-        written = self.workspaces.upper_entries(handle.sandbox_id)
-        differences = _manifest_differences(fresh, after)
-        if written:
-            differences.append(f"/workspace upper layer not empty: {written[:10]}")
-        canonical = json.dumps({"manifest": after, "upper": written}, sort_keys=True)
-        report = ResetReport(
-            clean=not differences,
-            differences=differences,
-            digest=hashlib.sha256(canonical.encode()).hexdigest(),
-            ms=round((time.perf_counter() - started) * 1000, 1),
-        )
-        bound.info("sandbox.reset", clean=report.clean, ms=report.ms, digest=report.digest[:16])
-        if not report.clean:
-            bound.warning("sandbox.reset_audit_failed", differences=differences[:20])
-        return report
 
     def destroy(self, handle: SandboxHandle) -> None:
         self._destroy_by_id(handle.sandbox_id)
@@ -396,12 +465,13 @@ class DockerBackend(agent.AgentBackend):
                 raise _docker_fault("remove sandbox", exc) from exc
         except DOCKER_FAILURES as exc:
             raise _docker_fault("remove sandbox", exc) from exc
-        try:
-            self.client.api.remove_volume(name, force=True)
-        except NotFound:
-            pass
-        except DOCKER_FAILURES as exc:
-            raise _docker_fault("remove sandbox volume", exc) from exc
+        if not self.workspaces.host_mounted(sandbox_id):
+            try:
+                self.client.api.remove_volume(name, force=True)
+            except NotFound:
+                pass
+            except DOCKER_FAILURES as exc:
+                raise _docker_fault("remove sandbox volume", exc) from exc
         shutil.rmtree(self._socket_dir(sandbox_id), ignore_errors=True)
         self.workspaces.remove(sandbox_id)
 
@@ -656,6 +726,12 @@ class DockerBackend(agent.AgentBackend):
 
     def _socket_path(self, sandbox_id: str) -> Path:
         return self._socket_dir(sandbox_id) / SOCKET_NAME
+
+
+def _overlay_at_workspace(manifest: dict[str, Any]) -> bool:
+    """Whether the sandbox's own mount table (its manifest's) has an overlay at /workspace:
+    the host's mount propagated into it."""
+    return any(point == "/workspace" and kind == "overlay" for point, kind, _ in manifest["mounts"])
 
 
 def _state_name(info: dict[str, Any] | None) -> str:

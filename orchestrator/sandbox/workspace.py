@@ -2,10 +2,21 @@
 lower layer is the image's /workspace, extracted once per image per host, and whose upper
 layer is the sandbox's own (removed with it).
 
-Docker mounts the overlay itself, as a ``local`` volume with overlay options, when the
-container starts, and unmounts it when the container goes. Compared with a plain volume
-(which Docker seeds by copying the image's /workspace on first mount), creating a sandbox
-no longer costs a copy of the codebase in time and disk.
+Two ways to mount it, by runtime:
+
+- runc and crun (the host-mounted way, :meth:`Workspaces.mount_point`): the container binds
+  a directory of the host at /workspace with ``rslave`` propagation, and the host mounts the
+  overlay on that directory once the container runs; the mount propagates into the
+  container. A reset for another rollout then needs no restart of the container: the host
+  unmounts the overlay, empties the upper layer and mounts it again
+  (:meth:`Workspaces.renew`), and the container sees the image's /workspace again.
+- gVisor: its gofer opens the container's mounts when the sandbox starts and never sees a
+  later one, so Docker mounts the overlay itself, as a ``local`` volume with overlay
+  options, when the container starts, and a reset restarts the container.
+
+Either way, compared with a plain volume (which Docker seeds by copying the image's
+/workspace on first mount), creating a sandbox costs no copy of the codebase in time and
+disk.
 
 The upper layer is capped: it lives on the sandbox's own ext4 filesystem, a sparse image
 file of the cap's size loop-mounted (autoclear) at the upper root, so a write past the cap
@@ -30,7 +41,7 @@ from docker.errors import DockerException, NotFound
 from requests.exceptions import RequestException
 
 from orchestrator.observability.logging import get_logger
-from orchestrator.sandbox import labels
+from orchestrator.sandbox import labels, mounts
 from orchestrator.sandbox.backend import SandboxError
 
 log = get_logger(__name__)
@@ -44,6 +55,10 @@ MKFS = ["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "nodisca
 # zeros already, and zeroing would write tens of MB per sandbox to the host's disk.
 MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,noinit_itable"
 TOOL_TIMEOUT_S = 30.0
+# The host-mounted way (Workspaces.mount_point): the directory the container binds, and a
+# link to the lower layer the overlay is mounted with again at a reset.
+MERGED = "merged"
+LOWER_LINK = "lower"
 
 
 class Workspaces:
@@ -60,24 +75,82 @@ class Workspaces:
 
     def volume_options(self, image: str, sandbox_id: str, disk_mb: int = 0) -> dict[str, str]:
         """Driver options of the sandbox's /workspace volume (makes its upper layer, on a
-        filesystem of ``disk_mb`` MB of its own unless that is 0)."""
+        filesystem of ``disk_mb`` MB of its own unless that is 0): Docker mounts it."""
         lower = self.lower(image)
+        upper, work = self._make_layers(lower, sandbox_id, disk_mb)
+        return {
+            "type": "overlay",
+            "device": "overlay",
+            "o": f"lowerdir={lower},upperdir={upper},workdir={work}",
+        }
+
+    def mount_point(self, image: str, sandbox_id: str, disk_mb: int = 0) -> Path:
+        """The host-mounted way: make the sandbox's layers and the directory its container
+        binds at /workspace (``rslave``), bound onto itself as a shared mount, so that the
+        overlay :meth:`mount` puts on it once the container runs (and puts anew at each
+        :meth:`renew`) propagates into the container. Docker is not asked to mount
+        anything, and a reset needs no restart of the container."""
+        lower = self.lower(image)
+        self._make_layers(lower, sandbox_id, disk_mb)
         top = self.uppers / sandbox_id
-        upper, work = top / "upper", top / "work"
+        (top / LOWER_LINK).symlink_to(lower)
+        point = top / MERGED
+        point.mkdir()
+        try:
+            mounts.bind_shared(point)
+        except mounts.MountError as exc:
+            raise SandboxError(f"cannot make the /workspace mount point: {exc}") from exc
+        return point
+
+    def mount(self, sandbox_id: str) -> None:
+        """Mount the sandbox's overlay on its mount point (:meth:`mount_point`)."""
+        top = self.uppers / sandbox_id
+        try:
+            mounts.mount_overlay(
+                top / MERGED, (top / LOWER_LINK).readlink(), top / "upper", top / "work"
+            )
+        except OSError as exc:
+            raise SandboxError(f"cannot mount /workspace of {sandbox_id}: {exc}") from exc
+
+    def renew(self, sandbox_id: str) -> None:
+        """Unmount the sandbox's overlay (from its running container too), empty its upper
+        layer and mount it again: its /workspace is the image's again. Nothing of the
+        sandbox's may hold a file there (its processes are gone): a busy mount raises."""
+        top = self.uppers / sandbox_id
+        point = top / MERGED
+        if mounts.mounted_at(point) < 2:  # the bind, and the overlay on it
+            raise SandboxError(f"/workspace of {sandbox_id} is not mounted")
+        try:
+            mounts.unmount(point, detach_if_busy=False)
+        except mounts.MountError as exc:
+            raise SandboxError(f"cannot unmount /workspace of {sandbox_id}: {exc}") from exc
+        lower = (top / LOWER_LINK).readlink()
+        for layer in ("upper", "work"):
+            shutil.rmtree(top / layer)
+        self._layers_in(lower, top)
+        self.mount(sandbox_id)
+
+    def host_mounted(self, sandbox_id: str) -> bool:
+        """Whether the sandbox's /workspace was made by :meth:`mount_point`."""
+        return (self.uppers / sandbox_id / MERGED).is_dir()
+
+    def _make_layers(self, lower: Path, sandbox_id: str, disk_mb: int) -> tuple[Path, Path]:
+        top = self.uppers / sandbox_id
         top.mkdir(mode=0o700)
         if disk_mb:
             self._mount_disk(sandbox_id, top, disk_mb)
+        return self._layers_in(lower, top)
+
+    @staticmethod
+    def _layers_in(lower: Path, top: Path) -> tuple[Path, Path]:
+        upper, work = top / "upper", top / "work"
         upper.mkdir()
         work.mkdir()
         # The merged root takes its owner and mode from the upper layer's root.
         info = lower.stat()
         os.chown(upper, info.st_uid, info.st_gid)
         upper.chmod(info.st_mode & 0o7777)
-        return {
-            "type": "overlay",
-            "device": "overlay",
-            "o": f"lowerdir={lower},upperdir={upper},workdir={work}",
-        }
+        return upper, work
 
     def remake(self, image: str, sandbox_id: str, disk_mb: int = 0) -> None:
         """Discard the sandbox's upper layer and make a new, empty one at the same paths
@@ -113,11 +186,14 @@ class Workspaces:
         top.chmod(0o700)
 
     def remove(self, sandbox_id: str) -> None:
-        """Remove the sandbox's upper layer: unmount its filesystem, delete its image.
-        Docker must have unmounted the overlay first (the container and volume are gone)."""
+        """Remove the sandbox's upper layer: unmount its overlay and mount point (when the
+        host mounted them) and its filesystem, delete its image. Docker must have
+        unmounted its own overlay first (the container and volume are gone)."""
         top = self.uppers / sandbox_id
+        if (top / MERGED).is_dir():
+            mounts.unmount_all(top / MERGED)
         if top.is_mount():
-            unmount(top)
+            mounts.unmount(top)
         if top.is_mount():
             # Still mounted: rmtree would empty a filesystem something still uses.
             log.warning("sandbox.workspace_busy", sandbox_id=sandbox_id, path=str(top))
@@ -206,20 +282,6 @@ class Workspaces:
             raise SandboxError(f"cannot extract /workspace of {image!r}: {exc}") from exc
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-
-
-def unmount(path: Path) -> None:
-    """Unmount ``path``; when it is busy, detach it lazily (the kernel finishes the job, and
-    the loop device frees itself, once the last user is gone)."""
-    for argv in (["umount", str(path)], ["umount", "-l", str(path)]):
-        try:
-            result = subprocess.run(argv, capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            log.warning("sandbox.workspace_umount_failed", path=str(path), error=str(exc))
-            continue
-        if result.returncode == 0 or not path.is_mount():
-            return
-        log.warning("sandbox.workspace_umount_busy", path=str(path), error=result.stderr.strip())
 
 
 def _run(argv: list[str], action: str) -> None:

@@ -524,6 +524,32 @@ class Agent:
         sandbox's before the sandbox serves another (:func:`sandbox_manifest`)."""
         return sandbox_manifest()
 
+    def scrub(self, req: dict[str, object]) -> dict[str, object]:
+        """The sandbox's half of a reset in place (the host renews /workspace): every
+        process of the agent's user ended, its System V IPC objects removed, every writable
+        tree but /workspace emptied of what the user put there, and the trees' roots given
+        back the modes ``modes`` names (a fresh sandbox's). ``processes``: those that
+        outlived ``timeout_s``, which fail the reset; the host's audit that follows judges
+        the rest."""
+        left = end_processes_of(self.uid, float(req.get("timeout_s") or 10))  # type: ignore[arg-type]
+        if left:
+            return {"processes": left}
+        modes = {str(k): int(v) for k, v in dict(req.get("modes") or {}).items()}  # type: ignore[call-overload]
+        points = writable_trees(mount_table())
+
+        def as_user(_req: dict[str, object]) -> dict[str, object]:
+            kept = [path for point in points for path in empty_tree(point)]
+            for point in points:
+                if point in modes and os.lstat(point).st_uid == self.uid:
+                    os.chmod(point, modes[point])
+            return {"ipc": remove_sysv_ipc(), "kept": kept}
+
+        done = self._as_user({}, as_user)
+        for point in points:  # the roots that are root's (/tmp): as root, their owner
+            if point in modes and os.lstat(point).st_uid == 0:
+                os.chmod(point, modes[point])
+        return {"processes": [], **done}
+
     def exec(self, req: dict[str, object]) -> dict[str, object]:
         cwd = str(req.get("cwd") or WORKSPACE)
         argv = req.get("argv")
@@ -996,31 +1022,9 @@ def sandbox_manifest() -> dict[str, object]:
     """The sandbox's processes (uid and name: pids differ between two fresh sandboxes),
     its mounts (point, type, rw or ro), the tree of every writable filesystem but the
     kernel's (path, type, mode, owner, size, link target) and its System V IPC objects."""
-    processes = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/status") as status:
-                known = dict(line.split(":", 1) for line in status if ":" in line)
-        except OSError:
-            continue  # it exited meanwhile
-        processes.append([int(known["Uid"].split()[0]), known["Name"].strip()])
-    mounts = []
-    trees: dict[str, object] = {}
-    with open("/proc/self/mountinfo") as mountinfo:
-        for line in mountinfo:
-            fields = line.split()
-            point = fields[4].replace("\\040", " ")
-            fstype = fields[fields.index("-") + 1]
-            writable = fields[5].split(",")[0] == "rw"
-            mounts.append([point, fstype, "rw" if writable else "ro"])
-            if (
-                writable
-                and fstype not in MANIFEST_SKIP_FSTYPES
-                and point not in MANIFEST_SKIP_MOUNTS
-            ):
-                trees[point] = tree_of(point)
+    processes = [[uid, name] for _, uid, name in process_table()]
+    mounts = mount_table()
+    trees: dict[str, object] = {point: tree_of(point) for point in writable_trees(mounts)}
     ipc = {}
     for kind in SYSV_IPC:
         try:
@@ -1029,6 +1033,129 @@ def sandbox_manifest() -> dict[str, object]:
         except OSError:
             ipc[kind] = -1
     return {"processes": sorted(processes), "mounts": sorted(mounts), "trees": trees, "ipc": ipc}
+
+
+def mount_table() -> list[list[str]]:
+    """This sandbox's mounts: point, type, and ``rw`` or ``ro``."""
+    mounts = []
+    with open("/proc/self/mountinfo") as mountinfo:
+        for line in mountinfo:
+            fields = line.split()
+            point = fields[4].replace("\\040", " ")
+            fstype = fields[fields.index("-") + 1]
+            writable = fields[5].split(",")[0] == "rw"
+            mounts.append([point, fstype, "rw" if writable else "ro"])
+    return mounts
+
+
+def writable_trees(mounts: list[list[str]]) -> list[str]:
+    """The mount points whose trees can hold what a command leaves (see the skips)."""
+    return sorted(
+        {
+            point
+            for point, fstype, mode in mounts
+            if mode == "rw"
+            and fstype not in MANIFEST_SKIP_FSTYPES
+            and point not in MANIFEST_SKIP_MOUNTS
+        }
+    )
+
+
+def process_table() -> list[tuple[int, int, str]]:
+    """Every process of the sandbox: pid, real uid, name (zombies included: not yet
+    reaped)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as status:
+                known = dict(line.split(":", 1) for line in status if ":" in line)
+        except OSError:
+            continue  # it exited meanwhile
+        found.append((int(entry), int(known["Uid"].split()[0]), known["Name"].strip()))
+    return found
+
+
+def processes_of(uid: int) -> list[list[object]]:
+    """The pids and names of ``uid``'s processes."""
+    return [[pid, name] for pid, owner, name in process_table() if owner == uid]
+
+
+def end_processes_of(uid: int, timeout_s: float) -> list[list[object]]:
+    """SIGKILL every process of ``uid`` until none is left, or ``timeout_s`` passed (then
+    those still there). A process forked meanwhile is found by the next pass; the killed
+    are reaped by the sandbox's init or by their parent, which is killed too."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.001
+    while True:
+        found = processes_of(uid)
+        if not found or time.monotonic() > deadline:
+            return found
+        for pid, _ in found:
+            try:
+                os.kill(int(pid), signal.SIGKILL)  # type: ignore[call-overload]
+            except OSError:
+                pass  # gone already
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+IPC_RMID = 0
+
+
+def remove_sysv_ipc() -> int:
+    """Remove every System V IPC object this process may (its owner's: the sandbox has an
+    IPC namespace of its own, so all of them are the sandbox's). Returns how many went."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    removers = {
+        "shm": lambda ident: libc.shmctl(ident, IPC_RMID, None),
+        "sem": lambda ident: libc.semctl(ident, 0, IPC_RMID),
+        "msg": lambda ident: libc.msgctl(ident, IPC_RMID, None),
+    }
+    removed = 0
+    for kind in SYSV_IPC:
+        try:
+            with open(f"/proc/sysvipc/{kind}") as table:
+                rows = table.readlines()[1:]  # the header
+        except OSError:
+            continue
+        for row in rows:
+            if removers[kind](int(row.split()[1])) == 0:
+                removed += 1
+    return removed
+
+
+def empty_tree(root: str) -> list[str]:
+    """Remove every entry under ``root`` (on its own filesystem) that this process can:
+    directories of its own are opened up first (a mode of 000 must not keep their
+    contents); what belongs to another user stays. Returns what could not go."""
+    device = os.lstat(root).st_dev
+    kept: list[str] = []
+    uid = os.getuid()
+
+    def empty(directory: str) -> None:
+        try:
+            names = os.listdir(directory)
+        except OSError as exc:
+            kept.append(f"{directory}: {exc.strerror}")
+            return
+        for name in names:
+            path = os.path.join(directory, name)
+            try:
+                info = os.lstat(path)
+                if stat.S_ISDIR(info.st_mode) and info.st_dev == device:
+                    if info.st_uid == uid:
+                        os.chmod(path, 0o700)
+                    empty(path)
+                    os.rmdir(path)
+                else:
+                    os.unlink(path)
+            except OSError as exc:
+                kept.append(f"{path}: {exc.strerror}")
+
+    empty(root)
+    return kept
 
 
 def tree_of(root: str) -> list[list[object]]:
@@ -1079,6 +1206,7 @@ class Handler(socketserver.StreamRequestHandler):
                 "signal": agent.signal,
                 "files": agent.files,
                 "manifest": agent.manifest,
+                "scrub": agent.scrub,
             }[op]
             reply = {"ok": True, "result": method(req)}
         except Exception as exc:  # noqa: BLE001 - every failure must reach the caller
