@@ -14,7 +14,13 @@ import pytest
 
 from orchestrator.config import Runtime, Settings
 from orchestrator.images.codebases import add_codebase, codebase_image, remove_codebase
-from orchestrator.sandbox.backend import ExecResult, SandboxHandle, SandboxSpec, ScratchDir
+from orchestrator.sandbox.backend import (
+    ExecResult,
+    ResetWay,
+    SandboxHandle,
+    SandboxSpec,
+    ScratchDir,
+)
 from orchestrator.sandbox.docker import DockerBackend, _manifest_differences, _spec_key
 
 pytestmark = pytest.mark.xdist_group("reset")
@@ -122,9 +128,9 @@ def test_planted_state_is_gone_after_a_reset(
     assert report.digest and report.ms > 0
     # In place (the container kept running) but under gVisor, whose gofer never sees the
     # host's mount of a new /workspace.
-    assert report.way == ("restart" if runtime == "runsc" else "in_place")
+    assert report.way == (ResetWay.RESTART if runtime == "runsc" else ResetWay.IN_PLACE)
     again = backend.client.api.inspect_container(handle.native_id)["State"]["StartedAt"]
-    assert (again == started) == (report.way == "in_place")
+    assert (again == started) == (report.way == ResetWay.IN_PLACE)
 
     after = _stdout(_run(backend, handle, LOOK))
     assert "planted" not in after and "hijacked" not in after and "new-file" not in after

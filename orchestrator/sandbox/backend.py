@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from datetime import datetime
+from enum import StrEnum
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -291,6 +292,15 @@ class HostHealth(BaseModel):
     )
 
 
+class ResetWay(StrEnum):
+    """How a sandbox was reset (:meth:`SandboxBackend.reset`)."""
+
+    IN_PLACE = "in_place"
+    """The container kept running: its processes ended, its writable places emptied."""
+    RESTART = "restart"
+    """The container was killed and started again."""
+
+
 class ResetReport(BaseModel):
     """A sandbox reset for another rollout (:meth:`SandboxBackend.reset`), and its audit:
     what it holds now compared with a fresh sandbox of the same spec."""
@@ -301,7 +311,7 @@ class ResetReport(BaseModel):
     )
     digest: str = Field("", description="sha256 of the manifest after the reset.")
     ms: float = 0.0
-    way: str = Field("", description="How: 'in_place' (the container kept running) or 'restart'.")
+    way: ResetWay | None = Field(None, description="How; None when it was not tried.")
 
 
 class SandboxError(Exception):

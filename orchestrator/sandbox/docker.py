@@ -36,6 +36,7 @@ from orchestrator.sandbox.backend import (
     HostHealth,
     ProbeResult,
     ResetReport,
+    ResetWay,
     SandboxError,
     SandboxHandle,
     SandboxSpec,
@@ -383,10 +384,10 @@ class DockerBackend(agent.AgentBackend):
         if self.workspaces.host_mounted(handle.sandbox_id):
             self._scrub(handle, fresh)
             self.workspaces.renew(handle.sandbox_id)
-            way = "in_place"
+            way = ResetWay.IN_PLACE
         else:
             self._restart(handle, spec)
-            way = "restart"
+            way = ResetWay.RESTART
         after = self.manifest(handle)
         written = self.workspaces.upper_entries(handle.sandbox_id)
         differences = _manifest_differences(fresh, after)
