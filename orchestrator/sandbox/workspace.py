@@ -190,11 +190,16 @@ class Workspaces:
         host mounted them) and its filesystem, delete its image. Docker must have
         unmounted its own overlay first (the container and volume are gone)."""
         top = self.uppers / sandbox_id
-        if (top / MERGED).is_dir():
-            mounts.unmount_all(top / MERGED)
-        if top.is_mount():
-            mounts.unmount(top)
-        if top.is_mount():
+        merged = top / MERGED
+        # A failed unmount is logged, never raised (as the `umount` children before it
+        # were): a destroy must go on, and a later sweep tries again.
+        try:
+            mounts.unmount_all(merged)
+            if top.is_mount():
+                mounts.unmount(top)
+        except mounts.MountError as exc:
+            log.warning("sandbox.workspace_umount_failed", sandbox_id=sandbox_id, error=str(exc))
+        if top.is_mount() or (merged.is_dir() and mounts.mounted_at(merged)):
             # Still mounted: rmtree would empty a filesystem something still uses.
             log.warning("sandbox.workspace_busy", sandbox_id=sandbox_id, path=str(top))
         else:
