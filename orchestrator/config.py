@@ -189,6 +189,17 @@ class Settings(BaseSettings):
         "(a create says so when it is not). gVisor sandboxes always use docker.",
     )
 
+    docker_daemon_cpu_weight: int = Field(
+        10,
+        ge=0,
+        le=10000,
+        description="The CPU weight (cgroup cpu.weight's scale: 100 is any other process's) "
+        "the worker gives a local dockerd and containerd, which do sandboxes' creates, "
+        "restarts and destroys: while a burst is seated, running rollouts' calls keep most "
+        "of the CPU, and an idle host still gives the daemons all of it. 0 leaves the "
+        "daemons as they are (docs/operations.md).",
+    )
+
     base_os_image: str = Field(
         "debian:bookworm-slim",
         description="FROM of the base sandbox image; made with debootstrap when unpullable.",

@@ -26,7 +26,7 @@ from orchestrator.state.broker import celery_app
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.replies import QueueClient
 from orchestrator.views.format import age, console, ms, size
-from orchestrator.views.models import CallStats, StatusSnapshot
+from orchestrator.views.models import CallStats, HostView, StatusSnapshot
 from orchestrator.views.scrape import Scrape, call_stats, fetch
 from orchestrator.views.state import read_state
 
@@ -94,7 +94,7 @@ def _hosts(snapshot: StatusSnapshot) -> Table:
     table = Table(title="hosts", title_justify="left", expand=False)
     for column in ("host", "up", "daemon", "schedulable", "slots", "sandboxes", "rollouts"):
         table.add_column(column, overflow="fold")
-    for column in ("calls now", "disk free", "mem avail", "beat age"):
+    for column in ("calls now", "disk free", "mem avail", "daemons' CPU", "beat age"):
         table.add_column(column)
     for host in snapshot.hosts:
         cordon = "yes" if host.schedulable else "; ".join(host.cordon_reasons) or "no"
@@ -113,11 +113,22 @@ def _hosts(snapshot: StatusSnapshot) -> Table:
             str(host.running_calls),
             size(host.disk_free_bytes),
             size(host.mem_available_bytes),
+            _daemon_cpu(host),
             age(host.heartbeat_age_s),
         )
     if not snapshot.hosts:
-        table.add_row("(no worker host has ever sent a heartbeat)", *[""] * 10)
+        table.add_row("(no worker host has ever sent a heartbeat)", *[""] * 11)
     return table
+
+
+def _daemon_cpu(host: HostView) -> Text:
+    """The sandbox daemons' CPU weight (sandbox/daemon_share.py), or why it is not set."""
+    share = host.daemon_cpu
+    if share is None:
+        return Text("as is")
+    if share.enforced:
+        return Text(f"weight {share.weight}", style="green")
+    return Text(f"not set: {share.detail}", style="yellow")
 
 
 def _sandboxes(snapshot: StatusSnapshot) -> RenderableType:

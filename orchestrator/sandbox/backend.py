@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from orchestrator.config import Runtime, Settings
+from orchestrator.sandbox.daemon_share import DaemonShare
 
 
 class SandboxLimits(BaseModel):
@@ -289,6 +290,11 @@ class HostHealth(BaseModel):
         "lost: true for a Docker daemon (its restart takes the containers with it), false "
         "for a Kubernetes API server (pods run on while it is away; a lost node shows in "
         "each pod's status). When false, a failed probe only cordons the host.",
+    )
+    daemon_cpu: DaemonShare | None = Field(
+        None,
+        description="The CPU weight of the daemons that create sandboxes, where the worker "
+        "sets it (sandbox/daemon_share.py); None where it does not.",
     )
 
 

@@ -28,7 +28,7 @@ from requests.exceptions import RequestException
 from orchestrator.config import Settings
 from orchestrator.docker_client import connect
 from orchestrator.observability.logging import get_logger
-from orchestrator.sandbox import kernel_log, labels
+from orchestrator.sandbox import daemon_share, kernel_log, labels
 from orchestrator.sandbox.agent import EXEC_AGENT_PATH
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.backend import (
@@ -98,6 +98,7 @@ class DockerBackend(agent.AgentBackend):
         # The agent's source on this host, bind-mounted into every sandbox (a benchmark
         # points it at another version).
         self.agent_path = EXEC_AGENT_PATH
+        self._daemon_cpu: daemon_share.DaemonShare | None = None
 
     def _host_mounts_workspace(self, runtime: str) -> bool:
         """Whether the host mounts the sandbox's /workspace itself (workspace.py): as
@@ -633,8 +634,26 @@ class DockerBackend(agent.AgentBackend):
                 backend_ok=False, disk_free_bytes=disk_free, sandboxes=0, error=str(exc)[:500]
             )
         return HostHealth(
-            backend_ok=True, backend_ping_ms=ping_ms, disk_free_bytes=disk_free, sandboxes=sandboxes
+            backend_ok=True,
+            backend_ping_ms=ping_ms,
+            disk_free_bytes=disk_free,
+            sandboxes=sandboxes,
+            daemon_cpu=self._bound_daemons(),
         )
+
+    def _bound_daemons(self) -> daemon_share.DaemonShare | None:
+        """Keep the local daemons at ``docker_daemon_cpu_weight`` (sandbox/daemon_share.py):
+        placed once, and again when one of them restarted. A daemon behind TCP is another
+        host's: left alone."""
+        weight = self.settings.docker_daemon_cpu_weight
+        if weight == 0 or not self.client.api.base_url.startswith("http+docker://"):
+            return None
+        share = self._daemon_cpu
+        if share is None or not share.daemons_alive():
+            share = self._daemon_cpu = daemon_share.bound_daemons(weight)
+            level = log.info if share.enforced else log.warning
+            level("host.daemon_cpu", **share.model_dump())
+        return share
 
     def _container_evidence(self, handle: SandboxHandle) -> str:
         try:

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from orchestrator.outcomes import Outcome
+from orchestrator.sandbox.daemon_share import DaemonShare
 from orchestrator.state.models import RolloutState, TrajectoryStep
 from orchestrator.state.records import InfraFailureEntry
 
@@ -31,6 +32,9 @@ class HostView(BaseModel):
     mem_available_bytes: int | None = None
     heartbeat_age_s: float | None = None
     error: str | None = None
+    daemon_cpu: DaemonShare | None = Field(
+        None, description="The CPU weight of the daemons that create its sandboxes."
+    )
 
 
 class PoolView(BaseModel):

@@ -115,6 +115,7 @@ def _host_view(
         mem_available_bytes=beat.mem_available_bytes,
         heartbeat_age_s=max(0.0, now - beat.time),
         error=beat.error,
+        daemon_cpu=beat.daemon_cpu,
     )
 
 
