@@ -224,6 +224,7 @@ class CallResult:
 @dataclass
 class RolloutResult:
     trace: str
+    item: int = 0  # which dataset row: the rollouts of one row are one (GRPO) group
     launched_s: float = 0.0
     discarded: bool = False
     graded: bool = False
@@ -335,7 +336,7 @@ class Burst:
         steps = plan(rng)
         thinks = [rng.uniform(*THINK_S) for _ in range(len(steps))]
         offset = rng.uniform(0, window_s)
-        result = RolloutResult(trace)
+        result = RolloutResult(trace, item=index % len(self.items))
         self.rollouts.append(result)
         await start.wait()
         await asyncio.sleep(offset)
@@ -784,6 +785,18 @@ def environments_yaml(codebase: str, pool: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def group_seated_ms(per_rollout: list[dict[str, Any]]) -> list[float]:
+    """Per group (the rollouts of one item), when its last rollout's first call answered,
+    in ms since the burst began: a GRPO group is of use to the trainer only once all of
+    it runs. A group with a rollout that never answered is left out."""
+    done: dict[int, list[float | None]] = {}
+    for row in per_rollout:
+        first = row.get("first_call_ms")
+        at = None if first is None else row["launched_s"] * 1000 + first
+        done.setdefault(row["item"], []).append(at)
+    return [max(v for v in ats if v is not None) for ats in done.values() if None not in ats]
+
+
 def load_items() -> list[dict[str, Any]]:
     rows = [
         json.loads(line)
@@ -1086,6 +1099,7 @@ def analyse(raw: dict[str, Any], n: int, pool: dict[str, Any]) -> dict[str, Any]
         timings = view.get("timings") or {}
         row: dict[str, Any] = {
             "trace": r.trace,
+            "item": r.item,
             "launched_s": round(r.launched_s, 3),
             "pool_hit": view.get("pool_hit", timings.get("pool_hit")),
             "sandbox_ready_ms": timings.get("sandbox_ready_ms"),
@@ -1158,6 +1172,9 @@ def analyse(raw: dict[str, Any], n: int, pool: dict[str, Any]) -> dict[str, Any]
             "all (created → ready)": summary(hit_ms + cold_ms),
             "client: first call − its exec": summary(client_ms),
             "client: first call": summary(first_call_ms),
+            "group: its last rollout's first call, from launch": summary(
+                group_seated_ms(per_rollout)
+            ),
         },
         "pool_hits": len(hit_ms),
         "pool_at_launch": raw.get("pool_at_launch"),

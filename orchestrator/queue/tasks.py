@@ -82,7 +82,7 @@ def _on_shutting_down(**_: Any) -> None:
     log.info("worker.draining", running=len(worker.in_flight.snapshot()))
     # Creations not started yet are dropped: their callers hear of it through the retired
     # heartbeat instead of waiting for a burst's worth of sandboxes to be made first.
-    worker.creations().shutdown(wait=False, cancel_futures=True)
+    worker.creations().close()
     worker.creation_gate().close()
     worker.pool_creations().shutdown(wait=False, cancel_futures=True)
 
@@ -130,7 +130,7 @@ def create_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     to the caller's list when the sandbox is ready. Tool calls queued behind a burst of
     creations so wait for a Celery thread for microseconds, not for the creations."""
     request = CreateSandbox.model_validate(payload)
-    worker.create_for_rollout(_create_and_reply, payload, request)
+    worker.create_for_rollout(_create_and_reply, payload, request, group=request.group)
     return {"accepted": True}
 
 

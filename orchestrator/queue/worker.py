@@ -20,6 +20,7 @@ from orchestrator.environments.loader import (
 )
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Cause
+from orchestrator.queue.lane import GroupedLane
 from orchestrator.sandbox.factory import HostBackend, make_backend
 from orchestrator.state import admission, replies
 from orchestrator.state.connection import SyncRedis, worker_client
@@ -85,14 +86,13 @@ def tickets() -> WorkerTickets:
 
 
 @lru_cache(maxsize=1)
-def creations() -> ThreadPoolExecutor:
-    """The host's creation lane for rollouts' own sandboxes: at most
-    ``create_concurrency`` made at once, apart from the Celery threads that run tool calls.
-    On two cores, 64 creations at once made no more sandboxes per second than a few, and
-    starved every tool call. Submit through :func:`create_for_rollout`."""
-    return ThreadPoolExecutor(
-        max_workers=get_settings().create_concurrency, thread_name_prefix="create"
-    )
+def creations() -> GroupedLane:
+    """The host's creation lane for rollouts' own sandboxes (queue/lane.py): at most
+    ``create_concurrency`` made at once, apart from the Celery threads that run tool calls,
+    a group's rollouts seated together. On two cores, 64 creations at once made no more
+    sandboxes per second than a few, and starved every tool call. Submit through
+    :func:`create_for_rollout`."""
+    return GroupedLane(get_settings().create_concurrency, "create")
 
 
 @lru_cache(maxsize=1)
@@ -145,9 +145,10 @@ def creation_gate() -> CreationGate:
     return CreationGate()
 
 
-def create_for_rollout(fn: Callable[..., None], *args: Any) -> None:
-    """Run ``fn(*args)`` (a rollout's sandbox creation) in :func:`creations`, counted as
-    waiting at :func:`creation_gate` from now until it is done."""
+def create_for_rollout(fn: Callable[..., None], *args: Any, group: str | None = None) -> None:
+    """Run ``fn(*args)`` (a rollout's sandbox creation, or a reset) in :func:`creations`,
+    seated with ``group``'s other rollouts, and counted as waiting at
+    :func:`creation_gate` from now until it is done (or dropped unrun by a shutdown)."""
     gate = creation_gate()
     gate.rollout_queued()
 
@@ -157,9 +158,7 @@ def create_for_rollout(fn: Callable[..., None], *args: Any) -> None:
         finally:
             gate.rollout_done()
 
-    future = creations().submit(run)
-    # A lane shut down drops it unrun: not waiting any more.
-    future.add_done_callback(lambda f: gate.rollout_done() if f.cancelled() else None)
+    creations().submit(run, group, dropped=gate.rollout_done)
 
 
 @lru_cache(maxsize=1)

@@ -4,6 +4,8 @@ start, or by the grade of a rollout that never called a tool)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from typing import Any
 
@@ -52,3 +54,10 @@ def new_record(
         last_activity=now,
         **fields,
     )
+
+
+def item_group(item: dict[str, Any]) -> str:
+    """The group of a rollout of ``item``: the rollouts of one dataset item (a GRPO group,
+    sampled n times) have the same one, whatever order its keys came in."""
+    canonical = json.dumps(item, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -22,7 +22,7 @@ from orchestrator.rollouts.bounds import Deadline
 from orchestrator.rollouts.closes import Closer
 from orchestrator.rollouts.errors import InfraError, Rejected, StillStarting
 from orchestrator.rollouts.lookup import present
-from orchestrator.rollouts.models import new_record
+from orchestrator.rollouts.models import item_group, new_record
 from orchestrator.sandbox.agent.client import PROBE_MAX_S
 from orchestrator.sandbox.backend import ProbeResult, SandboxHandle
 from orchestrator.state.admission import Admission
@@ -331,7 +331,10 @@ class Starter:
             raw = await self.queue.call(
                 TaskName.CREATE_SANDBOX,
                 CreateSandbox(
-                    rollout_id=record.rollout_id, trace_id=record.rollout_id, spec=spec
+                    rollout_id=record.rollout_id,
+                    trace_id=record.rollout_id,
+                    spec=spec,
+                    group=item_group(record.item),
                 ).model_dump(mode="json"),
                 queue=self.keys.host_queue(host),
                 timeout_s=self.settings.sandbox_create_timeout_s,

@@ -41,6 +41,11 @@ class CreateSandbox(BaseModel):
         None, description="The rollout's trace id for logs (Agent RFT's; None: the rollout id)."
     )
     spec: SandboxSpec
+    group: str | None = Field(
+        None,
+        description="The rollout's group (a digest of its dataset item: a GRPO group), "
+        "seated together by the creation lane (queue/lane.py); None: on its own.",
+    )
 
 
 class SandboxCreated(BaseModel):

@@ -1,0 +1,106 @@
+"""queue/lane.py: the creation lane seats a group's rollouts together, otherwise first come
+first served, and a shutdown drops what has not started (on real threads); and the group a
+rollout's creation carries (rollouts/models.item_group, state/tasks.CreateSandbox). Every
+end-to-end test's cold start goes through the lane with its group."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from orchestrator.queue.lane import GroupedLane
+from orchestrator.rollouts.models import item_group
+from orchestrator.state.tasks import CreateSandbox
+
+
+class Recorder:
+    """A lane of one worker held busy by a first job until ``release``, so the order of
+    everything queued behind it is the lane's choice alone."""
+
+    def __init__(self, lane: GroupedLane) -> None:
+        self.lane = lane
+        self.order: list[str] = []
+        self.dropped: list[str] = []
+        self.done = threading.Semaphore(0)
+        self._gate = threading.Event()
+        started = threading.Event()
+
+        def hold() -> None:
+            started.set()
+            self._gate.wait(10)
+
+        lane.submit(hold, None, dropped=lambda: None)
+        assert started.wait(10)
+
+    def add(self, name: str, group: str | None) -> None:
+        def run() -> None:
+            self.order.append(name)
+            self.done.release()
+
+        self.lane.submit(run, group, dropped=lambda: self.dropped.append(name))
+
+    def release(self, count: int) -> list[str]:
+        self._gate.set()
+        for _ in range(count):
+            assert self.done.acquire(timeout=10)
+        return self.order
+
+
+@pytest.fixture()
+def lane() -> Iterator[GroupedLane]:
+    made = GroupedLane(1, "test-create")
+    yield made
+    made.close()
+
+
+def test_a_group_is_seated_together_and_groups_in_the_order_they_came(lane: GroupedLane) -> None:
+    recorder = Recorder(lane)
+    # Interleaved as a trainer's burst arrives: items a, b, c sampled n times each.
+    for name in ("a1", "b1", "a2", "c1", "b2", "a3", "c2", "b3"):
+        recorder.add(name, name[0])
+    assert recorder.release(8) == ["a1", "a2", "a3", "b1", "b2", "b3", "c1", "c2"]
+
+
+def test_work_of_no_group_keeps_its_place_in_arrival_order(lane: GroupedLane) -> None:
+    recorder = Recorder(lane)
+    for name, group in (("x", None), ("a1", "a"), ("y", None), ("a2", "a"), ("z", None)):
+        recorder.add(name, group)
+    # a2 goes ahead of y (queued after a's first member), never ahead of x.
+    assert recorder.release(5) == ["x", "a1", "a2", "y", "z"]
+
+
+def test_past_its_window_a_group_takes_its_turn_like_anyone() -> None:
+    lane = GroupedLane(1, "test-create", group_window_s=0.0)
+    try:
+        recorder = Recorder(lane)
+        for name in ("a1", "b1", "a2"):
+            recorder.add(name, name[0])
+        assert recorder.release(3) == ["a1", "b1", "a2"]
+    finally:
+        lane.close()
+
+
+def test_a_shutdown_drops_what_has_not_started_and_refuses_more(lane: GroupedLane) -> None:
+    recorder = Recorder(lane)
+    recorder.add("a1", "a")
+    recorder.add("b1", "b")
+    lane.close()
+    assert sorted(recorder.dropped) == ["a1", "b1"]
+    recorder.add("late", None)
+    assert recorder.dropped[-1] == "late"
+    assert recorder.order == [] and lane.waiting() == 0
+
+
+def test_rollouts_of_one_item_have_one_group() -> None:
+    """Whatever order the row's keys came in; another row is another group; and the group
+    is on the worker's side of the wire."""
+    row = {"codebase": "requests", "question": "where is Session defined?", "n": [1, 2]}
+    same = {"n": [1, 2], "question": "where is Session defined?", "codebase": "requests"}
+    assert item_group(row) == item_group(same)
+    assert item_group(row) != item_group({**row, "question": "another"})
+    wire = CreateSandbox.model_validate(
+        {"rollout_id": "r", "spec": {"image": "img", "rollout_id": "r"}, "group": item_group(row)}
+    )
+    assert wire.group == item_group(row)
