@@ -1,16 +1,33 @@
 """How big a warm pool is (state/pools.py) and who goes first at a host's creation lane
-(queue/worker.py): pure functions and real threads, no Redis."""
+(queue/worker.py): pure functions and real threads; and, on real Redis, the demand the
+reaper records (rollouts/reaper.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from orchestrator.config import Settings
 from orchestrator.environments.models import EnvironmentConfig
 from orchestrator.queue.worker import CreationGate
-from orchestrator.state.pools import PoolDemand, next_demand, pool_size, pooled_codebases
+from orchestrator.rollouts.reaper import _record_pool_demand
+from orchestrator.state.keys import Keys
+from orchestrator.state.models import RolloutSource, RolloutState
+from orchestrator.state.pools import (
+    PoolClaims,
+    PoolDemand,
+    next_demand,
+    parse_demand,
+    peak_concurrency,
+    pool_size,
+    pooled_codebases,
+)
+from orchestrator.state.records import Rollout, RolloutStore
+from tests.redis_units import own_deployment
 
 AUTO = Settings(pool_autosize=True, pool_headroom=0.1, pool_max_sandboxes=100)
 
@@ -91,3 +108,62 @@ def test_a_closed_gate_releases_waiting_fills_without_their_turn() -> None:
     gate.close()
     filler.join(5)
     assert turns == [False]
+
+
+def test_the_peak_is_the_most_live_at_once_whatever_the_order() -> None:
+    spans: list[tuple[str, float, float | None]] = [
+        ("p", 0.0, 5.0),
+        ("p", 1.0, 2.0),
+        ("p", 2.0, None),  # starts as one closes: not beside it
+        ("p", 3.0, 4.0),
+        ("q", 10.0, 11.0),
+    ]
+    assert peak_concurrency(spans) == {"p": 3, "q": 1}
+    assert peak_concurrency(list(reversed(spans))) == {"p": 3, "q": 1}
+    assert peak_concurrency([]) == {}
+
+
+def test_a_burst_that_ended_between_two_passes_counts_whole(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """Three rollouts that all ran at once and ended before the reaper's pass, beside one
+    still live: the pass sees 1 live, and records a peak of 4. One created before the
+    pass's horizon and closed long ago is not counted."""
+
+    async def scenario(own: Settings) -> None:
+        store = RolloutStore(own.redis_url, Keys.of(own.deployment))
+        now = time.time()
+
+        def record(rollout_id: str, created: float, closed: float | None) -> Rollout:
+            return Rollout(
+                rollout_id=rollout_id,
+                source=RolloutSource.API,
+                environment="e",
+                codebase="c",
+                image="img",
+                state=RolloutState.ACTIVE,
+                created_at=created,
+                last_activity=created,
+            ).model_copy(update={"closed_at": closed})
+
+        try:
+            for rollout in (
+                record("old", now - 100, now - 90),
+                record("a", now - 5, now - 1),
+                record("b", now - 4, now - 1),
+                record("c", now - 4, now - 2),
+                record("live", now - 3, None),
+            ):
+                assert await store.create(rollout)
+                if rollout.closed_at is not None:
+                    await store.update(rollout.rollout_id, closed_at=rollout.closed_at)
+            assert await store.live_ids() == ["live"]
+            pools = PoolClaims(own, store.redis)
+            await _record_pool_demand(store, pools, since=now - 20)
+            raw = await store.redis.hgetall(Keys.of(own.deployment).pool_demand)
+            assert parse_demand(raw)["e:c"].peak == 4
+        finally:
+            await store.close()
+
+    with own_deployment(settings, "demand") as own:
+        asyncio.run(scenario(own))

@@ -26,6 +26,7 @@ from orchestrator.rollouts.service import RolloutService
 from orchestrator.state.broker import celery_app, task
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutState
+from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueClient
 from orchestrator.state.tasks import TaskName
@@ -128,7 +129,10 @@ async def reap_once(settings: Settings, environments: EnvironmentRegistry) -> di
             if reason is not None:
                 ended[rollout_id] = reason
         await _recount_host_loads(store, service)
-        await _record_pool_demand(store, service)
+        # Two intervals back: a late pass still sees every rollout since the last.
+        await _record_pool_demand(
+            store, service.pools, time.time() - 2 * service.settings.reaper_interval_s
+        )
         hosts = [beat.host for beat in await queue.heartbeats.live()]
         for host in hosts:
             await queue.send(TaskName.SWEEP_HOST, {}, queue=keys.host_queue(host))
@@ -177,12 +181,16 @@ async def _reap_one(
     return end.reason
 
 
-async def _record_pool_demand(store: RolloutStore, service: RolloutService) -> None:
-    """What each pool's demand is now: its live rollouts, for the pools that size
-    themselves by it (state/pools.py)."""
-    records = await store.get_many(await store.live_ids())
-    live = [(r.environment, r.codebase) for r in records if r is not None and r.closed_at is None]
-    await service.pools.record_demand(live)
+async def _record_pool_demand(store: RolloutStore, pools: PoolClaims, since: float) -> None:
+    """What each pool's demand is now, for the pools that size themselves by it
+    (state/pools.py): its live rollouts, and the most of them live at once among those
+    live now or created since ``since`` (the rollouts of a burst that ended between two
+    passes count too)."""
+    live_ids = await store.live_ids()
+    recent_ids = set(await store.created_since(since)) - set(live_ids)
+    records = [r for r in await store.get_many([*live_ids, *recent_ids]) if r is not None]
+    live = [(r.environment, r.codebase) for r in records if r.closed_at is None]
+    await pools.record_demand(live, records)
 
 
 async def _forget_vanished(store: RolloutStore, rollout_id: str) -> None:

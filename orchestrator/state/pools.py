@@ -9,7 +9,8 @@ slots in transit of pool sandboxes being created or handed out (state/admission.
 the reaper's slot recount adds.
 
 A pool's size follows demand (:func:`pool_size`): the peak of its live rollouts over the
-last ``pool_demand_window_s`` (the reaper records it, :func:`next_demand`), or the
+last ``pool_demand_window_s`` (the reaper records it from the records of the rollouts live
+at some moment since its last pass, :func:`peak_concurrency`, :func:`next_demand`), or the
 environment's ``expected_concurrency`` before any is seen, plus ``pool_headroom``, never
 below a hand-set ``pool_size``, never above what the live hosts can hold. A pool bigger
 than its size is trimmed (:meth:`PoolFiller.trim`), so pools shrink when demand falls.
@@ -45,6 +46,7 @@ from orchestrator.observability import metrics
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.state.admission import TAKE_SLOT, TRANSIT_MAX_S, transit_member
 from orchestrator.state.keys import Keys
+from orchestrator.state.records import Rollout
 
 POOL_LABEL = "pool"
 """The rollout label of a pool sandbox until a rollout takes it."""
@@ -167,6 +169,25 @@ def next_demand(previous: PoolDemand | None, seen: PoolDemand, window_s: float) 
     if previous is None or seen.peak >= previous.peak or seen.at - previous.at > window_s:
         return seen
     return previous
+
+
+def peak_concurrency(spans: list[tuple[str, float, float | None]]) -> dict[str, int]:
+    """The most rollouts of each pool live at once, from each rollout's ``(pool, created_at,
+    closed_at or None while live)``. A rollout closed at the moment another starts does
+    not count beside it."""
+    events: dict[str, list[tuple[float, int]]] = {}
+    for pool, created, closed in spans:
+        events.setdefault(pool, []).append((created, 1))
+        if closed is not None:
+            events[pool].append((closed, -1))
+    peaks: dict[str, int] = {}
+    for pool, changes in events.items():
+        live = peak = 0
+        for _, change in sorted(changes):  # at one instant, closes (-1) before starts
+            live += change
+            peak = max(peak, live)
+        peaks[pool] = peak
+    return peaks
 
 
 def parse_demand(raw: Mapping[Any, Any]) -> dict[str, PoolDemand]:
@@ -499,19 +520,31 @@ class PoolClaims:
         """Every pool's recent demand (one round trip), for :func:`targets`."""
         return parse_demand(await self.client.hgetall(self.keys.pool_demand))
 
-    async def record_demand(self, live: list[tuple[str, str | None]]) -> None:
-        """The reaper's pass: the (environment, codebase) of every live rollout. A pool
-        none of them uses counts 0 live, so its peak falls once the window has passed (and
-        its entry stays, at 0: its pool is trimmed to its configured size)."""
+    async def record_demand(
+        self, live: list[tuple[str, str | None]], recent: list[Rollout] | None = None
+    ) -> None:
+        """The reaper's pass: the (environment, codebase) of every live rollout, and
+        ``recent``, the records of the rollouts live at some moment since the last pass
+        (live ones included): its peak is the most of them live at once, although the pass
+        sees only what is live now. (Counted by what was live at each pass, a burst of 256
+        whose first rollouts had ended by a pass sized the pool at 240, and 13 of the next
+        burst's 256 started cold: bench/burst.py --bursts 2.) A pool none
+        of them uses counts 0 live, so its peak falls once the window has passed (and its
+        entry stays, at 0: its pool is trimmed to its configured size)."""
         known = await self.demand()
         now = time.time()
         counts = Counter(pool_name(env, codebase) for env, codebase in live)
-        seen = {
-            pool_name(env, codebase): PoolDemand(
-                environment=env, codebase=codebase, peak=counts[pool_name(env, codebase)], at=now
-            )
-            for env, codebase in live
-        }
+        peaks = peak_concurrency(
+            [
+                (pool_name(r.environment, r.codebase), r.created_at, r.closed_at)
+                for r in recent or []
+            ]
+        )
+        seen: dict[str, PoolDemand] = {}
+        for env, codebase in [*live, *((r.environment, r.codebase) for r in recent or [])]:
+            name = pool_name(env, codebase)
+            peak = max(counts[name], peaks.get(name, 0))
+            seen[name] = PoolDemand(environment=env, codebase=codebase, peak=peak, at=now)
         for name, previous in known.items():
             seen.setdefault(name, previous.model_copy(update={"peak": 0, "at": now}))
         window = self.settings.pool_demand_window_s

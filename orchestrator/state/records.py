@@ -421,6 +421,11 @@ class RolloutStore:
         values = await self.redis.mget([self.keys.seq(i) for i in rollout_ids])
         return [int(v or 0) for v in values]
 
+    async def created_since(self, since: float) -> list[str]:
+        """Ids of the rollouts created at ``since`` or later (the listing index's)."""
+        ids = await self.redis.zrangebyscore(self.keys.index, since, "+inf")
+        return [str(i) for i in ids]
+
     async def indexed_ids(self, start: int, count: int) -> list[str]:
         """Rollout ids from the listing index, newest first."""
         ids = await self.redis.zrevrange(self.keys.index, start, start + count - 1)
