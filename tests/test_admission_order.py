@@ -1,6 +1,7 @@
 """Admission is first come first served, on real Redis: past capacity, new rollouts wait
-in the admission queue and are seated in the order they came; a rollout that arrives
-while others wait, and a pool's refill, never take a slot one of them wants."""
+in the admission queue and are seated in the order they came, a GRPO group's together; a
+rollout that arrives while others wait, and a pool's refill, never take a slot one of
+them wants."""
 
 from __future__ import annotations
 
@@ -41,6 +42,46 @@ async def _queued(admission: Admission, count: int) -> None:
     while await admission.waiting(time.time()) < count:
         assert time.monotonic() < deadline, "the waiters never queued"
         await asyncio.sleep(0.01)
+
+
+def test_a_group_s_waiters_are_seated_together(unit: Settings) -> None:
+    """Waiters of items a and b arrive interleaved (a1, b1, a2, b2, none): a2 is seated
+    right after a1, ahead of b1 who came before it; a waiter of no group keeps its
+    place in arrival order."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
+        admission = Admission(unit, client)
+        await _one_host(client, unit, capacity=1)
+        seated: list[str] = []
+
+        async def start(holder: str, group: str | None) -> None:
+            await admission.take(holder, wait_s=20, group=group)
+            seated.append(holder)
+
+        try:
+            assert await admission.try_take("ro_running") == unit.host_id
+            arrivals = (("a1", "a"), ("b1", "b"), ("a2", "a"), ("b2", "b"), ("none", None))
+            waiters = []
+            for n, (holder, group) in enumerate(arrivals):
+                waiters.append(asyncio.create_task(start(holder, group)))
+                await _queued(admission, n + 1)
+                await asyncio.sleep(0.01)  # distinct deadlines: arrival order is clear
+            expected = ["a1", "a2", "b1", "b2", "none"]
+            for count in range(1, len(expected) + 1):
+                await admission.release(unit.host_id)
+                deadline = time.monotonic() + 10
+                while len(seated) < count:
+                    assert time.monotonic() < deadline, seated
+                    await asyncio.sleep(0.01)
+            await asyncio.gather(*waiters)
+            # a1 and a2 share a score (their order between them is the member's): a group.
+            assert set(seated[:2]) == {"a1", "a2"} and set(seated[2:4]) == {"b1", "b2"}
+            assert seated[4] == "none", seated
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_waiters_are_seated_in_the_order_they_came(unit: Settings) -> None:

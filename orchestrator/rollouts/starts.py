@@ -171,7 +171,9 @@ class Starter:
                 # The sandbox's place first (a warm sandbox, or a host's slot for a cold
                 # one), the record after: a rollout refused at capacity leaves nothing
                 # behind, and its retry starts afresh.
-                acquired = await self._acquire(rollout_id, resolved, deadline, reserve_s)
+                acquired = await self._acquire(
+                    rollout_id, resolved, deadline, reserve_s, group=item_group(item)
+                )
             record = new_record(
                 rollout_id,
                 source,
@@ -216,11 +218,12 @@ class Starter:
         resolved: ResolvedEnvironment,
         deadline: Deadline,
         reserve_s: float,
+        group: str | None = None,
     ) -> Acquired | None:
         """A warm sandbox from the rollout's pool (probed first), else a host slot for a
         cold one, waiting within the admission bound (and the request's deadline, less
-        ``reserve_s``). None: the rollout appeared meanwhile (a concurrent first call made
-        it)."""
+        ``reserve_s``), seated with its ``group``. None: the rollout appeared meanwhile (a
+        concurrent first call made it)."""
         started = time.monotonic()
         recycle_wait_s = deadline.cap(self.settings.pool_recycle_wait_s, reserve=reserve_s)
         for _ in range(3):
@@ -239,7 +242,9 @@ class Starter:
             return await self.store.get(rollout_id) is not None
 
         wait_s = deadline.cap(self.settings.admission_wait_s, reserve=reserve_s)
-        host = await self.admission.take(rollout_id, give_up=rollout_exists, wait_s=wait_s)
+        host = await self.admission.take(
+            rollout_id, give_up=rollout_exists, wait_s=wait_s, group=group
+        )
         return Acquired(host=host, handle=None, started=started) if host else None
 
     async def _usable(self, handle: SandboxHandle, resolved: ResolvedEnvironment) -> bool:

@@ -61,14 +61,32 @@ redis.call('ZADD', KEYS[2], ARGV[2], best .. '|' .. ARGV[1])
 return best
 """
 
-# KEYS: waiting set. ARGV: now, deadline, waiter id, queue bound. Returns 1 when the waiter
-# is in the queue; the set's scores are deadlines, so a crashed waiter ages out.
+# KEYS: waiting set, waiting groups. ARGV: now, deadline, waiter id, queue bound, group
+# ('' for none), group window. Returns 1 when the waiter is in the queue; the set's scores
+# are deadlines, so a crashed waiter ages out. A waiter of a group whose first waiter came
+# within the window takes that one's score: its place, next to its group (a GRPO group is
+# seated together). Its entry so ages out earlier than its own deadline by at most the
+# window, which the deadline's grace covers (Admission.take).
 _ENTER = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[3])
+local score = ARGV[2]
+if ARGV[5] ~= '' then
+  local first = redis.call('ZSCORE', KEYS[2], ARGV[5])
+  if first and tonumber(first) >= tonumber(ARGV[2]) - tonumber(ARGV[6]) then
+    score = first
+  else
+    redis.call('ZADD', KEYS[2], ARGV[2], ARGV[5])
+  end
+end
+redis.call('ZADD', KEYS[1], score, ARGV[3])
 return 1
 """
+
+QUEUE_GRACE_S = 5.0
+"""A waiter's entry outlives its wait by this much, and a group's later waiters take its
+first one's place within this much of it (so their entries never age out early)."""
 
 
 TRANSIT_MAX_S = 900
@@ -136,12 +154,14 @@ class Admission:
         *,
         give_up: Callable[[], Awaitable[bool]] | None = None,
         wait_s: float | None = None,
+        group: str | None = None,
     ) -> str:
         """A slot for ``holder`` (see :meth:`try_take`), waiting in the bounded queue if
         every host is full, for at most ``wait_s`` (default and upper bound:
-        ``admission_wait_s``). ``give_up`` is asked while waiting (another request created
-        the rollout meanwhile): then :class:`AtCapacity` is not raised, ``""`` is
-        returned."""
+        ``admission_wait_s``), seated first come first served except that the waiters of
+        one ``group`` (a GRPO group: rollouts of one dataset item) are seated together.
+        ``give_up`` is asked while waiting (another request created the rollout
+        meanwhile): then :class:`AtCapacity` is not raised, ``""`` is returned."""
         host = await self.try_take(holder)
         if host is not None:
             return host
@@ -151,8 +171,15 @@ class Admission:
         waiter = uuid.uuid4().hex
         now = time.time()
         entered = await self._enter(
-            keys=[waiting],
-            args=[now, now + wait_s + 5, waiter, self.settings.admission_queue_max],
+            keys=[waiting, self.keys.waiting_groups],
+            args=[
+                now,
+                now + wait_s + QUEUE_GRACE_S,
+                waiter,
+                self.settings.admission_queue_max,
+                group or "",
+                QUEUE_GRACE_S,
+            ],
         )
         if not entered:
             metrics.ADMISSION_REJECTED.labels("queue_full").inc()

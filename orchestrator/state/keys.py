@@ -128,6 +128,12 @@ class Keys:
         """Sorted set: new rollouts waiting for a slot (scores: their deadlines)."""
         return f"{self.prefix}admission-waiting"
 
+    @cached_property
+    def waiting_groups(self) -> str:
+        """Sorted set: groups with a rollout waiting for a slot (scores: the deadline of
+        each one's first waiter, whose place its later waiters take)."""
+        return f"{self.prefix}admission-waiting-groups"
+
     # Warm pools (state/pools.py).
 
     def pool(self, pool: str, part: str) -> str:
