@@ -64,7 +64,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import plots
 from bench.common import (
     RESULTS,
-    cgroup_file,
     cmdline,
     container_cpu_s,
     function_call,
@@ -80,6 +79,7 @@ from orchestrator.environments.examples import ensure_requests_codebase, plannin
 from orchestrator.local import free_port, local_stack
 from orchestrator.sandbox import labels
 from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle, SandboxSpec
+from orchestrator.sandbox.cgroups import container_file
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import GcReport, collect_expired
 from orchestrator.state.keys import Keys
@@ -533,8 +533,8 @@ def stack_processes() -> dict[str, list[int]]:
 
 def container_memory_mb(container_id: str) -> float:
     """The working set (usage less inactive file cache), as `docker stats` shows it."""
-    usage = cgroup_file("memory", container_id, "memory.usage_in_bytes", "memory.current")
-    stat = cgroup_file("memory", container_id, "memory.stat", "memory.stat")
+    usage = container_file("memory", container_id, "memory.usage_in_bytes", "memory.current")
+    stat = container_file("memory", container_id, "memory.stat", "memory.stat")
     try:
         if usage is None or stat is None:
             return 0.0

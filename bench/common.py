@@ -20,6 +20,7 @@ from orchestrator.api.models import FunctionCall
 from orchestrator.config import Settings
 from orchestrator.images.codebases import UnknownCodebase, add_codebase, get_codebase
 from orchestrator.local import free_port
+from orchestrator.sandbox.cgroups import container_file
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STACK_ENVIRONMENTS = """\
@@ -175,22 +176,8 @@ def host_busy_s() -> float:
     return (sum(values[:8]) - idle) / CLK_TCK
 
 
-def cgroup_file(controller: str, container_id: str, v1: str, v2: str) -> Path | None:
-    """A container's cgroup file: v1 (cgroupfs or systemd driver), else v2."""
-    root = Path("/sys/fs/cgroup")
-    for path in (
-        root / controller / "docker" / container_id / v1,
-        root / controller / "system.slice" / f"docker-{container_id}.scope" / v1,
-        root / "docker" / container_id / v2,
-        root / "system.slice" / f"docker-{container_id}.scope" / v2,
-    ):
-        if path.exists():
-            return path
-    return None
-
-
 def container_cpu_s(container_id: str) -> float:
-    path = cgroup_file("cpuacct", container_id, "cpuacct.usage", "cpu.stat")
+    path = container_file("cpuacct", container_id, "cpuacct.usage", "cpu.stat")
     try:
         if path is None:
             return 0.0

@@ -12,26 +12,21 @@ import subprocess
 from pathlib import Path
 
 from orchestrator.config import Settings
-from orchestrator.sandbox import daemon_share
+from orchestrator.sandbox import cgroups, daemon_share
 from orchestrator.sandbox.backend import SandboxHandle
 from orchestrator.sandbox.docker import DockerBackend
 
 WEIGHT = Settings.model_fields["docker_daemon_cpu_weight"].default
 
 
-def _pids_of(name: str) -> list[int]:
-    found = subprocess.run(["pidof", name], capture_output=True, text=True, check=False)
-    return sorted(int(pid) for pid in found.stdout.split())
-
-
 def _cpu_cgroup(pid: int) -> str:
-    return daemon_share.cpu_cgroup(pid)[1]
+    return cgroups.cpu_cgroup(pid)[1]
 
 
 def _weight_file(path: str) -> tuple[Path, str]:
     """The weight file of cgroup ``path`` and what it should hold at :data:`WEIGHT`."""
-    version, _ = daemon_share.cpu_cgroup(1)
-    root = daemon_share.hierarchy(version)
+    version, _ = cgroups.cpu_cgroup(1)
+    root = cgroups.hierarchy(version)
     assert root is not None
     group = root / path.lstrip("/")
     if version == "v1":
@@ -39,20 +34,48 @@ def _weight_file(path: str) -> tuple[Path, str]:
     return group / "cpu.weight", str(WEIGHT)
 
 
+DOCKER_SOCKET = Path("/var/run/docker.sock")
+
+
 def test_the_daemons_run_at_the_weight_and_placing_them_again_changes_nothing() -> None:
-    daemons = _pids_of("dockerd") + _pids_of("containerd")
-    assert _pids_of("dockerd"), "the suite runs a real dockerd"
-    first = daemon_share.bound_daemons(WEIGHT)
+    """The daemons are the socket's dockerd (its own pidfile says which) and the containerd
+    it runs (containerd's pidfile), or the system's containerd (its socket's peer)."""
+    dockerd = int(Path("/var/run/docker.pid").read_text())
+    managed = Path("/var/run/docker/containerd/containerd.pid")
+    containerd = (
+        int(managed.read_text())
+        if managed.exists()
+        else daemon_share.peer_pid(daemon_share.SYSTEM_CONTAINERD)
+    )
+    assert daemon_share.daemon_pids(DOCKER_SOCKET) == [dockerd, containerd]
+    first = daemon_share.bound_daemons(WEIGHT, DOCKER_SOCKET)
     assert first.enforced, first.detail
-    assert sorted(first.pids) == sorted(daemons)
-    for pid in daemons:
+    assert first.pids == [dockerd, containerd]
+    for pid in first.pids:
         path = _cpu_cgroup(pid)
         assert path in first.cgroups
         weight_file, expected = _weight_file(path)
         assert weight_file.read_text().strip() == expected
-    again = daemon_share.bound_daemons(WEIGHT)
+    again = daemon_share.bound_daemons(WEIGHT, DOCKER_SOCKET)
     assert again == first
     assert again.daemons_alive()
+
+
+def test_a_process_merely_named_dockerd_is_left_alone(tmp_path: Path) -> None:
+    """Another dockerd on the machine (a test's, another deployment's) is not this
+    worker's: only the one behind its socket is placed."""
+    impostor = tmp_path / "dockerd"
+    impostor.write_bytes(Path("/bin/sleep").read_bytes())
+    impostor.chmod(0o755)
+    process = subprocess.Popen([str(impostor), "30"])
+    try:
+        before = _cpu_cgroup(process.pid)
+        share = daemon_share.bound_daemons(WEIGHT, DOCKER_SOCKET)
+        assert process.pid not in share.pids
+        assert _cpu_cgroup(process.pid) == before
+    finally:
+        process.kill()
+        process.wait()
 
 
 def test_a_new_sandbox_s_shim_inherits_the_weight_and_the_sandbox_does_not(
@@ -61,7 +84,7 @@ def test_a_new_sandbox_s_shim_inherits_the_weight_and_the_sandbox_does_not(
     """The shim containerd starts for a container created after the placing is in the
     daemons' cgroup; the container's own processes (the agent, every command) are in
     the container's cgroup, at the default weight."""
-    daemon_share.bound_daemons(WEIGHT)
+    daemon_share.bound_daemons(WEIGHT, DOCKER_SOCKET)
     handle: SandboxHandle = make_sandbox()  # type: ignore[operator]
     inspected = subprocess.run(
         ["docker", "inspect", "-f", "{{.Id}} {{.State.Pid}}", handle.native_id],
@@ -72,7 +95,7 @@ def test_a_new_sandbox_s_shim_inherits_the_weight_and_the_sandbox_does_not(
     container_id, init_pid = inspected.stdout.split()
     shims = [pid for pid in _shims() if f"-id {container_id} " in _cmdline(pid)]
     assert shims, "no shim names the new container"
-    daemons_group = _cpu_cgroup(_pids_of("containerd")[0])
+    daemons_group = _cpu_cgroup(daemon_share.daemon_pids(DOCKER_SOCKET)[-1])
     assert all(_cpu_cgroup(pid) == daemons_group for pid in shims)
     sandbox_group = _cpu_cgroup(int(init_pid))
     assert sandbox_group != daemons_group
@@ -105,16 +128,20 @@ def test_the_heartbeat_says_so_and_a_weight_of_0_leaves_the_daemons_alone(
     assert untouched.host_health().daemon_cpu is None
 
 
-def test_daemons_are_found_by_name_and_a_restarted_one_is_noticed(tmp_path: Path) -> None:
-    """A fake /proc: the scan matches the command name exactly, and a placed daemon that
-    is gone (restarted under another pid) makes the worker place them again."""
-    for pid, name in ((10, "dockerd"), (11, "containerd"), (12, "containerd-shim"), (13, "bash")):
-        (tmp_path / str(pid)).mkdir()
-        (tmp_path / str(pid) / "comm").write_text(name + "\n")
-    (tmp_path / "self").mkdir()
-    assert daemon_share.daemon_pids(tmp_path) == [10, 11]
+def test_a_restarted_daemon_is_noticed(tmp_path: Path) -> None:
+    """A fake /proc: a placed daemon that is gone (restarted under another pid) makes the
+    worker place them again; children are read from every thread."""
+    for pid in (10, 11):
+        (tmp_path / str(pid) / "task" / str(pid)).mkdir(parents=True)
+    (tmp_path / "10" / "task" / "10" / "children").write_text("11 ")
+    (tmp_path / "10" / "task" / "12").mkdir()
+    (tmp_path / "10" / "task" / "12" / "children").write_text("13 14\n")
+    (tmp_path / "11" / "task" / "11" / "children").write_text("")
+    assert sorted(daemon_share.children(10, tmp_path)) == [11, 13, 14]
     share = daemon_share.DaemonShare(weight=WEIGHT, enforced=True, pids=[10, 11])
     assert share.daemons_alive(tmp_path)
-    (tmp_path / "11" / "comm").unlink()
+    (tmp_path / "11" / "task" / "11" / "children").unlink()
+    (tmp_path / "11" / "task" / "11").rmdir()
+    (tmp_path / "11" / "task").rmdir()
     (tmp_path / "11").rmdir()
     assert not share.daemons_alive(tmp_path)

@@ -3,26 +3,31 @@ slow the rollouts already running (issue 13, item 4).
 
 dockerd and containerd, and the shims and OCI runtimes containerd starts, do a sandbox's
 create, reset by restart and destroy, and almost nothing of a tool call: a call goes to the
-exec agent's socket, and a probe asks dockerd one inspect. In a burst on two cores they
-burned 0.19 CPU-s per create (bench/results/burst.md), as many threads each weighted like
-one of the worker's. Put in a cgroup of their own with a low CPU weight, they get the whole
-host while nothing else wants it and only their weight's share while running rollouts'
-calls do: a weight, unlike a quota, leaves no core idle.
+exec agent's socket, and a probe asks dockerd one inspect. In a burst of 256 cold starts
+on two cores, dockerd and containerd alone took 17.5 CPU-s (the shims and runtimes more),
+in as many threads, each weighted like one of the worker's. Put in a cgroup of their own
+with a low CPU weight, they get the whole host while nothing else wants it and only their
+weight's share while running rollouts' calls do: a weight, unlike a quota, leaves no core
+idle. Measured (bench/burst.py, 256 cold starts): later calls' p99 492 ms at the default
+weight, 198-231 ms at 10, with no slower seating.
 
 Only processes the daemons start from then on inherit the cgroup (shims of containers
 created since); containers themselves are put in their own cgroups by the runtime, so
-the agent's commands never run at the daemons' weight. ``bound_daemons`` is idempotent,
-and cheap once done: the worker calls it at start and again when a daemon restarted.
+the agent's commands never run at the daemons' weight. ``bound_daemons`` is idempotent;
+the worker checks at every heartbeat and places them again when one restarted.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import struct
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-DAEMONS = ("dockerd", "containerd")
+from orchestrator.sandbox.cgroups import cpu_cgroup, hierarchy
+
 GROUP = "orchestrator-daemons"
 """The cgroup made for the daemons when they sit in the root cgroup (no systemd unit of
 their own: a container, a CI machine, ``make up``'s own dockerd)."""
@@ -45,52 +50,49 @@ class DaemonShare(BaseModel):
         return all((proc / str(pid)).exists() for pid in self.pids)
 
 
-def daemon_pids(proc: Path = Path("/proc")) -> list[int]:
-    """The pids of the processes named in :data:`DAEMONS` (a scan of ``/proc``)."""
-    found = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            name = (entry / "comm").read_text().strip()
-        except OSError:
-            continue  # gone since the listing
-        if name in DAEMONS:
-            found.append(int(entry.name))
-    return sorted(found)
+SYSTEM_CONTAINERD = Path("/run/containerd/containerd.sock")
+"""Where a containerd that dockerd does not run itself listens (dockerd --containerd)."""
 
 
-def cpu_cgroup(pid: int) -> tuple[str, str]:
-    """``(version, path)`` of ``pid``'s CPU cgroup: ("v1", path in the cpu hierarchy) or
-    ("v2", path in the unified one)."""
-    unified = ""
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "cpu" in controllers.split(","):
-            return "v1", path
-        if controllers == "":
-            unified = path
-    return "v2", unified
+def peer_pid(socket_path: Path) -> int:
+    """The pid of the process serving the Unix socket ``socket_path`` (SO_PEERCRED)."""
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.settimeout(5)
+        conn.connect(str(socket_path))
+        cred = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _uid, _gid = struct.unpack("3i", cred)
+    return int(pid)
 
 
-def hierarchy(version: str) -> Path | None:
-    """Where the cpu controller's hierarchy (v1) or the unified hierarchy (v2) is mounted."""
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields, _, filesystem = line.partition(" - ")
-        fstype, _source, options = filesystem.split(" ", 2)
-        mount_point = Path(fields.split(" ")[4])
-        if version == "v1" and fstype == "cgroup" and "cpu" in options.split(","):
-            return mount_point
-        if version == "v2" and fstype == "cgroup2":
-            return mount_point
-    return None
+def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
+    """``pid``'s child processes (every thread's ``children`` list)."""
+    found: list[int] = []
+    for task in (proc / str(pid) / "task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
 
 
-def bound_daemons(weight: int) -> DaemonShare:
+def _comm(pid: int, proc: Path = Path("/proc")) -> str:
+    return (proc / str(pid) / "comm").read_text().strip()
+
+
+def daemon_pids(docker_socket: Path, proc: Path = Path("/proc")) -> list[int]:
+    """The dockerd serving ``docker_socket``, and the containerd it works with: its own
+    child, else the system's (:data:`SYSTEM_CONTAINERD`). Only these: other dockerds on
+    the machine (a test's, another deployment's) are not this worker's."""
+    dockerd = peer_pid(docker_socket)
+    containerd = [c for c in children(dockerd, proc) if _comm(c, proc) == "containerd"]
+    if not containerd and SYSTEM_CONTAINERD.exists():
+        containerd = [peer_pid(SYSTEM_CONTAINERD)]
+    return [dockerd, *containerd]
+
+
+def bound_daemons(weight: int, docker_socket: Path) -> DaemonShare:
     """Give dockerd and containerd the CPU weight ``weight`` (cgroup v2's scale: 100 is a
     default process's; v1's cpu.shares get ``weight × 10.24``).
 
-    Daemons in the root cgroup are moved into :data:`GROUP`; daemons in a systemd unit of
+    The daemons are those of ``docker_socket`` (:func:`daemon_pids`). Daemons in the
+    root cgroup are moved into :data:`GROUP`; daemons in a systemd unit of
     their own (``docker.service``) have that unit's weight set. Any other daemon is left
     alone: one in some container's cgroup (a Kubernetes node's) is not this host's, and
     one in the worker's own cgroup would take the worker's weight with it."""
@@ -99,7 +101,7 @@ def bound_daemons(weight: int) -> DaemonShare:
     cgroups: set[str] = set()
     skipped: list[str] = []
     try:
-        for pid in daemon_pids():
+        for pid in daemon_pids(docker_socket):
             version, path = cpu_cgroup(pid)
             root = hierarchy(version)
             if root is None:
@@ -121,8 +123,6 @@ def bound_daemons(weight: int) -> DaemonShare:
     except OSError as exc:
         return DaemonShare(weight=weight, enforced=False, pids=placed, detail=str(exc))
     detail = f"left alone: {', '.join(skipped)}" if skipped else ""
-    if not placed:
-        detail = detail or "no dockerd or containerd here"
     return DaemonShare(
         weight=weight, enforced=bool(placed), cgroups=sorted(cgroups), pids=placed, detail=detail
     )

@@ -28,7 +28,7 @@ from requests.exceptions import RequestException
 from orchestrator.config import Settings
 from orchestrator.docker_client import connect
 from orchestrator.observability.logging import get_logger
-from orchestrator.sandbox import daemon_share, kernel_log, labels
+from orchestrator.sandbox import cgroups, daemon_share, kernel_log, labels
 from orchestrator.sandbox.agent import EXEC_AGENT_PATH
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.backend import (
@@ -642,18 +642,25 @@ class DockerBackend(agent.AgentBackend):
         )
 
     def _bound_daemons(self) -> daemon_share.DaemonShare | None:
-        """Keep the local daemons at ``docker_daemon_cpu_weight`` (sandbox/daemon_share.py):
-        placed once, and again when one of them restarted. A daemon behind TCP is another
-        host's: left alone."""
+        """Keep the local daemons at ``docker_daemon_cpu_weight`` (sandbox/daemon_share.py),
+        checked at every heartbeat. A daemon behind TCP (no Unix
+        socket) is another host's: left alone."""
         weight = self.settings.docker_daemon_cpu_weight
-        if weight == 0 or not self.client.api.base_url.startswith("http+docker://"):
+        adapter = self.client.api.get_adapter(self.client.api.base_url)
+        socket_path = getattr(adapter, "socket_path", None)
+        if weight == 0 or socket_path is None:
             return None
         share = self._daemon_cpu
-        if share is None or not share.daemons_alive():
-            share = self._daemon_cpu = daemon_share.bound_daemons(weight)
-            level = log.info if share.enforced else log.warning
-            level("host.daemon_cpu", **share.model_dump())
-        return share
+        if share is not None and share.enforced and share.daemons_alive():
+            return share
+        # Not placed yet, a daemon restarted, or placing failed (tried again every beat:
+        # a peer lookup and a few /proc reads; logged when the outcome changes).
+        placed = daemon_share.bound_daemons(weight, Path(socket_path))
+        if placed != share:
+            level = log.info if placed.enforced else log.warning
+            level("host.daemon_cpu", **placed.model_dump())
+        self._daemon_cpu = placed
+        return placed
 
     def _container_evidence(self, handle: SandboxHandle) -> str:
         try:
@@ -810,24 +817,15 @@ def _manifest_differences(fresh: dict[str, Any], after: dict[str, Any]) -> list[
 
 
 def _cgroup_count(container_id: str, controller: str, files: tuple[str, str], key: str) -> int:
-    """A counter (``key N`` lines) of the container's cgroup: v1 (``files[0]`` under the
-    controller's hierarchy, cgroupfs or systemd driver), else v2 (``files[1]``); 0 when the
-    file is not there (a runtime that keeps no such cgroup)."""
-    root = Path("/sys/fs/cgroup")
-    v1, v2 = files
-    for path in (
-        root / controller / "docker" / container_id / v1,
-        root / controller / "system.slice" / f"docker-{container_id}.scope" / v1,
-        root / "docker" / container_id / v2,
-        root / "system.slice" / f"docker-{container_id}.scope" / v2,
-    ):
-        try:
-            lines = path.read_text().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            name, _, value = line.partition(" ")
-            if name == key and value.strip().isdigit():
-                return int(value)
+    """A counter (``key N`` lines) of the container's cgroup (v1 file, v2 file); 0 when
+    it has no such file (a runtime that keeps no such cgroup)."""
+    path = cgroups.container_file(controller, container_id, *files)
+    try:
+        lines = path.read_text().splitlines() if path else []
+    except OSError:
         return 0
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
     return 0
