@@ -1,6 +1,6 @@
 """queue/lane.py: the creation lane seats a group's rollouts together, otherwise first come
 first served, and a shutdown drops what has not started (on real threads); and the group a
-rollout's creation carries (rollouts/models.item_group, state/tasks.CreateSandbox). Every
+rollout's creation carries (rollouts/models.rollout_group, state/tasks.CreateSandbox). Every
 end-to-end test's cold start goes through the lane with its group."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from orchestrator.queue.lane import GroupedLane
-from orchestrator.rollouts.models import item_group
+from orchestrator.rollouts.models import rollout_group
+from orchestrator.state.models import RolloutSource
 from orchestrator.state.tasks import CreateSandbox
 
 
@@ -94,13 +95,15 @@ def test_a_shutdown_drops_what_has_not_started_and_refuses_more(lane: GroupedLan
 
 
 def test_rollouts_of_one_item_have_one_group() -> None:
-    """Whatever order the row's keys came in; another row is another group; and the group
-    is on the worker's side of the wire."""
+    """Whatever order the row's keys came in; another row is another group; an E2B
+    sandbox is in none; and the group is on the worker's side of the wire."""
     row = {"codebase": "requests", "question": "where is Session defined?", "n": [1, 2]}
     same = {"n": [1, 2], "question": "where is Session defined?", "codebase": "requests"}
-    assert item_group(row) == item_group(same)
-    assert item_group(row) != item_group({**row, "question": "another"})
+    group = rollout_group(RolloutSource.AGENT_RFT, row)
+    assert group is not None and group == rollout_group(RolloutSource.API, same)
+    assert group != rollout_group(RolloutSource.AGENT_RFT, {**row, "question": "another"})
+    assert rollout_group(RolloutSource.E2B, {"environment": "default"}) is None
     wire = CreateSandbox.model_validate(
-        {"rollout_id": "r", "spec": {"image": "img", "rollout_id": "r"}, "group": item_group(row)}
+        {"rollout_id": "r", "spec": {"image": "img", "rollout_id": "r"}, "group": group}
     )
-    assert wire.group == item_group(row)
+    assert wire.group == group

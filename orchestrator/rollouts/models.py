@@ -56,8 +56,11 @@ def new_record(
     )
 
 
-def item_group(item: dict[str, Any]) -> str:
-    """The group of a rollout of ``item``: the rollouts of one dataset item (a GRPO group,
-    sampled n times) have the same one, whatever order its keys came in."""
+def rollout_group(source: RolloutSource, item: dict[str, Any]) -> str | None:
+    """The group a rollout of ``item`` is seated with: the rollouts of one dataset item (a
+    GRPO group, sampled n times) have the same one, whatever order its keys came in. An
+    E2B sandbox has no dataset item (its "item" is its template): no group."""
+    if source == RolloutSource.E2B:
+        return None
     canonical = json.dumps(item, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -22,7 +22,7 @@ from orchestrator.rollouts.bounds import Deadline
 from orchestrator.rollouts.closes import Closer
 from orchestrator.rollouts.errors import InfraError, Rejected, StillStarting
 from orchestrator.rollouts.lookup import present
-from orchestrator.rollouts.models import item_group, new_record
+from orchestrator.rollouts.models import new_record, rollout_group
 from orchestrator.sandbox.agent.client import PROBE_MAX_S
 from orchestrator.sandbox.backend import ProbeResult, SandboxHandle
 from orchestrator.state.admission import Admission
@@ -172,7 +172,7 @@ class Starter:
                 # one), the record after: a rollout refused at capacity leaves nothing
                 # behind, and its retry starts afresh.
                 acquired = await self._acquire(
-                    rollout_id, resolved, deadline, reserve_s, group=item_group(item)
+                    rollout_id, resolved, deadline, reserve_s, group=rollout_group(source, item)
                 )
             record = new_record(
                 rollout_id,
@@ -339,7 +339,7 @@ class Starter:
                     rollout_id=record.rollout_id,
                     trace_id=record.rollout_id,
                     spec=spec,
-                    group=item_group(record.item),
+                    group=rollout_group(record.source, record.item),
                 ).model_dump(mode="json"),
                 queue=self.keys.host_queue(host),
                 timeout_s=self.settings.sandbox_create_timeout_s,
