@@ -62,6 +62,7 @@ class GroupedLane:
             self._cond.notify()
 
     def waiting(self) -> int:
+        """Jobs queued and not started."""
         with self._cond:
             return len(self._queue)
 

@@ -643,8 +643,8 @@ class DockerBackend(agent.AgentBackend):
 
     def _bound_daemons(self) -> daemon_share.DaemonShare | None:
         """Keep the local daemons at ``docker_daemon_cpu_weight`` (sandbox/daemon_share.py),
-        checked at every heartbeat. A daemon behind TCP (no Unix
-        socket) is another host's: left alone."""
+        checked at every heartbeat. A daemon behind TCP (no Unix socket) is another
+        host's: left alone."""
         weight = self.settings.docker_daemon_cpu_weight
         adapter = self.client.api.get_adapter(self.client.api.base_url)
         socket_path = getattr(adapter, "socket_path", None)

@@ -528,9 +528,9 @@ class PoolClaims:
         (live ones included): its peak is the most of them live at once, although the pass
         sees only what is live now. (Counted by what was live at each pass, a burst of 256
         whose first rollouts had ended by a pass sized the pool at 240, and 13 of the next
-        burst's 256 started cold: bench/burst.py --bursts 2.) A pool none
-        of them uses counts 0 live, so its peak falls once the window has passed (and its
-        entry stays, at 0: its pool is trimmed to its configured size)."""
+        burst's 256 started cold: bench/burst.py --bursts 2.) A pool none of them uses
+        counts 0 live, so its peak falls once the window has passed (and its entry stays,
+        at 0: its pool is trimmed to its configured size)."""
         known = await self.demand()
         now = time.time()
         counts = Counter(pool_name(env, codebase) for env, codebase in live)
