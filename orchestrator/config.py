@@ -190,14 +190,14 @@ class Settings(BaseSettings):
     )
 
     docker_daemon_cpu_weight: int = Field(
-        10,
+        0,
         ge=0,
         le=10000,
         description="The CPU weight (cgroup cpu.weight's scale: 100 is any other process's) "
-        "the worker gives a local dockerd and containerd, which do sandboxes' creates, "
-        "restarts and destroys: while a burst is seated, running rollouts' calls keep most "
-        "of the CPU, and an idle host still gives the daemons all of it. 0 leaves the "
-        "daemons as they are (docs/operations.md).",
+        "the worker gives its dockerd and containerd, which do sandboxes' creates, restarts "
+        "and destroys: while a burst is seated, running rollouts' calls keep more of the "
+        "CPU. 0 (the default) leaves the daemons as they are: at 10, a host saturated by "
+        "other work starved dockerd until probes failed (docs/operations.md).",
     )
 
     base_os_image: str = Field(

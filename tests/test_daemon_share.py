@@ -2,21 +2,47 @@
 the daemons that create sandboxes run at a low CPU weight, what they start inherits it,
 and the sandboxes themselves never run at it.
 
-Every worker of the suite places the daemons with the default weight, so these tests use
-that weight too: they assert what every stack here relies on, and change nothing another
-test sees."""
+The deployment's default leaves the daemons alone (ORCH_DOCKER_DAEMON_CPU_WEIGHT=0), so
+each test here puts them back where they were and as they were weighted
+(:func:`restored`); one xdist group, so no two of them overlap."""
 
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from orchestrator.config import Settings
 from orchestrator.sandbox import cgroups, daemon_share
 from orchestrator.sandbox.backend import SandboxHandle
 from orchestrator.sandbox.docker import DockerBackend
 
-WEIGHT = Settings.model_fields["docker_daemon_cpu_weight"].default
+pytestmark = pytest.mark.xdist_group("daemon-share")
+
+WEIGHT = 10
+DOCKER_SOCKET = Path("/var/run/docker.sock")
+
+
+@pytest.fixture(autouse=True)
+def restored() -> Iterator[None]:
+    """The daemons' cgroups and those cgroups' weights, as they were before the test."""
+    version, _ = cgroups.cpu_cgroup(1)
+    root = cgroups.hierarchy(version)
+    assert root is not None
+    weight_file = "cpu.shares" if version == "v1" else "cpu.weight"
+    before = {pid: cgroups.cpu_cgroup(pid)[1] for pid in daemon_share.daemon_pids(DOCKER_SOCKET)}
+    weights = {
+        path: (root / path.lstrip("/") / weight_file).read_text()
+        for path in {*before.values(), f"/{daemon_share.GROUP}"} - {"/"}  # root's is fixed
+        if (root / path.lstrip("/") / weight_file).exists()
+    }
+    yield
+    for pid, path in before.items():
+        (root / path.lstrip("/") / "cgroup.procs").write_text(str(pid))
+    for path, value in weights.items():
+        (root / path.lstrip("/") / weight_file).write_text(value)
 
 
 def _cpu_cgroup(pid: int) -> str:
@@ -32,9 +58,6 @@ def _weight_file(path: str) -> tuple[Path, str]:
     if version == "v1":
         return group / "cpu.shares", str(round(WEIGHT * 1024 / 100))
     return group / "cpu.weight", str(WEIGHT)
-
-
-DOCKER_SOCKET = Path("/var/run/docker.sock")
 
 
 def test_the_daemons_run_at_the_weight_and_placing_them_again_changes_nothing() -> None:
@@ -121,9 +144,11 @@ def _cmdline(pid: int) -> str:
 def test_the_heartbeat_says_so_and_a_weight_of_0_leaves_the_daemons_alone(
     settings: Settings, backend: DockerBackend
 ) -> None:
-    health = backend.host_health()
-    assert health.daemon_cpu is not None and health.daemon_cpu.enforced
+    weighted = DockerBackend(settings.model_copy(update={"docker_daemon_cpu_weight": WEIGHT}))
+    health = weighted.host_health()
+    assert health.daemon_cpu is not None and health.daemon_cpu.enforced, health.daemon_cpu
     assert health.daemon_cpu.weight == WEIGHT
+    assert Settings.model_fields["docker_daemon_cpu_weight"].default == 0
     untouched = DockerBackend(settings.model_copy(update={"docker_daemon_cpu_weight": 0}))
     assert untouched.host_health().daemon_cpu is None
 

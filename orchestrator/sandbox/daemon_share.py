@@ -9,7 +9,10 @@ in as many threads, each weighted like one of the worker's. Put in a cgroup of t
 with a low CPU weight, they get the whole host while nothing else wants it and only their
 weight's share while running rollouts' calls do: a weight, unlike a quota, leaves no core
 idle. Measured (bench/burst.py, 256 cold starts): later calls' p99 492 ms at the default
-weight, 198-231 ms at 10, with no slower seating.
+weight, 198-231 ms at 10, with no slower seating. Off by default (the setting is 0): probes
+and the heartbeat ask dockerd too, and on a host saturated by other work (16 busy loops on
+two cores, tests/e2e/test_overloaded_host.py) weight 10 starved dockerd until a pre-grade
+probe timed out and a rollout was discarded.
 
 Only processes the daemons start from then on inherit the cgroup (shims of containers
 created since); containers themselves are put in their own cgroups by the runtime, so
