@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from datetime import UTC, datetime
 from typing import Any
 
@@ -732,12 +734,41 @@ def test_agent_limits_read_only_capped_filesystems_and_counters() -> None:
     snapshot = limits.snapshot()
     # Out-of-memory text counts only under RLIMIT_AS and for a command that failed.
     texts = ["Traceback ...\nMemoryError\n"]
-    [memory] = limits.hits(snapshot, failed=True, texts=texts, nproc_full=False)
+    [memory] = limits.hits(snapshot, failed=True, texts=texts, nproc_full=None)
     assert memory["kind"] == "memory" and memory["limit"] == 384
     assert memory["unit"] == "MB per process" and not memory["killed"]
-    assert limits.hits(snapshot, failed=False, texts=texts, nproc_full=False) == []
-    [pids] = limits.hits(snapshot, failed=False, texts=[], nproc_full=True)
-    assert pids["kind"] == "pids" and pids["limit"] == 64
+    assert limits.hits(snapshot, failed=False, texts=texts, nproc_full=None) == []
+    [pids] = limits.hits(snapshot, failed=False, texts=[], nproc_full="it held 64")
+    assert pids["kind"] == "pids" and pids["limit"] == 64 and pids["evidence"] == "it held 64"
+
+
+# A uid nothing else on the machine runs as, so its processes are exactly the test's.
+IDLE_UID = 61_917
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="starts processes as another user")
+def test_a_failed_fork_with_half_the_process_limit_held_is_the_limit() -> None:
+    """A fork bomb churns faster than /proc can be walked (under gVisor, on a loaded host):
+    one walk may count well under the limit. A failed fork in the output with half the
+    limit held is evidence enough; the same text from a user holding a few is not."""
+    sleepers = [subprocess.Popen(["sleep", "60"], user=IDLE_UID, group=IDLE_UID) for _ in range(6)]
+    try:
+        assert exec_agent.user_tasks(IDLE_UID) == 6
+
+        def evidence(limit: int, fork_failed: bool) -> str | None:
+            limits = exec_agent.Limits({"pids": limit}, IDLE_UID, None, limit)
+            return limits.processes_at_limit(fork_failed=fork_failed)
+
+        assert evidence(7, fork_failed=False) == "the agent's user held its RLIMIT_NPROC of 7"
+        assert evidence(12, fork_failed=False) is None
+        assert evidence(12, fork_failed=True) == (
+            "fork failed with EAGAIN while the agent's user ran 6 tasks under RLIMIT_NPROC 12"
+        )
+        assert evidence(13, fork_failed=True) is None, "fewer than half the limit: not its doing"
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
 
 
 # --------------------------------------------------------------------------- shell errors

@@ -382,19 +382,24 @@ async def write_file(
 ) -> Response:
     """``sandbox.files.write``: multipart (one part named ``file`` per file, its filename
     the path when no ``path`` is given) or the raw bytes (``application/octet-stream``)."""
+    # The whole body is read before anything is refused: a server that answers while the
+    # client is still sending leaves the client's transport to cope with an early response
+    # (and a reset, if the socket closes with the rest unread). Once, on a loaded host, the
+    # E2B SDK's pyqwest transport read a refused write's answer as "error reading a body
+    # from connection"; answering early is the one way this handler differed from others.
+    files: list[tuple[str, bytes]] = []
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        form = await request.form()
+        for part in form.getlist("file"):
+            if isinstance(part, str):
+                continue
+            target = path or part.filename or ""
+            files.append((target, await part.read()))
+    else:
+        files.append((path or "", await request.body()))
     try:
         rollout, _ = await _sandbox(request, svc)
         _user(svc, rollout, request, username)
-        files: list[tuple[str, bytes]] = []
-        if request.headers.get("content-type", "").startswith("multipart/form-data"):
-            form = await request.form()
-            for part in form.getlist("file"):
-                if isinstance(part, str):
-                    continue
-                target = path or part.filename or ""
-                files.append((target, await part.read()))
-        else:
-            files.append((path or "", await request.body()))
         written = []
         for target, data in files:
             if not target:

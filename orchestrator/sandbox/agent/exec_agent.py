@@ -408,16 +408,35 @@ class Limits:
         spaces = {path: free_space(path) for path in self.disks}
         return Snapshot(counters, spaces)
 
-    def processes_at_limit(self) -> bool:
-        """Under per-process rlimits (gVisor): the agent's user holds its process limit
-        (read before the command's processes are killed)."""
-        return bool(self.limit_nproc) and user_tasks(self.uid) >= (self.limit_nproc or 0) - 1
+    def processes_at_limit(self, *, fork_failed: bool) -> str | None:
+        """Under per-process rlimits (gVisor): evidence that the agent's user holds its
+        process limit, read before the command's processes are killed; None if it does not.
+        ``fork_failed``: the command's output says a fork failed with EAGAIN.
+
+        A fork bomb's processes are born and die while /proc is walked, and under gVisor on
+        a loaded host the walk is slow enough to miss many of them: one walk counted fewer
+        than limit - 1 while the bomb's shells were printing "fork: retry", and the bomb was
+        scored as a command that succeeded. So a failed fork in the output with at least
+        PIDS_BLAME_SHARE of the limit held counts too (a log that merely mentions a failed
+        fork does not come with dozens of the user's processes)."""
+        if not self.limit_nproc:
+            return None
+        tasks = user_tasks(self.uid)
+        if tasks >= self.limit_nproc - 1:
+            return f"the agent's user held its RLIMIT_NPROC of {self.limit_nproc}"
+        if fork_failed and tasks >= self.limit_nproc * PIDS_BLAME_SHARE:
+            return (
+                f"fork failed with EAGAIN while the agent's user ran {tasks} tasks "
+                f"under RLIMIT_NPROC {self.limit_nproc}"
+            )
+        return None
 
     def hits(
-        self, before: Snapshot, *, failed: bool, texts: list[str], nproc_full: bool
+        self, before: Snapshot, *, failed: bool, texts: list[str], nproc_full: str | None
     ) -> list[dict[str, object]]:
         """The memory, pids and disk limits a finished command hit. ``failed``: it ended
-        with a non-zero status, a signal or a kill; ``texts``: its captured output."""
+        with a non-zero status, a signal or a kill; ``texts``: its captured output;
+        ``nproc_full``: evidence that it held its process limit (processes_at_limit)."""
         rose = {}
         for kind, where in self.counters.items():
             now = read_counter(*where)
@@ -435,8 +454,7 @@ class Limits:
         if "pids" in rose:
             found.append(hit("pids", self.pids, "processes", rose["pids"]))
         elif nproc_full:
-            evidence = f"the agent's user held its RLIMIT_NPROC of {self.limit_nproc}"
-            found.append(hit("pids", self.pids, "processes", evidence))
+            found.append(hit("pids", self.pids, "processes", nproc_full))
         elif self.limit_nproc and failed:
             text = mentions(texts, FORK_FAILED_TEXT)
             if text:
@@ -631,11 +649,11 @@ class Agent:
         proc: subprocess.Popen[bytes],
         captures: dict[Any, Capture],
         deadline: float,
-    ) -> tuple[str | None, bool]:
+    ) -> tuple[str | None, str | None]:
         """Capture the command's output until it has exited and its streams are closed,
         it passed the deadline, or its output passed the output limit; then kill what is
-        left of it. Returns (why it was killed: "timeout", "output" or None, whether the
-        agent's user held its process limit just before the kill)."""
+        left of it. Returns (why it was killed: "timeout", "output" or None, evidence that
+        the agent's user held its process limit just before the kill, or None)."""
         sel = selectors.DefaultSelector()
         for stream in captures:
             assert stream is not None
@@ -689,15 +707,11 @@ class Agent:
             running = proc.poll() is None
             # Under RLIMIT_NPROC (gVisor) a fork bomb shows only now, before it is killed;
             # counting processes costs a walk of /proc, so only when something went wrong.
-            nproc_full = (
-                bool(self.limits.limit_nproc)
-                and (
-                    running
-                    or proc.returncode != 0
-                    or any(mentions([c.text()], FORK_FAILED_TEXT) for c in captures.values())
-                )
-                and self.limits.processes_at_limit()
-            )
+            nproc_full = None
+            if self.limits.limit_nproc:
+                fork_failed = any(mentions([c.text()], FORK_FAILED_TEXT) for c in captures.values())
+                if running or proc.returncode != 0 or fork_failed:
+                    nproc_full = self.limits.processes_at_limit(fork_failed=fork_failed)
             if running:
                 kill_tree(proc.pid)
             proc.wait()
