@@ -8,6 +8,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -388,6 +389,31 @@ def test_a_starved_agent_is_slow_not_dead(
     assert probe.alive and probe.agent_ok and probe.agent_caused is None, probe
     assert 17 < took < agent.PROBE_BUDGET_S, took
     assert backend.probe(handle).latency_ms is not None
+
+
+def test_a_healthy_sandbox_s_probe_does_not_wait_on_the_daemon(
+    make_sandbox: Any, settings: Settings, tmp_path: Path
+) -> None:
+    """A probe asks the agent first: one that answers runs, so a healthy sandbox's probe
+    never asks the daemon, which on a saturated host under a low CPU weight answers late
+    (tests/e2e/test_overloaded_host.py lost a rollout to a probe that asked it first). The
+    daemon here accepts connections and never answers."""
+    handle = make_sandbox()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "frozen-docker.sock"))
+    listener.listen(16)
+    listener.settimeout(0)
+    frozen = docker.DockerClient(
+        base_url=f"unix://{tmp_path / 'frozen-docker.sock'}", version="1.41", timeout=3
+    )
+    try:
+        probe = DockerBackend(settings, client=frozen).probe(handle)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody called the daemon
+    finally:
+        frozen.close()
+        listener.close()
+    assert probe.alive and probe.agent_ok and probe.state == "running", probe
 
 
 def test_exec_on_a_killed_sandbox_is_an_infrastructure_error(

@@ -524,19 +524,26 @@ class DockerBackend(agent.AgentBackend):
     # -- health ----------------------------------------------------------------------------
 
     def probe(self, handle: SandboxHandle) -> ProbeResult:
-        """Container state from the daemon, then a trivial command through the agent.
+        """A trivial command through the agent; the container's state from the daemon only
+        when the agent does not answer.
 
         Says ``agent_caused`` when the agent broke the sandbox itself: the whole sandbox
         OOM-killed (under gVisor the sandbox's memory limit kills the whole sandbox), or
         no command can start because the agent's processes fill the pids limit. A paused,
-        killed or vanished sandbox, or an agent that does not answer, is ours."""
-        info = self._inspect(handle)
-        state = _state_name(info)
-        if state != "running":
-            return self._stopped_probe(handle, info, state)
-        probed = self._probe_agent(handle, state)
+        killed or vanished sandbox, or an agent that does not answer, is ours.
+
+        The agent first, because an agent that answers runs (a paused sandbox accepts a
+        connection and never answers; the watch asks the daemon after WATCH_FIRST_S), and
+        a healthy sandbox's probe then needs no daemon at all. A daemon held to a small CPU
+        share (docs/operations.md, "The Docker daemons' CPU weight") on a host saturated by
+        other work answers slowly; a probe that asked it first, and asked it again between
+        the agent's retries, spent its budget waiting on the daemon."""
+        probed = self._probe_agent(handle, "running")
         if probed is not None:
             return probed
+        info = self._inspect(handle)
+        if _state_name(info) != "running":
+            return self._stopped_probe(handle, info, _state_name(info))
         # A sandbox being killed (its memory limit under gVisor) drops the agent's
         # connection a moment before Docker sees it exit: wait for that moment, so the
         # evidence is the exit and its cause rather than "running but not answering".
@@ -554,7 +561,7 @@ class DockerBackend(agent.AgentBackend):
         try:
             return self._container_state(handle) == "running"
         except SandboxError:
-            return False
+            return True  # the daemon fails or is slow too: keep asking the agent, in budget
 
     def _stopped_probe(
         self, handle: SandboxHandle, info: dict[str, Any] | None, state: str
