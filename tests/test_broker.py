@@ -16,7 +16,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 
 from orchestrator.config import Settings
-from orchestrator.state.broker import make_celery, task_message
+from orchestrator.state.broker import celery_url, make_celery, task_message
 from orchestrator.state.keys import Keys
 from orchestrator.state.tasks import TaskName
 
@@ -55,7 +55,8 @@ def test_the_message_is_the_one_celery_publishes(scratch: tuple[Settings, str]) 
         )
         theirs = _pushed(client, queue)
         client.lpush(
-            queue, task_message(app, TaskName.RUN_TOOL, payload, queue=queue, expires_s=30)
+            queue,
+            task_message(app, TaskName.RUN_TOOL, json.dumps(payload), queue=queue, expires_s=30),
         )
         ours = _pushed(client, queue)
     finally:
@@ -88,7 +89,7 @@ def test_a_real_worker_runs_it(scratch: tuple[Settings, str]) -> None:
     def echo(payload: dict[str, Any]) -> None:
         seen.append(payload)
 
-    message = task_message(app, TaskName.RUN_TOOL, {"x": 1}, queue=queue, expires_s=60)
+    message = task_message(app, TaskName.RUN_TOOL, '{"x": 1}', queue=queue, expires_s=60)
     # The same envelope, naming the throwaway task.
     envelope = json.loads(message)
     envelope["headers"]["task"] = echo_name
@@ -102,3 +103,9 @@ def test_a_real_worker_runs_it(scratch: tuple[Settings, str]) -> None:
     finally:
         client.close()
     assert seen == [{"x": 1}]
+
+
+def test_a_unix_socket_url_is_spelled_for_kombu() -> None:
+    assert celery_url("unix:///run/redis.sock?db=2") == "redis+socket:///run/redis.sock?db=2"
+    assert celery_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert celery_url("rediss://:pw@h:6380/1") == "rediss://:pw@h:6380/1"

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from orchestrator.config import Settings
+from orchestrator.state.connection import call_path_connection
 from orchestrator.state.keys import Keys
 from orchestrator.state.records import CallStartStatus, RolloutStore
 from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState, WorkerTickets
@@ -48,10 +49,10 @@ async def store(keys: Keys) -> AsyncIterator[RolloutStore]:
 
 
 @pytest.fixture()
-def workers() -> Iterator[WorkerTickets]:
-    client = redis.Redis.from_url(Settings().redis_url)
-    yield WorkerTickets(client)
-    client.close()
+def workers(keys: Keys) -> Iterator[WorkerTickets]:
+    connection = call_path_connection(Settings().redis_url, keys.client_name("worker"))
+    yield WorkerTickets(connection)
+    connection.close()
 
 
 async def _begin(store: RolloutStore, call_id: str = "c1") -> tuple[str, int, str]:
@@ -136,7 +137,9 @@ async def test_the_result_outlives_its_waiter_and_a_retry_settles_it_once(
     assert (retry.status, retry.ticket) == ("busy", "done")
     first = await store.end_call("r1", "c1", "", reply={"output": "a"}, step=None)
     second = await store.end_call("r1", "c1", attempt, reply={"output": "b"}, step=None)
-    assert first == second == {"output": "a"}, "the first stored reply wins"
+    assert first is None, "its own reply was stored: nothing comes back"
+    assert second == {"output": "a"}, "the first stored reply wins"
+    assert await store.stored_reply("r1", "c1") == {"output": "a"}
     record = await store.redis.hget(store.keys.rollout("r1"), "calls_in_flight")
     assert int(record or 0) == 0, "counted out of flight once"
     assert (await _begin(store))[0] == "stored"

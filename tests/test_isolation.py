@@ -11,6 +11,7 @@ import docker
 import pytest
 
 from orchestrator.config import Runtime
+from orchestrator.sandbox.agent.exec_agent import RUN_AS
 from orchestrator.sandbox.backend import ExecResult, SandboxHandle
 from orchestrator.sandbox.docker import DockerBackend
 
@@ -294,6 +295,9 @@ def test_commands_cannot_harm_the_exec_agent(
         "python3 -c 'import socket; s=socket.socket(socket.AF_UNIX);"
         ' s.bind("/run/orchestrator/agent.sock")\'',
         "cp /bin/true /opt/orchestrator/exec_agent.py",
+        # run-as runs as root until it switches: replacing it would be root's code.
+        "cp /bin/sh /opt/orchestrator/bin/run-as; rm -f /opt/orchestrator/bin/run-as;"
+        " mv /opt/orchestrator/bin /tmp/b; ln -s /tmp /opt/orchestrator/bin",
         "gdb -p 1 -batch 2>&1 | head -1; cat /proc/1/environ",
     ]
     for attack in attacks:
@@ -301,6 +305,19 @@ def test_commands_cannot_harm_the_exec_agent(
         assert_healthy(backend, sandbox)
     agent_pids = out(run(backend, sandbox, "pgrep -f exec_agent.py")).split()
     assert agent_pids, "the exec agent should still be running"
+    # Commands still start through the image's run-as, as the agent's user.
+    assert out(run(backend, sandbox, "id -u; stat -c '%U %a' /opt/orchestrator/bin/run-as")) == (
+        "1000\nroot 755\n"
+    )
+
+
+def test_commands_start_through_run_as(
+    backend: DockerBackend, sandbox: SandboxHandle, client: docker.DockerClient
+) -> None:
+    """The agent found the image's run-as trustworthy and starts commands through it (a
+    vfork, not a fork of the agent: sandbox_images/base/run-as/run_as.c)."""
+    logs = client.containers.get(sandbox.native_id).logs().decode()
+    assert f"through {RUN_AS}" in logs, logs
 
 
 def test_destructive_commands_stay_inside_one_sandbox(

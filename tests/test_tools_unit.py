@@ -44,6 +44,7 @@ from orchestrator.tools import (
     run_tool,
     tool_schemas,
 )
+from orchestrator.tools.base import InvalidArguments
 from orchestrator.tools.read_file import workspace_relative
 from orchestrator.tools.shaping import (
     MARKER_MAX_BYTES,
@@ -1071,3 +1072,36 @@ def test_tool_schemas_strict() -> None:
 def test_tool_schemas_are_json_serialisable() -> None:
     json.dumps(tool_schemas(SETTINGS))
     json.dumps(tool_schemas(SETTINGS, strict=True))
+
+
+# -- validated once (issue 12): the worker runs what the API parsed -----------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [
+        ("shell", '{"command": "ls -la", "timeout_s": 5}'),
+        ("shell", {"command": "echo hi"}),
+        ("read_file", {"path": "src/main.py", "start_line": 2, "end_line": 9}),
+    ],
+)
+def test_arguments_validated_by_the_api_run_the_same_unparsed(name: str, raw: Any) -> None:
+    tool = get_tool(name)
+    parsed = tool.parse(raw, SETTINGS)
+    # What the API puts in the task message, and what the worker makes of it.
+    sent = json.loads(json.dumps(parsed.model_dump(mode="json")))
+    again = tool.validated(sent)
+    assert again == parsed
+    by_worker, by_parse = FakeBackend(), FakeBackend()
+    kept = tool.run_parsed(by_worker, HANDLE, again, SETTINGS)
+    whole = tool.run(by_parse, HANDLE, raw, SETTINGS)
+    assert by_worker.calls == by_parse.calls
+    assert kept.output == whole.output and kept.outcome == whole.outcome
+
+
+def test_validated_arguments_are_not_validated_again() -> None:
+    """The worker trusts the API's validation: a value the model would refuse passes."""
+    tool = get_tool("shell")
+    with pytest.raises(InvalidArguments):
+        tool.parse({"command": ""}, SETTINGS)
+    assert tool.validated({"command": "", "timeout_s": None}).command == ""

@@ -38,7 +38,7 @@ async def service(settings: Settings) -> AsyncIterator[RolloutService]:
         update={"deployment": f"{settings.deployment}-vn{uuid.uuid4().hex[:4]}"}
     )
     store = RolloutStore.connect(own)
-    queue = QueueClient(own, celery_app(), store.redis)
+    queue = QueueClient(own, celery_app(), store)
     yield RolloutService(own, store, load_environments(own), queue)
     found = [key async for key in store.redis.scan_iter(match=store.keys.prefix + "*")]
     if found:

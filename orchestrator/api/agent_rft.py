@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, Depends, HTTPException, Response
 
 from orchestrator.api.auth import require_secret, require_token
 from orchestrator.api.deps import service
@@ -38,7 +38,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-async def _call(body: FunctionCall, name: str, svc: RolloutService) -> FunctionCallOutput:
+async def _call(body: FunctionCall, name: str, svc: RolloutService) -> Response:
     reply = await svc.call_tool(
         body.trace_id,
         name,
@@ -47,23 +47,26 @@ async def _call(body: FunctionCall, name: str, svc: RolloutService) -> FunctionC
         item=body.item,
         source=RolloutSource.AGENT_RFT,
     )
-    return FunctionCallOutput(call_id=body.call_id, id=body.id, output=reply.output)
+    output = FunctionCallOutput(call_id=body.call_id, id=body.id, output=reply.output)
+    # Serialized here, once: FastAPI would validate the model again against the route's
+    # response model, then encode it (the hot path, docs/architecture.md).
+    return Response(output.model_dump_json(), media_type="application/json")
 
 
-@router.post("/tools", responses=ERRORS)
+@router.post("/tools", response_model=FunctionCallOutput, responses=ERRORS)
 async def tool_call(
     body: FunctionCall, svc: Annotated[RolloutService, Depends(service)]
-) -> FunctionCallOutput:
+) -> Response:
     """One tool call; the tool is the body's ``name`` (several tools may share this URL)."""
     if not body.name:
         raise HTTPException(422, "body.name: the tool name is required on this endpoint")
     return await _call(body, body.name, svc)
 
 
-@router.post("/tools/{name}", responses=ERRORS)
+@router.post("/tools/{name}", response_model=FunctionCallOutput, responses=ERRORS)
 async def named_tool_call(
     name: str, body: FunctionCall, svc: Annotated[RolloutService, Depends(service)]
-) -> FunctionCallOutput:
+) -> Response:
     """One tool call to the tool named in the path (the body's ``name`` is ignored)."""
     return await _call(body, name, svc)
 

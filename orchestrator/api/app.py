@@ -147,7 +147,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = RolloutStore.connect(settings)
-        queue = QueueClient(settings, make_celery(settings), store.redis)
+        queue = QueueClient(settings, make_celery(settings), store)
         rollouts = RolloutService(settings, store, environments, queue)
         app.state.orchestrator = AppState(
             settings=settings,
@@ -178,8 +178,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
-    app.include_router(health.router)
+    # Routes are matched in the order they are added: the tool calls' first, since every
+    # request pays for the routes tried before its own (E2B's planes hold dozens).
     app.include_router(agent_rft.router)
+    app.include_router(health.router)
     app.include_router(agent_rft.secret_grader)
     app.include_router(rollouts.router)
     app.include_router(e2b_control.router)

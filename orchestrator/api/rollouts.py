@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path
+from fastapi import APIRouter, Depends, Path, Response
 
 from orchestrator.api.agent_rft import ERRORS
 from orchestrator.api.auth import require_token
@@ -63,13 +63,13 @@ async def create_rollout(body: CreateRollout, svc: Svc) -> RolloutCreated:
     )
 
 
-@router.post("/{rollout_id}/tools/{name}", responses=RESPONSES)
-async def call_tool(
-    rollout_id: RolloutId, name: str, body: ToolCallRequest, svc: Svc
-) -> ToolCallResponse:
+@router.post("/{rollout_id}/tools/{name}", response_model=ToolCallResponse, responses=RESPONSES)
+async def call_tool(rollout_id: RolloutId, name: str, body: ToolCallRequest, svc: Svc) -> Response:
     """Run a tool. Agent mistakes are 200 with ``outcome: agent_error``."""
     reply = await svc.call_tool(rollout_id, name, body.arguments, call_id=body.call_id)
-    return ToolCallResponse.model_validate(reply.model_dump())
+    # Serialized once, here: as agent_rft.py's tool routes (the hot path).
+    response = ToolCallResponse.model_validate(reply.model_dump())
+    return Response(response.model_dump_json(), media_type="application/json")
 
 
 @router.post("/{rollout_id}/grade", responses=RESPONSES)

@@ -41,7 +41,7 @@ def default_api_url(settings: Settings) -> str:
 async def _read(settings: Settings, registry: EnvironmentRegistry) -> StatusSnapshot:
     store = RolloutStore.connect(settings, role="cli")
     try:
-        queue = QueueClient(settings, celery_app(), store.redis)
+        queue = QueueClient(settings, celery_app(), store)
         return await read_state(settings, store, queue, registry)
     finally:
         await store.close()

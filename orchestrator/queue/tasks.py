@@ -150,7 +150,7 @@ def _create_and_reply(payload: dict[str, Any], request: CreateSandbox) -> None:
 
 
 @task(TaskName.RUN_TOOL)
-def run_tool(payload: dict[str, Any]) -> dict[str, Any]:
+def run_tool(payload: dict[str, Any]) -> None:
     """Run one tool call, at most once: only after claiming its ticket, whose result then
     outlives this process (state/tickets.py). The reply goes to the attempt the ticket
     names, which may be a retry of the one that sent this message."""
@@ -159,10 +159,10 @@ def run_tool(payload: dict[str, Any]) -> dict[str, Any]:
     with rollout_context(
         call.rollout_id, trace_id=call.trace_id, sandbox_id=call.handle.sandbox_id
     ):
-        return _run_tool(call, started)
+        _run_tool(call, started)
 
 
-def _run_tool(call: ToolCall, started: float) -> dict[str, Any]:
+def _run_tool(call: ToolCall, started: float) -> None:
     # This delivery's own claim: a message the broker delivered twice must still run once.
     delivery = uuid.uuid4().hex
     claimed = worker.tickets().claim(call.ticket, call.attempt, worker.INSTANCE, started, delivery)
@@ -170,7 +170,7 @@ def _run_tool(call: ToolCall, started: float) -> dict[str, Any]:
         # A duplicate is the broker's doing and never expected: worth a look.
         level = log.warning if claimed == DUPLICATE_DELIVERY else log.info
         level("tool.skipped", rollout_id=call.rollout_id, call_id=call.call_id, ticket=claimed)
-        return {"skipped": claimed}
+        return
     with worker.in_flight.running(call):
         try:
             done = _run_claimed(call, started)
@@ -181,10 +181,10 @@ def _run_tool(call: ToolCall, started: float) -> dict[str, Any]:
     state, _ = worker.tickets().finish(
         call.ticket, worker.INSTANCE, done.model_dump_json(), time.time()
     )
-    reply = done.model_dump(mode="json")
     if state != TicketState.DONE:
         log.warning("tool.result_too_late", rollout_id=call.rollout_id, ticket=state)
-    return reply
+    # Nothing is returned: the result went to the caller with the ticket's finish, and
+    # Celery would make a repr of a returned one (up to the output budget) on every call.
 
 
 # Agent-caused limits after which the sandbox is probed: a limit the agent hit must not
@@ -207,7 +207,11 @@ def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
         return ToolCallDone(queue_ms=queue_ms, exec_ms=(time.time() - started) * 1000, **fields)
 
     try:
-        result = tool.run(worker.backend(), call.handle, call.arguments, tool_settings)
+        if call.validated:  # the API validated them (validated once: rollouts/calls.py)
+            args = tool.validated(call.arguments)
+            result = tool.run_parsed(worker.backend(), call.handle, args, tool_settings)
+        else:
+            result = tool.run(worker.backend(), call.handle, call.arguments, tool_settings)
     except SandboxError as exc:
         probe = _probe(call.handle)
         if probe.agent_caused:

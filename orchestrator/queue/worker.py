@@ -23,7 +23,7 @@ from orchestrator.outcomes import Cause
 from orchestrator.queue.lane import GroupedLane
 from orchestrator.sandbox.factory import HostBackend, make_backend
 from orchestrator.state import admission, replies
-from orchestrator.state.connection import SyncRedis, worker_client
+from orchestrator.state.connection import SyncRedis, call_path_connection, worker_client
 from orchestrator.state.heartbeat import Heartbeat, HeartbeatWriter, HostFinding
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import PoolFiller
@@ -82,7 +82,8 @@ INSTANCE = uuid.uuid4().hex
 
 @lru_cache(maxsize=1)
 def tickets() -> WorkerTickets:
-    return WorkerTickets(redis_client())
+    connection = call_path_connection(get_settings().redis_url, keys().client_name("worker"))
+    return WorkerTickets(connection)
 
 
 @lru_cache(maxsize=1)

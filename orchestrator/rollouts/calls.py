@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import BaseModel
+
 from orchestrator.config import Settings
 from orchestrator.environments.loader import ResolvedEnvironment
 from orchestrator.observability import metrics
@@ -56,6 +58,9 @@ class PendingCall:
     resolved: ResolvedEnvironment
     tool: str
     arguments: Any
+    """As the agent sent them (the trajectory keeps these)."""
+    parsed: BaseModel
+    """As the tool validated them (the worker runs these)."""
     call_id: str
     received: float  # time.monotonic() when the request came
     started_at: datetime
@@ -71,6 +76,7 @@ class CallCheck:
 
     early: CallReply | None = None
     command_timeout_s: float = 0.0
+    parsed: BaseModel | None = None
 
 
 class ToolCalls:
@@ -169,11 +175,13 @@ class ToolCalls:
                 )
             if rollout.sandbox is not None:
                 self._active.put(rollout, resolved)
+        assert check.parsed is not None
         pending = PendingCall(
             rollout=rollout,
             resolved=resolved,
             tool=tool_name,
             arguments=arguments,
+            parsed=check.parsed,
             call_id=call_id,
             received=received,
             started_at=started_at,
@@ -278,7 +286,9 @@ class ToolCalls:
             environment_digest=resolved.environment.digest,
             handle=rollout.sandbox,
             tool=call.tool,
-            arguments=call.arguments,
+            # Validated once, here: the worker runs them as they are.
+            arguments=call.parsed.model_dump(mode="json"),
+            validated=True,
             command_timeout_max_s=call.settings.command_timeout_max_s,
             enqueued_at=time.time(),
         )
@@ -326,7 +336,9 @@ class ToolCalls:
             tool_settings = resolved.tool_settings(settings)
             try:
                 args = tool.parse(arguments, tool_settings)
-                return CallCheck(command_timeout_s=tool.command_timeout_s(args, tool_settings))
+                return CallCheck(
+                    command_timeout_s=tool.command_timeout_s(args, tool_settings), parsed=args
+                )
             except InvalidArguments as exc:
                 result = agent_error(exc.message, "invalid_arguments", budget=budget)
         # An unknown name is the agent's free text: never a label value.
@@ -380,6 +392,7 @@ class ToolCalls:
         if queue_ms is not None and exec_ms is not None:
             metrics.TOOL_CALL_SECONDS.labels("queue").observe(queue_ms / 1000)
             metrics.TOOL_CALL_SECONDS.labels("exec").observe(exec_ms / 1000)
+        # Another attempt's reply, stored first, is the call's (a retry raced its original).
         return CallReply.model_validate(stored) if stored is not None else reply
 
 

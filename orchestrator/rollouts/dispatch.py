@@ -45,7 +45,7 @@ class CallDispatcher:
         queue = self.store.keys.host_queue(host)
         bound = call_bound_s(self.settings, call.command_timeout_max_s)
         message = self.queue.message(
-            TaskName.RUN_TOOL, call.model_dump(mode="json"), queue=queue, expires=bound
+            TaskName.RUN_TOOL, call.model_dump_json(), queue=queue, expires=bound
         )
         return Dispatch(
             heartbeat_key=self.store.keys.heartbeat(host),

@@ -117,7 +117,7 @@ def reap(_payload: dict[str, Any]) -> dict[str, Any]:
 async def reap_once(settings: Settings, environments: EnvironmentRegistry) -> dict[str, Any]:
     keys = Keys.of(settings.deployment)
     store = RolloutStore.connect(settings, role="reaper")
-    queue = QueueClient(settings, celery_app(), store.redis)
+    queue = QueueClient(settings, celery_app(), store)
     service = RolloutService(settings, store, environments, queue)
     ended: dict[str, str] = {}
     try:

@@ -45,7 +45,7 @@ async def end_rollouts(settings: Settings, environments: EnvironmentRegistry) ->
     (a graded one keeps its score), its admission slot released, its sandbox left for the
     caller to destroy. Returns how many were ended."""
     store = RolloutStore.connect(settings, role="teardown")
-    queue = QueueClient(settings, celery_app(), store.redis)
+    queue = QueueClient(settings, celery_app(), store)
     service = RolloutService(settings, store, environments, queue)
     host = settings.host_id
     try:

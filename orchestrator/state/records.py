@@ -28,6 +28,7 @@ from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.backend import SandboxHandle
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
+from orchestrator.state.resp import AsyncConnection, BlockingPool, Script
 from orchestrator.state.tickets import TICKET_TTL_S, ApiTickets
 
 INDEX_MAX = 10_000
@@ -163,7 +164,7 @@ return redis.call('HGETALL', KEYS[1])
 # rollout id, ticket ttl (s), reply list of this attempt, the task message ('': do not
 # send), the rollout's call budget ('': none). Returns {status, value[, dispatch outcome
 # [, heartbeat]]} (CallStart). Nothing changes for a rollout that is not active.
-_BEGIN_CALL = """
+_BEGIN_CALL = Script("""
 local stored = redis.call('GET', KEYS[1])
 if stored then return {'stored', stored} end
 local record = redis.call('HMGET', KEYS[4], 'state', 'infra_failure', 'ended_by')
@@ -206,16 +207,20 @@ local beat = redis.call('GET', KEYS[7])
 if not beat or cjson.decode(beat)['draining'] then return {'run', seq, 'no_worker', beat or ''} end
 redis.call('LPUSH', KEYS[8], ARGV[7])
 return {'run', seq, 'sent'}
-"""
+""")
 
 # One round trip to end it; safe to run twice (a retry may finish a call whose first
 # waiter died). KEYS: as above, plus the trajectory. ARGV: lock token, now, rollout id,
-# reply ttl (s), reply JSON ('' when none), step JSON ('' when none). Returns the stored
-# reply (the first one stored wins).
-_END_CALL = """
+# reply ttl (s), reply JSON ('' when none), step JSON ('' when none). Returns the reply
+# another attempt stored first (the first stored wins), or '' when the reply given is the
+# one stored, or when none was given and none is stored: a reply is sent back only when
+# it is not the caller's own.
+_END_CALL = Script("""
+local mine = false
 if ARGV[5] ~= '' then
-  if redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[4], 'NX') and ARGV[6] ~= '' then
-    redis.call('RPUSH', KEYS[7], ARGV[6])
+  if redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[4], 'NX') then
+    mine = true
+    if ARGV[6] ~= '' then redis.call('RPUSH', KEYS[7], ARGV[6]) end
   end
 end
 if redis.call('HGET', KEYS[6], 'open') == '1' then
@@ -225,8 +230,9 @@ end
 redis.call('HSET', KEYS[4], 'last_activity', ARGV[2])
 redis.call('ZADD', KEYS[5], 'XX', ARGV[2], ARGV[3])
 if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
+if mine then return '' end
 return redis.call('GET', KEYS[1]) or ''
-"""
+""")
 
 REPLY_TTL_S = 7 * 86400
 
@@ -316,12 +322,14 @@ class RolloutStore:
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
             client_name=keys.client_name(role),
         )
+        # The call path's own connections (state/resp.py): its two scripts pipelined on
+        # one, the waits for replies on others.
+        self.calls = AsyncConnection(redis_url, keys.client_name(role))
+        self.waits = BlockingPool(redis_url, keys.client_name(role))
         self.keys = keys
         self.tickets = ApiTickets(self.redis, keys)
         self._create_script = self.redis.register_script(_CREATE)
         self._update_script = self.redis.register_script(_UPDATE)
-        self._begin_call_script = self.redis.register_script(_BEGIN_CALL)
-        self._end_call_script = self.redis.register_script(_END_CALL)
 
     @classmethod
     def connect(cls, settings: Settings, role: str = "api") -> RolloutStore:
@@ -329,6 +337,8 @@ class RolloutStore:
         return cls(settings.redis_url, Keys.of(settings.deployment), role=role)
 
     async def close(self) -> None:
+        await self.calls.close()
+        await self.waits.close()
         await self.redis.aclose()
 
     # -- the record ------------------------------------------------------------------------
@@ -491,7 +501,7 @@ class RolloutStore:
             budget = "" if dispatch.budget is None else dispatch.budget
             args += [dispatch.message, budget]
             keys += [dispatch.heartbeat_key, dispatch.queue]
-        status, value, *rest = await self._begin_call_script(keys=keys, args=args)
+        status, value, *rest = await _BEGIN_CALL.run(self.calls, keys, args)
         found = CallStartStatus(status)
         if found == CallStartStatus.STORED:
             return CallStart(status=found, stored=json.loads(value))
@@ -514,10 +524,12 @@ class RolloutStore:
     ) -> dict[str, Any] | None:
         """In one step: store the reply and the trajectory step (when the call produced
         them and no reply is stored yet), take the call out of flight, release its lock.
-        Returns the reply stored (the first one wins)."""
-        stored = await self._end_call_script(
-            keys=self._call_keys(rollout_id, call_id),
-            args=[
+        Returns the reply another attempt of the call stored first, which wins over
+        ``reply``; None when ``reply`` is the one stored (or none was given or stored)."""
+        stored = await _END_CALL.run(
+            self.calls,
+            self._call_keys(rollout_id, call_id),
+            [
                 token,
                 time.time(),
                 rollout_id,

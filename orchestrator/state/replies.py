@@ -22,6 +22,7 @@ from orchestrator.config import Settings
 from orchestrator.state.broker import task_message
 from orchestrator.state.heartbeat import Heartbeats
 from orchestrator.state.keys import Keys, queue_depth_keys
+from orchestrator.state.records import RolloutStore
 from orchestrator.state.tasks import TaskName
 from orchestrator.state.tickets import REPLY_LIST_TTL_S
 
@@ -35,12 +36,13 @@ class QueueTimeout(Exception):
 class QueueClient:
     """The API's side of the queue."""
 
-    def __init__(self, settings: Settings, app: Celery, redis: aioredis.Redis) -> None:
+    def __init__(self, settings: Settings, app: Celery, store: RolloutStore) -> None:
         self.settings = settings
         self.app = app
-        self.redis = redis
+        self.redis: aioredis.Redis = store.redis
+        self._waits = store.waits
         self.keys = Keys.of(settings.deployment)
-        self.heartbeats = Heartbeats(redis, self.keys)
+        self.heartbeats = Heartbeats(self.redis, self.keys)
 
     def reply_key(self) -> str:
         """A fresh list for one reply."""
@@ -82,14 +84,16 @@ class QueueClient:
         by :meth:`wait_reply`): Celery's message, pushed by the async client in one round
         trip (state/broker.task_message), so a burst of publishes never stalls the event
         loop nor waits for a thread."""
-        message = self.message(task, payload, queue=queue, expires=expires)
+        payload_json = json.dumps(payload, separators=(",", ":"))
+        message = self.message(task, payload_json, queue=queue, expires=expires)
         await self.redis.lpush(queue, message)
 
     def message(
-        self, task: TaskName, payload: dict[str, Any], *, queue: str, expires: float | None
+        self, task: TaskName, payload_json: str, *, queue: str, expires: float | None
     ) -> str:
-        """The message :meth:`send` would push, for a script that pushes it itself."""
-        return task_message(self.app, task, payload, queue=queue, expires_s=expires)
+        """The message :meth:`send` would push (``payload_json``: the task's payload as
+        JSON), for a script that pushes it itself."""
+        return task_message(self.app, task, payload_json, queue=queue, expires_s=expires)
 
     async def depth(self, queue: str) -> int:
         """Messages waiting in ``queue`` (its priority sub-queues included)."""
@@ -101,7 +105,8 @@ class QueueClient:
 
     async def wait_reply(self, reply_key: str, timeout_s: float) -> dict[str, Any] | None:
         """One bounded wait on a reply list; None when nothing came."""
-        popped = await self.redis.blpop([reply_key], timeout=timeout_s)
+        # (0 would be forever: a wait is always bounded.)
+        popped = await self._waits.call("BLPOP", reply_key, max(0.01, round(timeout_s, 3)))
         if popped is None:
             return None
         reply: dict[str, Any] = json.loads(popped[1])

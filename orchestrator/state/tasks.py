@@ -68,6 +68,12 @@ class ToolCall(BaseModel):
     handle: SandboxHandle
     tool: str
     arguments: Any
+    validated: bool = Field(
+        False,
+        description="``arguments`` are the tool's argument model as the API validated it, "
+        "dumped: the worker does not parse them again. False: the agent's own arguments "
+        "(an API of an earlier release), parsed by the worker.",
+    )
     command_timeout_max_s: float | None = Field(
         None,
         description="Cap on the call's command timeout (Agent RFT's bound); None: the "

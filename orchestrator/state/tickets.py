@@ -23,12 +23,11 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel
-from tenacity import retry, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from orchestrator.state.keys import Keys
+from orchestrator.state.resp import Script, SyncConnection
 
 TICKET_TTL_S = 86400
 REPLY_LIST_TTL_S = 300
@@ -133,13 +132,8 @@ return st or 'missing'
 """
 
 # Redis may be restarting: the worker holds a result nobody else has, so it keeps trying
-# for a while before it gives up on it.
-_through_outage = retry(
-    retry=retry_if_exception_type((redis.ConnectionError, redis.TimeoutError)),
-    wait=wait_exponential(multiplier=0.1, max=2),
-    stop=stop_after_delay(120),
-    reraise=True,
-)
+# for a while before it gives up on it (both scripts are safe to run twice: see each).
+OUTAGE_RETRY_S = 120.0
 
 
 class ApiTickets:
@@ -169,29 +163,37 @@ class ApiTickets:
 
 
 class WorkerTickets:
-    """The worker's side: claim a ticket before running its call, finish it after."""
+    """The worker's side: claim a ticket before running its call, finish it after. On the
+    call path: a lean connection per worker thread (state/resp.py), one round trip each."""
 
-    def __init__(self, client: redis.Redis) -> None:
-        self._claim = client.register_script(CLAIM)
-        self._finish = client.register_script(FINISH)
+    def __init__(self, connection: SyncConnection) -> None:
+        self._connection = connection
 
-    @_through_outage
     def claim(self, key: str, attempt: str, instance: str, now: float, claim: str) -> str:
         """``running`` when this delivery of the call's message may run it; anything else
         (``duplicate``: another delivery runs it): skip it. ``claim`` names the delivery,
         so that this claim retried after a dropped connection still finds itself."""
-        return _text(self._claim(keys=[key], args=[attempt, instance, now, claim]))
+        state = _CLAIM.run_sync(
+            self._connection, [key], [attempt, instance, now, claim], retry_for_s=OUTAGE_RETRY_S
+        )
+        return _text(state)
 
-    @_through_outage
     def finish(self, key: str, instance: str, result_json: str, now: float) -> tuple[str, str]:
         """Store the result and push it to the reply list of the ticket's current attempt
         (the caller waiting now, which may be a retry of the one that sent it); returns the
         ticket's state and that list, ``''`` when nobody was told (the call was declared
         lost meanwhile)."""
-        state, reply_to = self._finish(
-            keys=[key], args=[instance, result_json, now, REPLY_LIST_TTL_S]
+        state, reply_to = _FINISH.run_sync(
+            self._connection,
+            [key],
+            [instance, result_json, now, REPLY_LIST_TTL_S],
+            retry_for_s=OUTAGE_RETRY_S,
         )
         return _text(state), _text(reply_to)
+
+
+_CLAIM = Script(CLAIM)
+_FINISH = Script(FINISH)
 
 
 def _text(value: Any) -> str:

@@ -206,6 +206,24 @@ class Tool(ABC, Generic[ArgsT]):
                 started=started,
                 budget=settings.output_budget_bytes,
             )
+        return self.run_parsed(backend, handle, args, settings, started=started)
+
+    def validated(self, data: dict[str, Any]) -> ArgsT:
+        """Arguments :meth:`parse` already validated, from their JSON dump, not validated
+        again: the worker's copy of what the API checked (state/tasks.ToolCall)."""
+        return self.args_model.model_construct(**data)  # type: ignore[return-value]
+
+    def run_parsed(
+        self,
+        backend: SandboxBackend,
+        handle: SandboxHandle,
+        args: ArgsT,
+        settings: Settings,
+        *,
+        started: float | None = None,
+    ) -> ToolResult:
+        """:meth:`run` for arguments :meth:`parse` made."""
+        started = time.perf_counter() if started is None else started
         result = self.execute(backend, handle, args, settings)
         # The guarantee callers rely on, whatever execute did: output fits the budget and
         # the duration covers the whole call.

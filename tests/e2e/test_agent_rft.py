@@ -394,7 +394,7 @@ def test_a_message_delivered_twice_runs_once(stack: Stack, planning_item: dict[s
             )
             queue = keys.host_queue(rollout.sandbox.host)
             message = task_message(
-                celery_app(), TaskName.RUN_TOOL, again.model_dump(mode="json"),
+                celery_app(), TaskName.RUN_TOOL, again.model_dump_json(),
                 queue=queue, expires_s=60,
             )  # fmt: skip
             await store.redis.lpush(queue, message)

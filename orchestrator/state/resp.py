@@ -1,0 +1,408 @@
+"""Lean Redis connections for the tool call's path: a command costs its RESP bytes and one
+read, parsed by hiredis, and nothing else.
+
+Why not redis-py there: on this project's 2-core hosts redis-py 8 spends 160-180 us of CPU
+per command on its asyncio client (its pool, retry and observability layers around each
+command) and 95-110 us on its blocking one, against 33-48 us and 20 us for the same
+EVALSHA through these (measured side by side, 5,000 commands each; docs/architecture.md,
+"What a call costs"). A steady call makes five such commands (begin, reply, end on the API
+side; claim, finish on the worker's), so on the hot path that difference was most of what
+Redis cost per call. Everything off the hot path keeps redis-py.
+
+- :class:`AsyncConnection` (the API): one connection shared by every coroutine of the
+  process. Commands are written as they come and RESP answers them in order, so
+  concurrent calls pipeline on it without a pool. Never for blocking commands: those go
+  through a :class:`BlockingPool`, a connection each while they block.
+- :class:`SyncConnection` (a worker thread): one blocking connection per thread.
+- :class:`Script`: EVALSHA, loading the script when Redis does not know it (NOSCRIPT,
+  after a restart or a SCRIPT FLUSH).
+
+Failures look like redis-py's, so the layers above catch one name
+(:data:`~orchestrator.state.errors.StateError`): a lost or refused connection is a
+``redis.ConnectionError``, an error reply a ``redis.ResponseError``. A command that lost its
+connection is retried on a new one, with backoff, only where the caller says running it
+twice is safe (``retry=True``: every script of the call path is).
+
+URLs are read by redis-py's own parser: ``redis://[[user]:password@]host[:port][/db]``,
+``rediss://`` (TLS, ``ssl_cert_reqs`` and ``ssl_ca_certs`` from the query) and
+``unix://path[?db=N]``. Each connection names itself (CLIENT SETNAME), so ``CLIENT LIST``
+and tests/e2e/test_round_trips.py see whose it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import socket
+import ssl
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import hiredis
+import redis
+from redis.connection import parse_url
+
+Arg = str | bytes | int | float
+CONNECT_TIMEOUT_S = 5.0
+# A command that lost its connection is tried again this many times (when safe), after
+# RETRY_FIRST_S, doubling up to RETRY_MAX_S: about 3 s in all, the time a restarting local
+# Redis takes to listen again (redis-py's retry here was 4 tries, 0.05 s doubling to 1 s).
+RETRIES = 6
+RETRY_FIRST_S = 0.05
+RETRY_MAX_S = 1.0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a Redis URL points, and how to talk to it."""
+
+    host: str
+    port: int
+    path: str | None
+    db: int
+    username: str | None
+    password: str | None
+    tls: ssl.SSLContext | None
+
+    @classmethod
+    def from_url(cls, url: str) -> Endpoint:
+        options = parse_url(url)  # type: ignore[no-untyped-call]
+        tls: ssl.SSLContext | None = None
+        if options.get("connection_class") is redis.SSLConnection:
+            tls = ssl.create_default_context(cafile=options.get("ssl_ca_certs"))
+            if options.get("ssl_cert_reqs") in ("none", ssl.CERT_NONE):
+                tls.check_hostname = False
+                tls.verify_mode = ssl.CERT_NONE
+        return cls(
+            host=options.get("host", "localhost"),
+            port=int(options.get("port", 6379)),
+            path=options.get("path"),
+            db=int(options.get("db", 0)),
+            username=options.get("username"),
+            password=options.get("password"),
+            tls=tls,
+        )
+
+    def handshake(self, name: str) -> list[tuple[Arg, ...]]:
+        """The commands a new connection sends first (their replies are checked)."""
+        commands: list[tuple[Arg, ...]] = []
+        if self.password is not None:
+            user = (self.username,) if self.username else ()
+            commands.append(("AUTH", *user, self.password))
+        if self.db:
+            commands.append(("SELECT", self.db))
+        commands.append(("CLIENT", "SETNAME", name))
+        return commands
+
+
+def _reader() -> hiredis.Reader:
+    # Error replies come back as values (not raised), so each lands with its own caller.
+    return hiredis.Reader(
+        encoding="utf-8",
+        protocolError=redis.ConnectionError,
+        replyError=redis.ResponseError,
+    )
+
+
+def _pack(args: Sequence[Arg]) -> bytes:
+    packed: bytes = hiredis.pack_command(tuple(args))  # type: ignore[arg-type]
+    return packed
+
+
+def _backoff(attempt: int) -> float:
+    return float(min(RETRY_MAX_S, RETRY_FIRST_S * (2**attempt)))
+
+
+# -- the API's: asyncio ------------------------------------------------------------------------
+
+
+class _Protocol(asyncio.Protocol):
+    """One connection: writes commands, resolves their futures in order as replies come."""
+
+    def __init__(self) -> None:
+        self.reader = _reader()
+        self.waiting: deque[asyncio.Future[Any]] = deque()
+        self.transport: asyncio.Transport | None = None
+        self.lost: Exception | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.reader.feed(data)
+        while True:
+            try:
+                reply = self.reader.gets()
+            except redis.ConnectionError as exc:  # not RESP: nothing after it can be read
+                self._fail(exc)
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            if reply is False:
+                return
+            if not self.waiting:  # a reply nobody asked for: the stream is out of step
+                self._fail(redis.ConnectionError("Redis sent a reply no command asked for"))
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            future = self.waiting.popleft()
+            if future.done():  # its caller was cancelled; the reply is dropped
+                continue
+            if isinstance(reply, redis.ResponseError):
+                future.set_exception(reply)
+            else:
+                future.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(redis.ConnectionError(f"connection to Redis lost: {exc or 'closed'}"))
+
+    def _fail(self, exc: Exception) -> None:
+        self.lost = exc
+        while self.waiting:
+            future = self.waiting.popleft()
+            if not future.done():
+                future.set_exception(exc)
+
+    def send(self, args: Sequence[Arg]) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if self.lost is not None or self.transport is None or self.transport.is_closing():
+            future.set_exception(self.lost or redis.ConnectionError("not connected to Redis"))
+            return future
+        self.waiting.append(future)
+        self.transport.write(_pack(args))
+        return future
+
+
+class AsyncConnection:
+    """A Redis connection for every coroutine of an event loop, commands pipelined on it
+    (see the module's docstring). Connects on first use and again after a loss. Not for
+    blocking commands (BLPOP and the like): :class:`BlockingPool` is."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.endpoint = Endpoint.from_url(url)
+        self.name = name
+        self._protocol: _Protocol | None = None
+        self._connecting: asyncio.Lock | None = None
+
+    async def call(self, *args: Arg, retry: bool = False) -> Any:
+        """The reply to one command. ``retry``: the command may run twice (it is retried
+        on a new connection when its connection was lost, whether or not Redis ran it)."""
+        attempt = 0
+        while True:
+            try:
+                protocol = await self._connected()
+                return await protocol.send(args)
+            except redis.ConnectionError:
+                if not retry or attempt >= RETRIES:
+                    raise
+                await asyncio.sleep(_backoff(attempt))
+                attempt += 1
+
+    async def close(self) -> None:
+        protocol, self._protocol = self._protocol, None
+        if protocol is not None and protocol.transport is not None:
+            protocol.transport.close()
+
+    async def _connected(self) -> _Protocol:
+        protocol = self._protocol
+        if protocol is not None and protocol.lost is None:
+            return protocol
+        if self._connecting is None:
+            self._connecting = asyncio.Lock()
+        async with self._connecting:
+            if self._protocol is not None and self._protocol.lost is None:
+                return self._protocol
+            self._protocol = await _open(self.endpoint, self.name)
+            return self._protocol
+
+
+async def _open(endpoint: Endpoint, name: str) -> _Protocol:
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            if endpoint.path is not None:
+                _, protocol = await loop.create_unix_connection(_Protocol, endpoint.path)
+            else:
+                _, protocol = await loop.create_connection(
+                    _Protocol,
+                    endpoint.host,
+                    endpoint.port,
+                    ssl=endpoint.tls,
+                    server_hostname=endpoint.host if endpoint.tls else None,
+                )
+            replies = [protocol.send(command) for command in endpoint.handshake(name)]
+            await asyncio.gather(*replies)
+    except (OSError, TimeoutError) as exc:
+        raise redis.ConnectionError(f"cannot connect to Redis: {exc}") from exc
+    except redis.ResponseError as exc:  # AUTH or SELECT refused
+        raise redis.AuthenticationError(str(exc)) from exc
+    return protocol
+
+
+class BlockingPool:
+    """Connections for blocking commands (BLPOP): each command has a connection to itself
+    until Redis answers; idle ones are kept for the next. A command whose caller was
+    cancelled takes its connection with it (the answer it still holds is nobody's)."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.url = url
+        self.name = name
+        self._idle: list[AsyncConnection] = []
+
+    async def call(self, *args: Arg) -> Any:
+        connection = self._idle.pop() if self._idle else AsyncConnection(self.url, self.name)
+        try:
+            reply = await connection.call(*args)
+        except BaseException:
+            await connection.close()
+            raise
+        self._idle.append(connection)
+        return reply
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for connection in idle:
+            await connection.close()
+
+
+# -- a worker thread's: blocking ---------------------------------------------------------------
+
+
+class SyncConnection:
+    """A blocking Redis connection per thread of the process (Celery runs tasks in
+    threads); connects on first use in a thread and again after a loss."""
+
+    def __init__(self, url: str, name: str, *, timeout_s: float | None = None) -> None:
+        self.endpoint = Endpoint.from_url(url)
+        self.name = name
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+
+    def call(self, *args: Arg, retry: bool = False, retry_for_s: float | None = None) -> Any:
+        """The reply to one command. ``retry``: safe to run twice, so retried on a new
+        connection after a loss (``retry_for_s``: for that long, instead of
+        :data:`RETRIES` times)."""
+        attempt = 0
+        deadline = None if retry_for_s is None else time.monotonic() + retry_for_s
+        while True:
+            try:
+                return self._exchange(_pack(args))
+            except redis.ConnectionError:
+                self._drop()
+                if not retry:
+                    raise
+                if deadline is None and attempt >= RETRIES:
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                time.sleep(_backoff(attempt))
+                attempt += 1
+
+    def close(self) -> None:
+        """Close this thread's connection (others close with their threads)."""
+        self._drop()
+
+    def _exchange(self, request: bytes) -> Any:
+        sock, reader = self._connected()
+        try:
+            sock.sendall(request)
+            reply = reader.gets()
+            while reply is False:
+                data = sock.recv(65536)
+                if not data:
+                    raise redis.ConnectionError("Redis closed the connection")
+                reader.feed(data)
+                reply = reader.gets()
+        except OSError as exc:
+            raise redis.ConnectionError(f"connection to Redis lost: {exc}") from exc
+        if isinstance(reply, redis.ResponseError):
+            raise reply
+        return reply
+
+    def _connected(self) -> tuple[socket.socket, hiredis.Reader]:
+        held = getattr(self._local, "held", None)
+        if held is not None:
+            return held  # type: ignore[no-any-return]
+        endpoint = self.endpoint
+        try:
+            if endpoint.path is not None:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(CONNECT_TIMEOUT_S)
+                sock.connect(endpoint.path)
+            else:
+                sock = socket.create_connection(
+                    (endpoint.host, endpoint.port), timeout=CONNECT_TIMEOUT_S
+                )
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if endpoint.tls is not None:
+                    sock = endpoint.tls.wrap_socket(sock, server_hostname=endpoint.host)
+            sock.settimeout(self.timeout_s)
+        except OSError as exc:
+            raise redis.ConnectionError(f"cannot connect to Redis: {exc}") from exc
+        held = (sock, _reader())
+        self._local.held = held
+        try:
+            for command in endpoint.handshake(self.name):
+                self._exchange(_pack(command))
+        except redis.ResponseError as exc:
+            self._drop()
+            raise redis.AuthenticationError(str(exc)) from exc
+        return held
+
+    def _drop(self) -> None:
+        held = getattr(self._local, "held", None)
+        self._local.held = None
+        if held is not None:
+            with contextlib.suppress(OSError):
+                held[0].close()
+
+
+# -- scripts -----------------------------------------------------------------------------------
+
+
+class Script:
+    """A Lua script run by its SHA1 (EVALSHA), loaded when Redis answers NOSCRIPT."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        # Redis names scripts by SHA1; not a security use.
+        self.sha = hashlib.sha1(source.encode(), usedforsecurity=False).hexdigest()
+
+    def command(self, keys: Sequence[Arg], args: Sequence[Arg]) -> tuple[Arg, ...]:
+        return ("EVALSHA", self.sha, len(keys), *keys, *args)
+
+    async def run(
+        self, connection: AsyncConnection, keys: Sequence[Arg], args: Sequence[Arg]
+    ) -> Any:
+        """Run it; a script that changes state is safe to run twice on this project's call
+        path (each says why), so a lost connection is retried."""
+        try:
+            return await connection.call(*self.command(keys, args), retry=True)
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            await connection.call("SCRIPT", "LOAD", self.source, retry=True)
+            return await connection.call(*self.command(keys, args), retry=True)
+
+    def run_sync(
+        self,
+        connection: SyncConnection,
+        keys: Sequence[Arg],
+        args: Sequence[Arg],
+        *,
+        retry_for_s: float | None = None,
+    ) -> Any:
+        """:meth:`run`, blocking."""
+        call: Callable[..., Any] = connection.call
+        try:
+            return call(*self.command(keys, args), retry=True, retry_for_s=retry_for_s)
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            call("SCRIPT", "LOAD", self.source, retry=True, retry_for_s=retry_for_s)
+            return call(*self.command(keys, args), retry=True, retry_for_s=retry_for_s)
