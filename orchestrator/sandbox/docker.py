@@ -29,7 +29,7 @@ from orchestrator.config import Settings
 from orchestrator.docker_client import connect
 from orchestrator.observability.logging import get_logger
 from orchestrator.sandbox import cgroups, daemon_share, kernel_log, labels
-from orchestrator.sandbox.agent import EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import AGENT_LOADER, EXEC_AGENT_PATH, compiled_agent
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
@@ -48,6 +48,8 @@ log = get_logger(__name__)
 
 SOCKET_DIR_IN_SANDBOX = "/run/orchestrator"
 AGENT_IN_SANDBOX = "/opt/orchestrator/exec_agent.py"
+# The agent's bytecode, compiled on the host (sandbox/agent/__init__.compiled_agent).
+AGENT_CACHE_IN_SANDBOX = "/opt/orchestrator/__pycache__"
 SOCKET_NAME = "agent.sock"
 # Built into the base image (sandbox_images/base/gvisor-compat): makes coreutils work on
 # old gVisor releases.
@@ -239,6 +241,12 @@ class DockerBackend(agent.AgentBackend):
             mounts=[
                 Mount(SOCKET_DIR_IN_SANDBOX, str(socket_dir), type="bind"),
                 Mount(AGENT_IN_SANDBOX, str(self.agent_path), type="bind", read_only=True),
+                Mount(
+                    AGENT_CACHE_IN_SANDBOX,
+                    str(compiled_agent(self.agent_path, self.settings.state_dir / "agent")),
+                    type="bind",
+                    read_only=True,
+                ),
                 workspace,
             ],
         )
@@ -246,6 +254,8 @@ class DockerBackend(agent.AgentBackend):
             "python3",
             "-I",
             "-S",
+            "-c",
+            AGENT_LOADER,
             AGENT_IN_SANDBOX,
             "--socket",
             f"{SOCKET_DIR_IN_SANDBOX}/{SOCKET_NAME}",
