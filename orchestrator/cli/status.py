@@ -2,8 +2,9 @@
 
 Hosts and their health, sandboxes by state, warm pools, queue depth, admission, tool-call
 rate and latency, the infra-error ratio, and the recent infrastructure failures with their
-evidence. State comes from Redis (views/state.py); rates from two scrapes of the API's
-/metrics ``--interval`` seconds apart (views/scrape.py).
+evidence. State comes from Redis (views/state.py: the read model of state/snapshot.py,
+which the API's state gauges show too); rates from two scrapes of the API's /metrics
+``--interval`` seconds apart (views/scrape.py).
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from rich.text import Text
 
 from orchestrator.config import Settings, get_settings
 from orchestrator.environments.loader import EnvironmentRegistry, load_environments
-from orchestrator.state.broker import celery_app
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.replies import QueueClient
+from orchestrator.state.snapshot import StateReader
 from orchestrator.views.format import age, console, ms, size
 from orchestrator.views.models import CallStats, HostView, StatusSnapshot
 from orchestrator.views.scrape import Scrape, call_stats, fetch
@@ -40,10 +40,11 @@ def default_api_url(settings: Settings) -> str:
 
 async def _read(settings: Settings, registry: EnvironmentRegistry) -> StatusSnapshot:
     store = RolloutStore.connect(settings, role="cli")
+    reader = StateReader(settings, registry, role="cli")
     try:
-        queue = QueueClient(settings, celery_app(), store)
-        return await read_state(settings, store, queue, registry)
+        return await read_state(reader, store)
     finally:
+        reader.close()
         await store.close()
 
 

@@ -1,26 +1,21 @@
-"""The deployment's state as Redis holds it: hosts, sandboxes, pools, queues, admission,
-recent infrastructure failures. Read through the state package's readers (records,
-heartbeats, admission, pools, queues), never from keys re-derived here."""
+"""The deployment's state as the status view shows it: hosts, sandboxes, pools, queues,
+admission, recent infrastructure failures.
+
+What the status view shares with the API's state gauges comes from the one read model,
+state/snapshot.py's :class:`DeploymentState` (:func:`status_of`), so the two always agree;
+only what the view alone shows is read beside it: the newest live rollouts' summaries, pools
+no longer configured that still hold sandboxes, and the recent infrastructure failures.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
-from orchestrator.config import Settings
-from orchestrator.environments.loader import EnvironmentRegistry
-from orchestrator.state.admission import Admission
 from orchestrator.state.errors import StateError
-from orchestrator.state.heartbeat import Heartbeat
-from orchestrator.state.models import RolloutState
-from orchestrator.state.pools import (
-    PoolClaims,
-    PoolDemand,
-    pool_name,
-    pool_size,
-    pooled_codebases,
-)
+from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.replies import QueueClient
+from orchestrator.state.snapshot import DeploymentState, HostState, LiveRollouts, StateReader
 from orchestrator.views.models import (
     AdmissionView,
     HostView,
@@ -32,126 +27,125 @@ from orchestrator.views.models import (
 )
 from orchestrator.views.rollouts import summaries
 
-NEWEST_LIVE = 20
-"""Live rollouts a snapshot lists one by one (all are counted)."""
 
-
-async def read_state(
-    settings: Settings, store: RolloutStore, queue: QueueClient, registry: EnvironmentRegistry
-) -> StatusSnapshot:
+async def read_state(reader: StateReader, store: RolloutStore) -> StatusSnapshot:
     """One snapshot of the deployment; a Redis that cannot be read gives ``redis_ok`` False
     and the error, not an exception (the status view keeps running through an outage)."""
-    now = time.time()
-    snapshot = StatusSnapshot(deployment=settings.deployment, taken_at=now, redis_ok=True)
-    admission = Admission(settings, store.redis)
     try:
-        live = await summaries(store, await store.live_ids())
-        loads = await admission.loads()
-        snapshot.hosts = await _hosts(store, queue, loads, live, now)
-        snapshot.sandboxes = _sandboxes(live)
-        snapshot.live_rollouts = len(live)
-        snapshot.newest_live = sorted(live, key=lambda s: s.created_at, reverse=True)[:NEWEST_LIVE]
-        snapshot.pools = await _pools(PoolClaims(settings, store.redis), registry)
-        snapshot.sandboxes.pool_ready = sum(p.ready for p in snapshot.pools)
-        snapshot.sandboxes.pool_creating = sum(p.creating for p in snapshot.pools)
-        snapshot.queues = await _queues(queue, [h.host for h in snapshot.hosts])
-        waiting = await admission.waiting(now)
-        snapshot.admission = AdmissionView(
-            waiting=int(waiting),
-            slots_used=sum(max(0, n) for n in loads.values()),
-            slots_total=sum(h.capacity or 0 for h in snapshot.hosts if h.alive),
-        )
+        # The reader blocks (see state/snapshot.py): off the event loop.
+        state = await asyncio.to_thread(reader.read)
+        snapshot = status_of(state)
+        snapshot.newest_live = await _newest(store, state.live.newest)
+        _set_pools(snapshot, [*snapshot.pools, *await _unconfigured(reader, store, state)])
         snapshot.recent_failures = await store.recent_failures()
     except (StateError, OSError) as exc:
-        snapshot.redis_ok = False
-        snapshot.redis_error = f"{type(exc).__name__}: {exc}"
+        return StatusSnapshot(
+            deployment=reader.settings.deployment,
+            taken_at=time.time(),
+            redis_ok=False,
+            redis_error=f"{type(exc).__name__}: {exc}",
+        )
     return snapshot
 
 
-async def _hosts(
-    store: RolloutStore,
-    queue: QueueClient,
-    loads: dict[str, int],
-    live: list[RolloutSummary],
-    now: float,
-) -> list[HostView]:
-    known = set(await queue.heartbeats.known_hosts()) | set(loads)
-    views = []
-    for host in sorted(known):
-        beat = await queue.heartbeats.get(host)
-        rollouts = sum(1 for s in live if s.host == host)
-        views.append(_host_view(host, beat, loads.get(host, 0), rollouts, now))
-    return views
+def status_of(state: DeploymentState) -> StatusSnapshot:
+    """What the status view shows of ``state``: all of it but the view's own reads (the
+    newest live rollouts, pools no longer configured, recent failures)."""
+    snapshot = StatusSnapshot(
+        deployment=state.deployment,
+        taken_at=state.taken_at,
+        redis_ok=True,
+        hosts=[_host_view(host, state) for host in state.hosts],
+        sandboxes=_sandboxes(state.live),
+        live_rollouts=state.live.count,
+        queues=[QueueDepth(queue=queue, depth=depth) for queue, depth in state.queues.items()],
+        admission=AdmissionView(
+            waiting=state.admission_waiting,
+            slots_used=state.slots_used,
+            slots_total=state.slots_total,
+        ),
+    )
+    pools = [
+        PoolView(
+            pool=pool.pool,
+            environment=pool.environment,
+            codebase=pool.codebase,
+            ready=len(pool.ready),
+            creating=pool.creating,
+            target=pool.target,
+        )
+        for pool in state.pools
+    ]
+    _set_pools(snapshot, pools)
+    return snapshot
 
 
-def _host_view(
-    host: str, beat: Heartbeat | None, slots: int, rollouts: int, now: float
-) -> HostView:
+def _host_view(host: HostState, state: DeploymentState) -> HostView:
+    beat = host.heartbeat
+    live = state.live.by_host.get(host.host, 0)
     if beat is None:
         return HostView(
-            host=host,
+            host=host.host,
             alive=False,
             healthy=False,
             schedulable=False,
             cordon_reasons=["no heartbeat"],
-            slots_used=slots,
-            live_rollouts=rollouts,
+            slots_used=host.slots_used,
+            live_rollouts=live,
         )
     return HostView(
-        host=host,
+        host=host.host,
         alive=True,
         healthy=beat.backend_ok,
         schedulable=beat.schedulable,
         cordon_reasons=beat.cordon_reasons,
         draining=beat.draining,
         capacity=beat.capacity,
-        slots_used=slots,
+        slots_used=host.slots_used,
         sandboxes=beat.sandboxes,
-        live_rollouts=rollouts,
+        live_rollouts=live,
         running_calls=beat.running_calls,
         backend_failures=beat.backend_failures,
         backend_ping_ms=beat.backend_ping_ms,
         disk_free_bytes=beat.disk_free_bytes,
         mem_available_bytes=beat.mem_available_bytes,
-        heartbeat_age_s=max(0.0, now - beat.time),
+        heartbeat_age_s=max(0.0, state.taken_at - beat.time),
         error=beat.error,
         daemon_cpu=beat.daemon_cpu,
     )
 
 
-def _sandboxes(live: list[RolloutSummary]) -> SandboxCounts:
-    counts = SandboxCounts()
-    for summary in live:
-        state = summary.state.value
-        counts.rollouts_by_state[state] = counts.rollouts_by_state.get(state, 0) + 1
-        if summary.state == RolloutState.ACTIVE and summary.host is not None:
-            per_env = counts.active_by_host_environment.setdefault(summary.host, {})
-            per_env[summary.environment] = per_env.get(summary.environment, 0) + 1
-    return counts
+def _sandboxes(live: LiveRollouts) -> SandboxCounts:
+    return SandboxCounts(
+        rollouts_by_state={state.value: n for state, n in live.by_state.items()},
+        active_by_host_environment=live.active,
+    )
 
 
-def _configured_pools(
-    registry: EnvironmentRegistry, settings: Settings, demand: dict[str, PoolDemand]
-) -> dict[str, int]:
-    """Pool name -> size now of every pool the environments ask for, demand-sized ones
-    included (named as state/pools.targets names them, without asking the daemon)."""
-    return {
-        pool_name(name, codebase): pool_size(
-            registry.get(name), settings, demand.get(pool_name(name, codebase))
-        )
-        for name in registry.names()
-        for codebase in pooled_codebases(registry.get(name), settings, demand)
-    }
+def _set_pools(snapshot: StatusSnapshot, pools: list[PoolView]) -> None:
+    snapshot.pools = sorted(pools, key=lambda p: p.pool)
+    snapshot.sandboxes.pool_ready = sum(p.ready for p in snapshot.pools)
+    snapshot.sandboxes.pool_creating = sum(p.creating for p in snapshot.pools)
 
 
-async def _pools(pools: PoolClaims, registry: EnvironmentRegistry) -> list[PoolView]:
-    configured = _configured_pools(registry, pools.settings, await pools.demand())
-    # Pools no longer configured may still hold sandboxes: found by their keys.
-    names = set(configured) | set(await pools.stocked())
+async def _newest(store: RolloutStore, rollout_ids: list[str]) -> list[RolloutSummary]:
+    """The summaries of the newest live rollouts (two round trips: their records and call
+    counts, not every live rollout's)."""
+    found = await summaries(store, rollout_ids)
+    return sorted(found, key=lambda s: s.created_at, reverse=True)
+
+
+async def _unconfigured(
+    reader: StateReader, store: RolloutStore, state: DeploymentState
+) -> list[PoolView]:
+    """Pools no longer configured that still hold sandboxes (found by their keys: one
+    scan), which the read model, made of the configured ones, leaves out."""
+    claims = PoolClaims(reader.settings, store.redis)
+    configured = {pool.pool for pool in state.pools}
     views = []
-    for name in sorted(names):
+    for name in sorted(set(await claims.stocked()) - configured):
         environment, _, codebase = name.partition(":")
-        ready, creating = await pools.levels(name)
+        ready, creating = await claims.levels(name)
         views.append(
             PoolView(
                 pool=name,
@@ -159,12 +153,7 @@ async def _pools(pools: PoolClaims, registry: EnvironmentRegistry) -> list[PoolV
                 codebase=None if codebase in ("", "-") else codebase,
                 ready=ready,
                 creating=creating,
-                target=configured.get(name),
+                target=None,
             )
         )
     return views
-
-
-async def _queues(queue: QueueClient, hosts: list[str]) -> list[QueueDepth]:
-    names = [queue.keys.shared_queue, *(queue.keys.host_queue(h) for h in hosts)]
-    return [QueueDepth(queue=name, depth=await queue.depth(name)) for name in names]
