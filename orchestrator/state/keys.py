@@ -82,7 +82,7 @@ class Keys:
 
     @cached_property
     def live(self) -> str:
-        """Sorted set: rollouts not ended yet (score: creation time)."""
+        """Sorted set: rollouts not ended yet (score: last activity, state/records.py)."""
         return f"{self.prefix}rollouts:live"
 
     @cached_property
