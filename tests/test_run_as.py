@@ -10,11 +10,13 @@ raised; the agent refuses a helper its user could replace and then forks, as bef
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import stat
 import tempfile
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -175,3 +177,28 @@ def test_a_helper_its_user_could_replace_is_refused(root_tmp: Path, unsafe: str)
 def test_no_helper_is_no_helper(tmp_path: Path) -> None:
     assert trusted_run_as(str(tmp_path / "absent")) is None
     assert trusted_run_as("") is None
+
+
+@pytest.fixture(scope="module")
+def image_without_run_as(docker_client: docker.DockerClient, base_image: str) -> Iterator[str]:
+    """An image built from the base image before run-as existed, as it were: a codebase
+    image is not rebuilt when the base image changes."""
+    tag = f"orchestrator/test-no-run-as:{uuid.uuid4().hex[:8]}"
+    dockerfile = f"FROM {base_image}\nRUN rm -r /opt/orchestrator/bin\n".encode()
+    docker_client.images.build(fileobj=io.BytesIO(dockerfile), tag=tag, rm=True)
+    yield tag
+    docker_client.images.remove(tag, force=True)
+
+
+def test_a_sandbox_of_an_image_without_run_as_gets_the_base_images(
+    make_sandbox: Any,
+    docker_client: docker.DockerClient,
+    backend: DockerBackend,
+    image_without_run_as: str,
+    runtime: Runtime,
+) -> None:
+    handle = make_sandbox(image=image_without_run_as, runtime=runtime)
+    logs = docker_client.containers.get(handle.native_id).logs().decode()
+    assert f"through {RUN_AS}" in logs, logs
+    result = backend.exec(handle, "id -u; id -G", timeout_s=10, output_budget_bytes=4096)
+    assert result.stdout.head == "1000\n1000\n", result

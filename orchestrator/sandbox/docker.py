@@ -31,6 +31,7 @@ from orchestrator.observability.logging import get_logger
 from orchestrator.sandbox import cgroups, daemon_share, kernel_log, labels
 from orchestrator.sandbox.agent import AGENT_LOADER, EXEC_AGENT_PATH, compiled_agent
 from orchestrator.sandbox.agent import client as agent
+from orchestrator.sandbox.agent.exec_agent import RUN_AS
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
     HostHealth,
@@ -42,6 +43,7 @@ from orchestrator.sandbox.backend import (
     SandboxSpec,
     SandboxUnavailable,
 )
+from orchestrator.sandbox.run_as import extract_run_as
 from orchestrator.sandbox.workspace import Workspaces
 
 log = get_logger(__name__)
@@ -101,6 +103,24 @@ class DockerBackend(agent.AgentBackend):
         # points it at another version).
         self.agent_path = EXEC_AGENT_PATH
         self._daemon_cpu: daemon_share.DaemonShare | None = None
+        # The base image's run-as on this host (sandbox/run_as.py), looked up at the first
+        # create; None after that lookup: sandboxes have only their image's.
+        self._run_as: list[Path | None] = []
+
+    def _run_as_mounts(self) -> list[Mount]:
+        """run-as from the base image, read-only at the path the agent trusts it at, so a
+        sandbox of an image built before it existed has it too (sandbox/run_as.py)."""
+        if not self._run_as:
+            self._run_as.append(
+                extract_run_as(
+                    self.client,
+                    self.settings.base_image,
+                    self.settings.state_dir / "agent",
+                    self.settings.deployment,
+                )
+            )
+        found = self._run_as[0]
+        return [] if found is None else [Mount(RUN_AS, str(found), type="bind", read_only=True)]
 
     def _host_mounts_workspace(self, runtime: str) -> bool:
         """Whether the host mounts the sandbox's /workspace itself (workspace.py): as
@@ -247,6 +267,7 @@ class DockerBackend(agent.AgentBackend):
                     type="bind",
                     read_only=True,
                 ),
+                *self._run_as_mounts(),
                 workspace,
             ],
         )
