@@ -5,7 +5,10 @@ worker while N sessions call `true` back to back through the Agent RFT endpoint.
 
 Starts its own deployment (orchestrator.local.local_stack), warms N rollouts, then samples
 the API process and the worker process for the same window (py-spy, non-blocking, so the
-sampled processes are not paused). Writes each profile's collapsed stacks
+sampled processes are not paused; only the thread holding the GIL, so the samples are the
+Python code running, not threads waiting in epoll or on a queue, which py-spy's own idle
+detection counted as busy here: the kombu loop's epoll and the idle pool threads were a
+third of the worker's samples; a system call made without the GIL is not in them). Writes each profile's collapsed stacks
 (bench/results/profile-api.txt, profile-worker.txt: flamegraph.pl or speedscope read them)
 and a table of the functions holding most samples, inclusive and self
 (bench/results/profile.json and .md), with the window's calls/s and CPU per call.
@@ -196,7 +199,8 @@ def main() -> None:
 def _spy_command(spy: str, pid: int, args: argparse.Namespace, output: Path) -> list[str]:
     return [
         spy, "record", "--pid", str(pid), "--duration", str(int(args.seconds)),
-        "--rate", str(args.rate), "--format", "raw", "--nonblocking", "--output", str(output),
+        "--rate", str(args.rate), "--format", "raw", "--nonblocking", "--gil",
+        "--output", str(output),
     ]  # fmt: skip
 
 
