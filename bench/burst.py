@@ -56,6 +56,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import docker
 import httpx
 import redis
@@ -249,12 +250,21 @@ class Counters:
         self.marks[name] = round(self.now(), 2)
 
 
+@dataclass
+class Reply:
+    """What the load generator keeps of a response."""
+
+    status: int
+    retry_after: str | None
+    body: Any = None
+
+
 class Burst:
     """The load generator: N rollouts and every response."""
 
     def __init__(
         self,
-        https: list[httpx.AsyncClient],
+        https: list[aiohttp.ClientSession],
         items: list[dict[str, Any]],
         seed: int,
         counters: Counters,
@@ -271,7 +281,7 @@ class Burst:
 
     async def post(
         self,
-        http: httpx.AsyncClient,
+        http: aiohttp.ClientSession,
         kind: str,
         path: str,
         body: dict[str, Any],
@@ -279,19 +289,22 @@ class Burst:
         call_id: str,
         label: str,
         step: int,
-    ) -> tuple[CallResult, httpx.Response | None]:
+    ) -> tuple[CallResult, Reply | None]:
         first_sent = self.now()
-        response: httpx.Response | None = None
+        response: Reply | None = None
         for attempt in range(1 + MAX_RETRIES):
             sent = self.now()
             self.c.inflight += 1
             status: int | None = None
             retry_after: str | None = None
             try:
-                response = await http.post(path, json=body)
-                status = response.status_code
-                retry_after = response.headers.get("retry-after")
-            except httpx.HTTPError:
+                async with http.post(path, json=body) as answer:
+                    response = Reply(answer.status, answer.headers.get("retry-after"))
+                    if answer.content_type == "application/json":
+                        response.body = await answer.json()
+                status = response.status
+                retry_after = response.retry_after
+            except (aiohttp.ClientError, TimeoutError):
                 response = None
             finally:
                 self.c.inflight -= 1
@@ -324,7 +337,7 @@ class Burst:
                 break
             await asyncio.sleep(_retry_delay(retry_after))
         total = (self.now() - first_sent) * 1000
-        ok = response is not None and response.status_code == 200
+        ok = response is not None and response.status == 200
         result = CallResult(trace, call_id, label, step, False, first_sent, total, attempt + 1, ok)
         return result, response
 
@@ -366,9 +379,9 @@ class Burst:
                 http, "grade", "/agent-rft/grade", body, trace, "grade", "grade", len(steps)
             )
             result.calls.append(graded)
-            if response is not None and response.status_code == 200:
+            if response is not None and response.status == 200:
                 result.graded = True
-                result.score = float(response.json()["score"])
+                result.score = float(response.body["score"])
             else:
                 result.discarded = True
         finally:
@@ -376,7 +389,7 @@ class Burst:
 
     async def tool_call(
         self,
-        http: httpx.AsyncClient,
+        http: aiohttp.ClientSession,
         trace: str,
         item: dict[str, Any],
         step: int,
@@ -863,20 +876,19 @@ async def burst_phase(
     client: docker.DockerClient,
     profile_dir: Path | None,
 ) -> dict[str, Any]:
-    # Several clients, each for a few rollouts: httpx's pool scans all its connections on
-    # every request, so one client with hundreds of connections would be the bottleneck
-    # (seen: its event loop seconds late at 256 rollouts).
+    # Several clients, each for a few rollouts (a client's pool was the bottleneck with
+    # httpx; kept with aiohttp, which costs a fifth of httpx's CPU per request here: the
+    # load generator shares the stack's two cores, bench/README.md).
     shards = max(1, -(-n // ROLLOUTS_PER_CLIENT))
     per_client = 2 * ROLLOUTS_PER_CLIENT + 4
-    limits = httpx.Limits(max_connections=per_client, max_keepalive_connections=per_client)
     async with AsyncExitStack() as stack:
         https = [
             await stack.enter_async_context(
-                httpx.AsyncClient(
+                aiohttp.ClientSession(
                     base_url=base,
                     headers={"Authorization": f"Bearer {token}"},
-                    timeout=httpx.Timeout(180),
-                    limits=limits,
+                    timeout=aiohttp.ClientTimeout(total=180),
+                    connector=aiohttp.TCPConnector(limit=per_client),
                 )
             )
             for _ in range(shards)
@@ -1687,13 +1699,10 @@ if __name__ == "__main__":
     main()
 
 
-def _error_code(response: httpx.Response | None) -> str | None:
+def _error_code(response: Reply | None) -> str | None:
     """The error body's code (``at_capacity``, ``infra_error``, ...): every 503 carries
     Retry-After, so the header alone does not tell capacity from a fault."""
-    try:
-        body = response.json() if response is not None else None
-    except ValueError:
-        return None
+    body = response.body if response is not None else None
     error = body.get("error") if isinstance(body, dict) else None
     code = error.get("code") if isinstance(error, dict) else None
     return code if isinstance(code, str) else None

@@ -8,10 +8,11 @@ the API process and the worker process for the same window (py-spy, non-blocking
 sampled processes are not paused; only the thread holding the GIL, so the samples are the
 Python code running, not threads waiting in epoll or on a queue, which py-spy's own idle
 detection counted as busy here: the kombu loop's epoll and the idle pool threads were a
-third of the worker's samples; a system call made without the GIL is not in them). Writes each profile's collapsed stacks
-(bench/results/profile-api.txt, profile-worker.txt: flamegraph.pl or speedscope read them)
-and a table of the functions holding most samples, inclusive and self
-(bench/results/profile.json and .md), with the window's calls/s and CPU per call.
+third of the worker's samples; a system call made without the GIL is not in them).
+Writes each profile's collapsed stacks (bench/results/profile-api.txt, profile-worker.txt:
+flamegraph.pl or speedscope read them) and a table of the functions holding most samples,
+inclusive and self (bench/results/profile.json and .md), with the window's calls/s and CPU
+per call.
 """
 
 from __future__ import annotations
