@@ -207,8 +207,8 @@ def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
         return ToolCallDone(queue_ms=queue_ms, exec_ms=(time.time() - started) * 1000, **fields)
 
     try:
-        if call.validated:  # the API validated them (validated once: rollouts/calls.py)
-            args = tool.validated(call.arguments)
+        if call.validated_arguments is not None:  # validated once, by the API
+            args = tool.validated(call.validated_arguments)
             result = tool.run_parsed(worker.backend(), call.handle, args, tool_settings)
         else:
             result = tool.run(worker.backend(), call.handle, call.arguments, tool_settings)

@@ -286,9 +286,9 @@ class ToolCalls:
             environment_digest=resolved.environment.digest,
             handle=rollout.sandbox,
             tool=call.tool,
-            # Validated once, here: the worker runs them as they are.
-            arguments=call.parsed.model_dump(mode="json"),
-            validated=True,
+            arguments=call.arguments,
+            # Validated once, here: the worker runs these as they are.
+            validated_arguments=call.parsed.model_dump(mode="json"),
             command_timeout_max_s=call.settings.command_timeout_max_s,
             enqueued_at=time.time(),
         )

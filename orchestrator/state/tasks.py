@@ -68,11 +68,12 @@ class ToolCall(BaseModel):
     handle: SandboxHandle
     tool: str
     arguments: Any
-    validated: bool = Field(
-        False,
-        description="``arguments`` are the tool's argument model as the API validated it, "
-        "dumped: the worker does not parse them again. False: the agent's own arguments "
-        "(an API of an earlier release), parsed by the worker.",
+    validated_arguments: dict[str, Any] | None = Field(
+        None,
+        description="The tool's argument model as the API validated it, dumped: a worker "
+        "runs these and does not parse ``arguments`` again. None (an API of an earlier "
+        "release): the worker parses ``arguments``, which a worker of an earlier release "
+        "always does, so both stay: a rolling upgrade mixes them.",
     )
     command_timeout_max_s: float | None = Field(
         None,

@@ -638,7 +638,7 @@ def spawn_as(run_as: str, uid: int, gid: int, argv: list[str], env: dict[str, st
             setsigmask=(),
         )
     except BaseException:
-        for fd in (out_r, err_r):
+        for fd in (out_r, err_r, errpipe_r):
             os.close(fd)
         raise
     finally:
