@@ -19,6 +19,7 @@ from orchestrator.config import Settings
 from orchestrator.state.broker import celery_url, make_celery, task_message
 from orchestrator.state.keys import Keys
 from orchestrator.state.tasks import TaskName
+from tests.redis_units import delete_keys
 
 # Set by each message's own publish: ids, clocks, who sent it.
 _PER_MESSAGE_HEADERS = {"id", "root_id", "expires", "origin", "argsrepr", "kwargsrepr"}
@@ -30,11 +31,7 @@ def scratch(settings: Settings) -> Iterator[tuple[Settings, str]]:
     own = settings.model_copy(update={"deployment": f"broker-{uuid.uuid4().hex[:8]}"})
     queue = Keys.of(own.deployment).host_queue("scratch")
     yield own, queue
-    client = redis.Redis.from_url(own.redis_url)
-    leftovers = [*client.scan_iter(match=f"*{own.deployment}*")]
-    if leftovers:
-        client.delete(*leftovers)
-    client.close()
+    delete_keys(own.redis_url, f"*{own.deployment}*")
 
 
 def _pushed(client: redis.Redis, queue: str) -> dict[str, Any]:

@@ -12,13 +12,13 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-import redis
 
 from orchestrator.config import Settings
 from orchestrator.state.connection import call_path_connection
 from orchestrator.state.keys import Keys
 from orchestrator.state.records import CallStartStatus, RolloutStore
 from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState, WorkerTickets
+from tests.redis_units import delete_keys
 
 pytestmark = pytest.mark.anyio
 
@@ -32,11 +32,7 @@ def anyio_backend() -> str:
 def keys() -> Iterator[Keys]:
     value = Keys.of(f"test-tickets-{uuid.uuid4().hex[:8]}")
     yield value
-    client = redis.Redis.from_url(Settings().redis_url)
-    found = list(client.scan_iter(match=value.prefix + "*"))
-    if found:
-        client.delete(*found)
-    client.close()
+    delete_keys(Settings().redis_url, value.prefix + "*")
 
 
 @pytest.fixture()

@@ -32,7 +32,7 @@ from orchestrator.state.records import InfraFailureEntry, RolloutStore
 from orchestrator.state.snapshot import NEWEST, StateReader
 from orchestrator.views.models import AdmissionView, StatusSnapshot
 from orchestrator.views.state import read_state, status_of
-from tests.redis_units import pool_handle
+from tests.redis_units import delete_keys, pool_handle
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -62,15 +62,8 @@ def labelled(got: Samples, name: str) -> dict[str, float]:
 def deployment(tmp_path: Path) -> Iterator[Settings]:
     settings = Settings(deployment=f"unit-{uuid.uuid4().hex[:8]}", state_dir=tmp_path)
     yield settings
-    client = redis.Redis.from_url(settings.redis_url)
-    keys = list(client.scan_iter(keys_of(settings).prefix + "*"))
-    keys += [
-        keys_of(settings).shared_queue,
-        keys_of(settings).host_queue("h-a"),
-        keys_of(settings).host_queue("h-b"),
-    ]
-    client.delete(*keys)
-    client.close()
+    # The deployment's keys and its queues' (a priority sub-queue too: its own key).
+    delete_keys(settings.redis_url, f"*{settings.deployment}*")
 
 
 def _pooled_environments(settings: Settings) -> str:

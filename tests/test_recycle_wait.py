@@ -181,3 +181,35 @@ def test_a_refill_leaves_room_for_the_sandboxes_being_reset(unit: Settings) -> N
             await sides.close()
 
     asyncio.run(scenario())
+
+
+def test_stocked_pools_come_from_their_index_not_a_scan(unit: Settings) -> None:
+    """The reaper's recount and ``orchestrator status`` list pools from an index the
+    delivery keeps: a pool is listed while its ready list exists, leaves the index with its
+    last sandbox, and a ready list a release before the index made is indexed once."""
+
+    async def scenario() -> None:
+        sides = Sides(unit)
+        resolved = _resolved(unit)
+        try:
+            assert await sides.claims.stocked() == []
+            await asyncio.to_thread(sides.filler.reserve, sides.target, 1)
+            await asyncio.to_thread(sides.filler.deliver, sides.target, _handle(unit, "sbx-a"))
+            assert await sides.claims.stocked() == [POOL]
+            assert await sides.aio.smembers(sides.keys.pools_stocked) == {POOL}
+
+            taken = await sides.claims.take(resolved)
+            assert taken is not None and taken.sandbox_id == "sbx-a"
+            assert await sides.claims.stocked() == []
+            assert await sides.aio.exists(sides.keys.pools_stocked) == 0
+
+            # An upgrade: a ready list without the index, and no mark that it was made.
+            older = sides.keys.pool("older:-", "ready")
+            await sides.aio.rpush(older, _handle(unit, "sbx-old").model_dump_json())
+            await sides.aio.delete(sides.keys.pools_indexed)
+            assert await sides.claims.stocked() == ["older:-"]
+            assert await sides.aio.get(sides.keys.pools_indexed) == "1"
+        finally:
+            await sides.close()
+
+    asyncio.run(scenario())

@@ -26,6 +26,7 @@ import redis
 from orchestrator.config import Settings
 from orchestrator.local import free_port
 from orchestrator.state.resp import AsyncConnection, BlockingPool, Script, SyncConnection
+from tests.redis_units import delete_keys
 
 NAME = "orch:test:resp"
 
@@ -35,11 +36,7 @@ def prefix(settings: Settings) -> Iterator[str]:
     """A key prefix of this test's own; its keys are deleted after."""
     prefix = f"{settings.deployment}:resp:{uuid.uuid4().hex[:8]}:"
     yield prefix
-    client = redis.Redis.from_url(settings.redis_url)
-    keys = list(client.scan_iter(match=f"{prefix}*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+    delete_keys(settings.redis_url, f"{prefix}*")
 
 
 @pytest.fixture(scope="module")

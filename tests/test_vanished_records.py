@@ -40,7 +40,7 @@ async def service(settings: Settings) -> AsyncIterator[RolloutService]:
     store = RolloutStore.connect(own)
     queue = QueueClient(own, celery_app(), store)
     yield RolloutService(own, store, load_environments(own), queue)
-    found = [key async for key in store.redis.scan_iter(match=store.keys.prefix + "*")]
+    found = [key async for key in store.redis.scan_iter(match=store.keys.prefix + "*", count=1000)]
     if found:
         await store.redis.delete(*found)
     await store.close()

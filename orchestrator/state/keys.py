@@ -144,6 +144,18 @@ class Keys:
         return f"{self.prefix}pool:{pool}:{part}"
 
     @cached_property
+    def pools_stocked(self) -> str:
+        """Set: the names of the pools given a ready list (state/pools.py): the reaper and
+        ``orchestrator status`` list pools from it instead of scanning the keyspace, which
+        holds every retained rollout record."""
+        return f"{self.prefix}pools-stocked"
+
+    @cached_property
+    def pools_indexed(self) -> str:
+        """String: set once :attr:`pools_stocked` holds the pools made before it existed."""
+        return f"{self.prefix}pools-indexed"
+
+    @cached_property
     def pool_members(self) -> str:
         """Set: sandbox ids lying in a pool (the orphan sweep spares them)."""
         return f"{self.prefix}pool-members"

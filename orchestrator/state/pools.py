@@ -62,13 +62,15 @@ redis.call('EXPIRE', KEYS[2], 600)
 return n
 """
 
-# KEYS: ready list, pending counter, members set, slots in transit. ARGV: handle JSON (''
-# when the creation failed), sandbox id, the creation's transit member. One step, so the
-# sandbox's slot is always counted in one place: in transit, then in the ready list. A
-# sandbox in a pool already is not put there again (two rollouts would take it).
+# KEYS: ready list, pending counter, members set, slots in transit, stocked pools set.
+# ARGV: handle JSON ('' when the creation failed), sandbox id, the creation's transit
+# member, pool name. One step, so the sandbox's slot is always counted in one place: in
+# transit, then in the ready list; and a ready list never exists unindexed. A sandbox in a
+# pool already is not put there again (two rollouts would take it).
 _DELIVER = """
 if ARGV[1] ~= '' and redis.call('SADD', KEYS[3], ARGV[2]) == 1 then
   redis.call('RPUSH', KEYS[1], ARGV[1])
+  redis.call('SADD', KEYS[5], ARGV[4])
 end
 if tonumber(redis.call('DECR', KEYS[2])) < 0 then redis.call('SET', KEYS[2], 0) end
 redis.call('ZREM', KEYS[4], ARGV[3])
@@ -83,6 +85,14 @@ if not raw then return false end
 local handle = cjson.decode(raw)
 redis.call('ZADD', KEYS[2], ARGV[1], handle['host'] .. '|' .. handle['sandbox_id'])
 return raw
+"""
+
+
+# KEYS: stocked pools set, the pool's ready list. ARGV: pool name. Unindexes a pool whose
+# ready list is gone (its last sandbox taken), unless a delivery made it again meanwhile.
+_UNSTOCK = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return redis.call('SREM', KEYS[1], ARGV[1]) end
+return 0
 """
 
 
@@ -352,11 +362,13 @@ class PoolFiller:
                 self._pending(pool),
                 self.keys.pool_members,
                 self.keys.transit,
+                self.keys.pools_stocked,
             ],
             args=[
                 handle.model_dump_json() if handle else "",
                 handle.sandbox_id if handle else "",
                 transit,
+                pool.name,
             ],
         )
 
@@ -428,6 +440,7 @@ class PoolClaims:
         self._returned = client.register_script(_RETURNED)
         self._await = client.register_script(_AWAIT)
         self._take_or_wait = client.register_script(_TAKE_OR_WAIT)
+        self._unstock = client.register_script(_UNSTOCK)
         # Three reaper passes: the reaper counts what a pool's rollouts hold on each.
         self._out_ttl_s = max(30, int(3 * settings.reaper_interval_s))
 
@@ -567,12 +580,36 @@ class PoolClaims:
         return [SandboxHandle.model_validate_json(raw) for raw in raws]
 
     async def stocked(self) -> list[str]:
-        """The names of the pools whose ready list exists (configured or not any more)."""
+        """The names of the pools whose ready list exists (configured or not any more),
+        from their index: two round trips, however many rollout records Redis retains
+        (a scan of the keyspace took one per 500 keys). Names whose list is gone leave it."""
+        if not await self.client.exists(self.keys.pools_indexed):
+            await self._index_older_pools()
+        names = sorted(str(name) for name in await self.client.smembers(self.keys.pools_stocked))
+        async with self.client.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.exists(self.keys.pool(name, "ready"))
+            found = await pipe.execute()
+        for name, exists in zip(names, found, strict=True):
+            if not exists:
+                await self._unstock(
+                    keys=[self.keys.pools_stocked, self.keys.pool(name, "ready")], args=[name]
+                )
+        return [name for name, exists in zip(names, found, strict=True) if exists]
+
+    async def _index_older_pools(self) -> None:
+        """Once per deployment: index the ready lists a release before the index made (a
+        rolling upgrade), with the scan the index replaces."""
         head, tail = self.keys.pool("", "ready").split("::")
-        names = []
-        async for key in self.client.scan_iter(match=self.keys.pool("*", "ready"), count=500):
-            names.append(str(key).removeprefix(head + ":").removesuffix(":" + tail))
-        return names
+        names = [
+            str(key).removeprefix(head + ":").removesuffix(":" + tail)
+            async for key in self.client.scan_iter(match=self.keys.pool("*", "ready"), count=1000)
+        ]
+        async with self.client.pipeline(transaction=False) as pipe:
+            if names:
+                pipe.sadd(self.keys.pools_stocked, *names)
+            pipe.set(self.keys.pools_indexed, "1")
+            await pipe.execute()
 
     async def levels(self, pool: str) -> tuple[int, int]:
         """(ready, being created) of ``pool``, in one round trip."""

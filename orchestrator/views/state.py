@@ -138,8 +138,8 @@ async def _newest(store: RolloutStore, rollout_ids: list[str]) -> list[RolloutSu
 async def _unconfigured(
     reader: StateReader, store: RolloutStore, state: DeploymentState
 ) -> list[PoolView]:
-    """Pools no longer configured that still hold sandboxes (found by their keys: one
-    scan), which the read model, made of the configured ones, leaves out."""
+    """Pools no longer configured that still hold sandboxes (from the index of stocked
+    pools), which the read model, made of the configured ones, leaves out."""
     claims = PoolClaims(reader.settings, store.redis)
     configured = {pool.pool for pool in state.pools}
     views = []

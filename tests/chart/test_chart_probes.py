@@ -16,6 +16,7 @@ import redis
 from orchestrator.config import Settings
 from orchestrator.state.keys import Keys
 from tests.chart.conftest import CHART
+from tests.redis_units import delete_keys
 
 PROBES = CHART / "files" / "probes"
 HOST = "worker-probe-0"
@@ -51,9 +52,8 @@ def redis_keys(settings: Settings) -> Iterator[redis.Redis]:
     try:
         yield client
     finally:
-        for key in client.scan_iter(f"{Keys.of(settings.deployment).prefix}*"):
-            client.delete(key)
         client.close()
+        delete_keys(settings.redis_url, f"{Keys.of(settings.deployment).prefix}*")
 
 
 def test_worker_probe_follows_the_real_heartbeat(

@@ -27,6 +27,7 @@ from orchestrator.local import free_port
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.state.keys import Keys
+from tests.redis_units import delete_keys
 
 TOKEN = "e2e-token-" + uuid.uuid4().hex[:8]
 
@@ -156,15 +157,7 @@ def stack(
 
 
 def flush_redis(settings: Settings) -> None:
-    import redis
-
-    client = redis.Redis.from_url(settings.redis_url)
-    try:
-        keys = list(client.scan_iter(Keys.of(settings.deployment).prefix + "*"))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    delete_keys(settings.redis_url, Keys.of(settings.deployment).prefix + "*")
 
 
 def python() -> str:
