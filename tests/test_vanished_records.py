@@ -22,6 +22,7 @@ from orchestrator.state.broker import celery_app
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueClient
+from tests.redis_units import delete_keys
 
 pytestmark = pytest.mark.anyio
 
@@ -40,10 +41,8 @@ async def service(settings: Settings) -> AsyncIterator[RolloutService]:
     store = RolloutStore.connect(own)
     queue = QueueClient(own, celery_app(), store)
     yield RolloutService(own, store, load_environments(own), queue)
-    found = [key async for key in store.redis.scan_iter(match=store.keys.prefix + "*", count=1000)]
-    if found:
-        await store.redis.delete(*found)
     await store.close()
+    delete_keys(own.redis_url, store.keys.prefix + "*")
 
 
 def _record(rollout_id: str, state: RolloutState) -> Rollout:

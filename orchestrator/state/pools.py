@@ -583,23 +583,30 @@ class PoolClaims:
         """The names of the pools whose ready list exists (configured or not any more),
         from their index: two round trips, however many rollout records Redis retains
         (a scan of the keyspace took one per 500 keys). Names whose list is gone leave it."""
-        if not await self.client.exists(self.keys.pools_indexed):
-            await self._index_older_pools()
-        names = sorted(str(name) for name in await self.client.smembers(self.keys.pools_stocked))
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.exists(self.keys.pools_indexed)
+            pipe.smembers(self.keys.pools_stocked)
+            indexed, members = await pipe.execute()
+        if not indexed:
+            members |= await self._index_older_pools()
+        names = sorted(str(name) for name in members)
         async with self.client.pipeline(transaction=False) as pipe:
             for name in names:
                 pipe.exists(self.keys.pool(name, "ready"))
             found = await pipe.execute()
+        stocked = []
         for name, exists in zip(names, found, strict=True):
-            if not exists:
+            if exists:
+                stocked.append(name)
+            else:
                 await self._unstock(
                     keys=[self.keys.pools_stocked, self.keys.pool(name, "ready")], args=[name]
                 )
-        return [name for name, exists in zip(names, found, strict=True) if exists]
+        return stocked
 
-    async def _index_older_pools(self) -> None:
+    async def _index_older_pools(self) -> set[str]:
         """Once per deployment: index the ready lists a release before the index made (a
-        rolling upgrade), with the scan the index replaces."""
+        rolling upgrade), with the scan the index replaces; the names it found."""
         head, tail = self.keys.pool("", "ready").split("::")
         names = [
             str(key).removeprefix(head + ":").removesuffix(":" + tail)
@@ -610,6 +617,7 @@ class PoolClaims:
                 pipe.sadd(self.keys.pools_stocked, *names)
             pipe.set(self.keys.pools_indexed, "1")
             await pipe.execute()
+        return set(names)
 
     async def levels(self, pool: str) -> tuple[int, int]:
         """(ready, being created) of ``pool``, in one round trip."""
