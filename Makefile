@@ -11,12 +11,30 @@ TRAINERS_STAMP := $(TRAINERS_VENV)/.installed
 # Stock Harbor, on Python >= 3.12 when the machine has one (scripts/harbor-venv.sh).
 HARBOR_VENV := .venv-harbor
 
-.PHONY: up test demo setup test-setup host venv trainers-venv harbor-venv images kube tools lint typecheck pytest bench clean-sandboxes
+# Each `make test` records its shape here: every phase's wall time and the slowest tests
+# (tests/timings.py, scripts/test_times.py), printed at its end and kept in summary.txt.
+TIMES := $(VENV)/test-times
+TIMED := ./scripts/timed.sh $(TIMES)
+
+.PHONY: up test test-phases demo setup test-setup host venv trainers-venv harbor-venv images kube tools lint typecheck pytest flake-hunt bench clean-sandboxes
 
 up: setup
 	$(BIN)/orchestrator up $(UP_ARGS)
 
-test: test-setup trainers-venv harbor-venv lint typecheck pytest
+# The set-up's three parts run at once: the trainers' and Harbor's venvs (pip, mostly disk
+# and network) beside the sandbox images and the Kubernetes build (CPU). The table of times
+# is printed whether the run passed or not.
+test:
+	@rm -rf $(TIMES); status=0; \
+	  $(MAKE) --no-print-directory test-phases || status=$$?; \
+	  if [ -x $(BIN)/python ]; then $(BIN)/python scripts/test_times.py $(TIMES) || true; fi; \
+	  exit $$status
+
+test-phases:
+	$(TIMED) setup $(MAKE) --no-print-directory -j3 --output-sync=target \
+	  test-setup trainers-venv harbor-venv
+	$(TIMED) lint $(MAKE) --no-print-directory lint typecheck
+	$(MAKE) --no-print-directory pytest
 
 setup: host venv images tools
 
@@ -81,10 +99,22 @@ typecheck: venv
 # Then, alone, the tests that load the whole machine (marker `solo`): run beside the rest
 # they would slow it down, and measure the load they make, not the suite's.
 pytest: venv
+	ORCH_TEST_PHASE=parallel \
 	ORCH_TRAINERS_PYTHON=$(abspath $(TRAINERS_VENV))/bin/python \
 	ORCH_HARBOR_PYTHON=$$(test -x $(HARBOR_VENV)/bin/python && echo $(abspath $(HARBOR_VENV))/bin/python) \
 	  $(BIN)/pytest -n 2 --dist loadgroup -m "not solo" $(PYTEST_ARGS)
-	$(BIN)/pytest -n 0 -m solo $(PYTEST_ARGS)
+	ORCH_TEST_PHASE=solo $(BIN)/pytest -n 0 -m solo $(PYTEST_ARGS)
+
+# Before landing (DEVELOPERS.md): the tests a change touched (against FLAKE_BASE: by default
+# the uncommitted changes, else the last commit), plus the concurrency-heavy modules,
+# FLAKE_COUNT times each (default 10, pytest-repeat), on FLAKE_WORKERS workers (2) with a
+# CPU hog per core beside them. scripts/flake_hunt.py prints what it picked and why;
+# FLAKE_TESTS replaces the pick.
+flake-hunt: test-setup trainers-venv harbor-venv
+	ORCH_TEST_PHASE=flake-hunt \
+	ORCH_TRAINERS_PYTHON=$(abspath $(TRAINERS_VENV))/bin/python \
+	ORCH_HARBOR_PYTHON=$$(test -x $(HARBOR_VENV)/bin/python && echo $(abspath $(HARBOR_VENV))/bin/python) \
+	  $(BIN)/python scripts/flake_hunt.py $(PYTEST_ARGS)
 
 demo: setup
 	$(BIN)/python -m examples.demo

@@ -83,6 +83,7 @@ from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle, SandboxS
 from orchestrator.sandbox.cgroups import container_file
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import GcReport, collect_expired
+from orchestrator.state.forget import forget_deployment
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import POOL_LABEL, pool_name
 
@@ -931,24 +932,6 @@ def counting_final_sweep(found: dict[str, int]) -> Iterator[None]:
         local.__dict__["collect_expired"] = original
 
 
-def forget_deployment(settings: Settings, deployment: str) -> int:
-    """Delete the deployment's Redis keys (state, queues, Celery bindings)."""
-    client = redis.Redis.from_url(settings.redis_url)
-    try:
-        doomed: list[bytes] = []
-        for pattern in (
-            f"orch:{deployment}:*",
-            f"orch.{deployment}.*",
-            f"_kombu.*.orch.{deployment}.*",
-        ):
-            doomed += list(client.scan_iter(match=pattern, count=1000))
-        for i in range(0, len(doomed), 500):
-            client.delete(*doomed[i : i + 500])
-        return len(doomed)
-    finally:
-        client.close()
-
-
 def rollout_sandboxes(client: docker.DockerClient, deployment: str) -> int:
     """Running sandboxes of the deployment that a rollout holds: not in a pool (Redis's
     pool members; a recycled one keeps its first rollout's labels)."""
@@ -1594,7 +1577,7 @@ def stack_phase(
             **swept,
         }
     finally:
-        forget_deployment(settings, DEPLOYMENT)
+        forget_deployment(settings.redis_url, DEPLOYMENT)
     return pool, raws
 
 

@@ -925,7 +925,7 @@ def main() -> None:
     codebase = ensure_bench_codebase(stack)
     image = ensure_peer_image(stack, codebase, lambda line: print(line, flush=True))
 
-    with cleanup(run_id, direct), local_stack(stack, log=state / "stack.log") as base:
+    with cleanup(run_id, direct), local_stack(stack, log=state / "stack.log", forget=True) as base:
         results = asyncio.run(run_all(args, base, token, stack, direct, image, codebase, run_id))
     report: dict[str, Any] = {
         "parameters": {

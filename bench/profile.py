@@ -156,7 +156,7 @@ def main() -> None:
     ensure_bench_codebase(stack)
     RESULTS.mkdir(parents=True, exist_ok=True)
     outputs = {role: RESULTS / f"profile-{role}.txt" for role in ("api", "worker")}
-    with local_stack(stack, log=stack.state_dir / "stack.log") as base:
+    with local_stack(stack, log=stack.state_dir / "stack.log", forget=True) as base:
         pids = _processes_of(stack.deployment)
         assert set(pids) == {"api", "worker"}, f"found {pids}"
 

@@ -107,7 +107,7 @@ def main() -> None:
     token = settings.api_tokens
     ensure_bench_codebase(settings)
     results: dict[str, dict[str, Any]] = {}
-    with local_stack(settings, log=state / "stack.log") as base:
+    with local_stack(settings, log=state / "stack.log", forget=True) as base:
         for label, command in COMMANDS.items():
             for concurrency in args.concurrency:
                 calls = args.calls if label == "true" else max(10, args.calls // 5)

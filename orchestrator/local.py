@@ -21,8 +21,10 @@ from orchestrator.environments.loader import EnvironmentRegistry
 from orchestrator.sandbox.factory import make_backend
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.state.connection import worker_client
+from orchestrator.state.forget import forget_deployment
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import PoolFiller, targets
+from orchestrator.tls import tls
 
 # Destroys at once at the local stack's end: each mostly waits on dockerd, which takes
 # them in parallel (2 cores, 32 idle runc sandboxes: 12 a second one at a time, 21 eight at
@@ -69,11 +71,14 @@ def end_sandboxes(settings: Settings, environments: EnvironmentRegistry) -> tupl
 
 
 @contextmanager
-def local_stack(settings: Settings, *, log: Path | None = None) -> Iterator[str]:
+def local_stack(
+    settings: Settings, *, log: Path | None = None, forget: bool = False
+) -> Iterator[str]:
     """Start ``orchestrator up`` with ``settings``; yield its base URL once ready.
 
     The deployment is this block's own: when it ends, every sandbox it still has is
-    destroyed."""
+    destroyed, and with ``forget`` every key it left in Redis (its records included: a
+    benchmark's thousands of rollouts are kept for days otherwise)."""
     out = log.open("ab") if log else subprocess.DEVNULL
     proc = subprocess.Popen(
         [sys.executable, "-m", "orchestrator.cli", "up"],
@@ -88,7 +93,7 @@ def local_stack(settings: Settings, *, log: Path | None = None) -> Iterator[str]
             if proc.poll() is not None:
                 raise RuntimeError(f"the stack exited with {proc.returncode} (log: {log})")
             try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                if httpx.get(f"{base}/readyz", timeout=2, verify=tls()).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -104,3 +109,5 @@ def local_stack(settings: Settings, *, log: Path | None = None) -> Iterator[str]
             proc.kill()
             proc.wait()
         collect_expired(make_backend(settings), everything=True)
+        if forget:
+            forget_deployment(settings.redis_url, settings.deployment)

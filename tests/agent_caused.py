@@ -21,6 +21,8 @@ from typing import Any
 
 import httpx
 
+from orchestrator.tls import tls
+
 REPORT_ENV = "AGENT_CAUSED_REPORT"
 ANSWER = "src/requests/api.py"
 GOLD = [ANSWER]
@@ -136,7 +138,7 @@ def run_act(base_url: str, token: str, item: dict[str, Any], act: Act, backend: 
     started = time.monotonic()
     outputs: list[str] = []
     headers = {"Authorization": f"Bearer {token}"}
-    with httpx.Client(base_url=base_url, headers=headers, timeout=180) as client:
+    with httpx.Client(base_url=base_url, headers=headers, timeout=180, verify=tls()) as client:
         for arguments in (
             {"command": "echo ready"},
             {"command": act.command, "timeout_s": act.timeout_s},

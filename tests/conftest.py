@@ -31,8 +31,13 @@ from orchestrator.images.base import BaseBuildResult, build_base_image
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
+from orchestrator.state.forget import forget_deployment
 from tests import agent_caused
 from tests.faults.report import REPORT_ENV, read_rows, table
+
+# Fails the run when an xdist group is split across workers (tests/xdist_groups.py);
+# records each phase's wall time and slowest tests (tests/timings.py).
+pytest_plugins = ["tests.xdist_groups", "tests.timings"]
 
 RUNTIMES: list[Runtime] = ["runc", "runsc"]
 
@@ -151,6 +156,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     if not _is_controller(config) or _inventory_key not in config.stash:
         return
+    # What this run's deployments (test-<run>-*) left in Redis: a stack whose teardown was
+    # cut short, kombu's bindings and empty queues (no expiry). Swept, not failed: the
+    # containers and volumes below are what a user would pay for.
+    swept = forget_deployment(Settings().redis_url, f"test-{RUN_ID}-*")
     before = config.stash[_inventory_key]
     after = _inventory()
     leaked = {kind: sorted(after[kind] - before.get(kind, set())) for kind in after}
@@ -165,6 +174,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         reporter.write_line(
             "leak check: no container, volume, network, loop mount or workspace image left behind"
         )
+    if reporter is not None:
+        reporter.write_line(f"redis sweep: {swept} keys of this run's deployments deleted")
 
 
 def runsc_available() -> bool:

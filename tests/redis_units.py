@@ -12,7 +12,7 @@ import redis
 
 from orchestrator.config import Settings
 from orchestrator.sandbox.backend import SandboxHandle
-from orchestrator.state.keys import Keys
+from orchestrator.state.forget import forget_deployment
 
 POOLED_ENVIRONMENT = """\
 environments:
@@ -38,13 +38,13 @@ def own_deployment(
     try:
         yield own
     finally:
-        delete_keys(own.redis_url, f"{Keys.of(own.deployment).prefix}*")
+        forget_deployment(own.redis_url, own.deployment)
 
 
 def delete_keys(redis_url: str, pattern: str) -> None:
-    """Delete every key matching ``pattern``: a test's own, after it. Scanned 1,000 at a
-    time, as Redis may hold many keys of others (a bench's retained rollout records): at
-    SCAN's default of 10, one clean-up among 100,000 took 20 s."""
+    """Delete every key matching ``pattern``: a test's own keys that belong to no
+    deployment (a deployment's go with state/forget.forget_deployment). Scanned 1,000 at a
+    time, as Redis may hold many keys of others."""
     client = redis.Redis.from_url(redis_url)
     try:
         keys = list(client.scan_iter(match=pattern, count=1000))

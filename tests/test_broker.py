@@ -17,9 +17,9 @@ from celery.contrib.testing.worker import start_worker
 
 from orchestrator.config import Settings
 from orchestrator.state.broker import celery_url, make_celery, task_message
+from orchestrator.state.forget import forget_deployment
 from orchestrator.state.keys import Keys
 from orchestrator.state.tasks import TaskName
-from tests.redis_units import delete_keys
 
 # Set by each message's own publish: ids, clocks, who sent it.
 _PER_MESSAGE_HEADERS = {"id", "root_id", "expires", "origin", "argsrepr", "kwargsrepr"}
@@ -28,10 +28,12 @@ _PER_MESSAGE_PROPERTIES = {"correlation_id", "reply_to", "delivery_tag"}
 
 @pytest.fixture
 def scratch(settings: Settings) -> Iterator[tuple[Settings, str]]:
-    own = settings.model_copy(update={"deployment": f"broker-{uuid.uuid4().hex[:8]}"})
+    own = settings.model_copy(
+        update={"deployment": f"{settings.deployment}-broker-{uuid.uuid4().hex[:8]}"}
+    )
     queue = Keys.of(own.deployment).host_queue("scratch")
     yield own, queue
-    delete_keys(own.redis_url, f"*{own.deployment}*")
+    forget_deployment(own.redis_url, own.deployment)
 
 
 def _pushed(client: redis.Redis, queue: str) -> dict[str, Any]:

@@ -15,10 +15,10 @@ import pytest
 
 from orchestrator.config import Settings
 from orchestrator.state.connection import call_path_connection
+from orchestrator.state.forget import forget_deployment
 from orchestrator.state.keys import Keys
 from orchestrator.state.records import CallStartStatus, RolloutStore
 from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState, WorkerTickets
-from tests.redis_units import delete_keys
 
 pytestmark = pytest.mark.anyio
 
@@ -29,10 +29,10 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture()
-def keys() -> Iterator[Keys]:
-    value = Keys.of(f"test-tickets-{uuid.uuid4().hex[:8]}")
+def keys(settings: Settings) -> Iterator[Keys]:
+    value = Keys.of(f"{settings.deployment}-tickets-{uuid.uuid4().hex[:8]}")
     yield value
-    delete_keys(Settings().redis_url, value.prefix + "*")
+    forget_deployment(settings.redis_url, value.deployment)
 
 
 @pytest.fixture()

@@ -3,6 +3,7 @@ against the real daemon, each leaving no sandbox behind."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import uuid
@@ -17,6 +18,7 @@ from typer.testing import CliRunner, Result
 from orchestrator.cli import app
 from orchestrator.cli import sandbox as sandbox_cli
 from orchestrator.config import Runtime, Settings, get_settings
+from orchestrator.local import free_port
 from orchestrator.sandbox.backend import SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
@@ -179,6 +181,40 @@ def test_ls_shows_whole_sandbox_ids_at_80_columns(cli: Cli, base_image: str) -> 
         assert handle.sandbox_id in listed.output
     finally:
         cli.backend.destroy(handle)
+
+
+def test_ls_json_names_the_owner_and_falls_back_to_the_label_without_redis(
+    cli: Cli, base_image: str
+) -> None:
+    """With Redis, a sandbox no pool ever held is its label's rollout's; without Redis the
+    listing still answers, from the labels, and says the owners are only that."""
+    rollout = f"cli-{uuid.uuid4().hex[:6]}"
+    handle = cli.backend.create(SandboxSpec(image=base_image, rollout_id=rollout))
+    try:
+        listed = cli.invoke("sandbox", "ls", "--json")
+        assert listed.exit_code == 0, listed.output
+        listing = json.loads(listed.output)
+        assert listing["redis_error"] is None
+        (entry,) = listing["sandboxes"]
+        assert entry["sandbox_id"] == handle.sandbox_id
+        assert (entry["owner"], entry["first_rollout"], entry["owner_known"]) == (
+            rollout,
+            rollout,
+            True,
+        )
+        cli.monkeypatch.setenv("ORCH_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+        get_settings.cache_clear()
+        blind = cli.invoke("sandbox", "ls", "--json")
+        assert blind.exit_code == 0, blind.output
+        listing = json.loads(blind.output)
+        assert "ConnectionError" in listing["redis_error"], listing
+        (entry,) = listing["sandboxes"]
+        assert (entry["owner"], entry["owner_known"]) == (rollout, False)
+        table = cli.invoke("sandbox", "ls")
+        assert f"{rollout}?" in table.output and "Redis could not be read" in table.output
+    finally:
+        cli.backend.destroy(handle)
+        get_settings.cache_clear()
 
 
 def test_smoke_passes_on_every_runtime(cli: Cli) -> None:

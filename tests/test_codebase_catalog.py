@@ -31,6 +31,7 @@ from orchestrator.images.codebases import (
     list_codebases,
     remove_codebase,
 )
+from orchestrator.tls import tls
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -139,7 +140,10 @@ def registry(tmp_path: Path) -> Iterator[str]:
         deadline = time.monotonic() + 20
         while True:
             try:
-                if httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200:
+                if (
+                    httpx.get(f"http://127.0.0.1:{port}/v2/", timeout=1, verify=tls()).status_code
+                    == 200
+                ):
                     break
             except httpx.HTTPError:
                 pass
@@ -178,6 +182,7 @@ def test_publish_pushes_and_prints_a_pinned_catalogue_entry(
         manifest = httpx.get(
             f"http://{registry}v2/{repo}/manifests/{digest}",
             headers={"Accept": "application/vnd.docker.distribution.manifest.v2+json"},
+            verify=tls(),
         )
         assert manifest.status_code == 200, manifest.text
         # The printed line is a valid catalogue, and resolves to the pinned reference.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 from docker.errors import ImageNotFound
 
 from orchestrator.config import Settings
-from orchestrator.images.base import BaseBuildResult
+from orchestrator.images.base import BaseBuildResult, image_store_lock
 from orchestrator.images.codebases import (
     LABEL_COMMIT,
     LABEL_NAME,
@@ -57,8 +59,9 @@ def new_name(
 
     yield make
     for name in made:
-        with contextlib.suppress(ImageNotFound):
-            client.images.remove(f"{settings.codebase_image_repo}:{name}", force=True)
+        # The product's removal: it takes the image store from the other worker's builds.
+        with contextlib.suppress(UnknownCodebase):
+            remove_codebase(settings, name)
 
 
 def run(
@@ -420,3 +423,64 @@ def test_cli_add_ls_rm(
     assert "unknown codebase" in result.output
     assert not image_exists(client, f"{settings.codebase_image_repo}:{name}")
     get_settings.cache_clear()
+
+
+def _look_alike_tree(tmp_path: Path) -> Path:
+    """A tree every caller makes the same: its codebases share every build step's cache."""
+    tree = tmp_path / "same"
+    (tree / "src").mkdir(parents=True)
+    (tree / "README.md").write_text("look-alike\n")
+    (tree / "src" / "a.py").write_text("x = 1\n")
+    return tree
+
+
+def test_look_alike_codebases_added_and_removed_at_once_all_succeed(
+    tmp_path: Path, settings: Settings, new_name: Callable[[], str]
+) -> None:
+    """Two trainers adding and removing codebases of the same contents at the same time:
+    a removal prunes its image's untagged parents, which are the cached layers the other
+    build is taking. Without the image store's lock, 3 of 24 adds failed here ("failed to
+    get digest ...: no such file")."""
+    tree = _look_alike_tree(tmp_path)
+    errors: list[str] = []
+
+    def add_and_remove() -> None:
+        for _ in range(4):
+            name = new_name()
+            try:
+                add_codebase(settings, name, tree)
+                remove_codebase(settings, name)
+            except Exception as exc:  # noqa: BLE001 - every failure is the finding
+                errors.append(f"{name}: {exc}")
+
+    threads = [threading.Thread(target=add_and_remove) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+
+
+def test_a_removal_waits_for_the_builds_under_way(
+    tmp_path: Path, settings: Settings, client: docker.DockerClient, new_name: Callable[[], str]
+) -> None:
+    """Deterministically, what the test above finds by chance: while a build holds the image
+    store (shared), a removal does not start; it ends once the build is done."""
+    name = new_name()
+    add_codebase(settings, name, _look_alike_tree(tmp_path))
+    removed = threading.Event()
+
+    def remove() -> None:
+        remove_codebase(settings, name)
+        removed.set()
+
+    with image_store_lock(client, exclusive=False):  # as run_build holds it
+        remover = threading.Thread(target=remove)
+        remover.start()
+        # Long enough for an unlocked removal to finish many times over (about 0.1 s).
+        time.sleep(1.0)
+        assert not removed.is_set(), "the removal ran while a build held the image store"
+    remover.join(timeout=60)
+    assert removed.is_set()
+    with pytest.raises(UnknownCodebase):
+        get_codebase(settings, name)

@@ -17,6 +17,7 @@ from orchestrator.images.base import (
     OS_IMAGE_SOURCE_LABEL,
     BaseBuildResult,
     build_base_image,
+    image_store_lock,
     inputs_hash,
     make_os_image_with_debootstrap,
     sandbox_images_dir,
@@ -122,7 +123,7 @@ def test_debootstrap_makes_an_importable_os_image(
         # The scratch rootfs is gone.
         assert list((tmp_path / "build").iterdir()) == []
     finally:
-        with contextlib.suppress(ImageNotFound):
+        with contextlib.suppress(ImageNotFound), image_store_lock(client, exclusive=True):
             client.images.remove(ref, force=True)
 
 

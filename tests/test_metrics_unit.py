@@ -26,13 +26,14 @@ from orchestrator.observability.api_process import multiproc_dir, prepare_multip
 from orchestrator.observability.metrics import MULTIPROC_ENV
 from orchestrator.sandbox.backend import SandboxHandle
 from orchestrator.state.collector import StateCollector, gauges
+from orchestrator.state.forget import forget_deployment
 from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.keys import Keys
 from orchestrator.state.records import InfraFailureEntry, RolloutStore
 from orchestrator.state.snapshot import NEWEST, StateReader
 from orchestrator.views.models import AdmissionView, StatusSnapshot
 from orchestrator.views.state import read_state, status_of
-from tests.redis_units import delete_keys, pool_handle
+from tests.redis_units import pool_handle
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -59,11 +60,13 @@ def labelled(got: Samples, name: str) -> dict[str, float]:
 
 
 @pytest.fixture()
-def deployment(tmp_path: Path) -> Iterator[Settings]:
-    settings = Settings(deployment=f"unit-{uuid.uuid4().hex[:8]}", state_dir=tmp_path)
-    yield settings
+def deployment(settings: Settings, tmp_path: Path) -> Iterator[Settings]:
+    own = Settings(
+        deployment=f"{settings.deployment}-unit-{uuid.uuid4().hex[:8]}", state_dir=tmp_path
+    )
+    yield own
     # The deployment's keys and its queues' (a priority sub-queue too: its own key).
-    delete_keys(settings.redis_url, f"*{settings.deployment}*")
+    forget_deployment(own.redis_url, own.deployment)
 
 
 def _pooled_environments(settings: Settings) -> str:

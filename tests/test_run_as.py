@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shlex
 import shutil
 import stat
 import tempfile
@@ -25,6 +26,7 @@ import docker
 import pytest
 
 from orchestrator.config import Runtime
+from orchestrator.images.base import image_store_lock, run_build
 from orchestrator.sandbox.agent import EXEC_AGENT_PATH
 from orchestrator.sandbox.agent.exec_agent import RUN_AS, trusted_run_as
 from orchestrator.sandbox.docker import AGENT_CAPABILITIES, DockerBackend
@@ -40,7 +42,7 @@ ea.keep_inheritable()
 ea.drop_bounding_set()
 probe = (
     "grep -E '^(Uid|Gid|Groups|CapInh|CapPrm|CapEff|CapAmb|NoNewPrivs|SigIgn):' /proc/self/status;"
-    " echo cwd=$(pwd); echo fds=$(cd /proc/$$/fd && echo *)"
+    " echo cwd=$(pwd); " + sys.argv[1]
 )
 child = ea.spawn_as(run_as, 1000, 1000, ["/bin/bash", "-c", probe], {"PATH": "/usr/bin:/bin"})
 out = child.stdout.read().decode()
@@ -61,6 +63,16 @@ print(json.dumps({"run_as": run_as, "out": out, "err": err, "code": code, "failu
 """
 
 
+# The shell's descriptors, listed by the shell itself: a glob (old gVisor cannot stat
+# /proc/self/fd for ls) in the shell's own process, so the list holds 0-2 and the glob's
+# directory handle (3), the lowest free number: any descriptor of the agent's that run-as let
+# through would take 3 and push the handle to 4. Listing it from a command substitution,
+# as `$(cd /proc/$$/fd && echo *)` did, reads the *parent* shell's table while the parent
+# may still hold the write end of that substitution's pipe: 0-4 in a third of runs on a
+# loaded host (test_the_descriptor_listing_is_deterministic).
+LIST_FDS = 'cd /proc/self/fd && fds=(*) && echo "fds=${fds[*]}"'
+
+
 @pytest.fixture(scope="module")
 def docker_client() -> Iterator[docker.DockerClient]:
     client = docker.from_env()
@@ -73,7 +85,7 @@ def _in_sandbox(
 ) -> dict[str, Any]:
     output = client.containers.run(
         image,
-        ["python3", "-I", "-c", IN_SANDBOX],
+        ["python3", "-I", "-c", IN_SANDBOX, LIST_FDS],
         runtime=backend.oci_runtime(runtime),
         cap_drop=["ALL"],
         cap_add=AGENT_CAPABILITIES,
@@ -110,9 +122,31 @@ def test_a_command_through_run_as_is_the_user_with_nothing_else(
     assert not ignored & (1 << 12) and not ignored & (1 << 24), status["SigIgn"]
     assert "cwd=/\n" in seen["out"]
     fds = seen["out"].split("fds=", 1)[1].split()
-    # The shell's own: 0-2, and 3, the pipe of the $(...) that lists them (a glob, since
-    # old gVisor cannot stat /proc/self/fd for ls): no descriptor of the agent's.
+    # The shell's own 0-2 and the listing's directory handle (LIST_FDS): nothing of the agent's.
     assert fds == ["0", "1", "2", "3"], fds
+
+
+def _fd_listings(client: docker.DockerClient, image: str, listing: str, runs: int) -> set[str]:
+    """What ``listing`` printed in ``runs`` fresh shells in one container, with every
+    other core kept busy (the race it guards against needs the parent shell descheduled)."""
+    script = (
+        "hogs=(); for _ in $(seq $(nproc)); do (while :; do :; done) & hogs+=($!); done; "
+        f"for _ in $(seq {runs}); do bash -c {shlex.quote(listing)}; done | sort -u; "
+        'kill "${hogs[@]}"'
+    )
+    output = client.containers.run(
+        image, ["bash", "-c", script], network_mode="none", remove=True, stdout=True
+    )
+    return set(output.decode().split("\n")) - {""}
+
+
+def test_the_descriptor_listing_is_deterministic(
+    docker_client: docker.DockerClient, base_image: str
+) -> None:
+    """The listing the test above trusts gives one answer, run after run, under load. The
+    one it replaced (a substitution reading its parent's table) fails this: 0-4 in 1,064
+    of 3,000 runs while a build loaded the host."""
+    assert _fd_listings(docker_client, base_image, LIST_FDS, 500) == {"fds=0 1 2 3"}
 
 
 def test_a_failed_switch_or_exec_is_the_oserror_popen_raised(
@@ -185,9 +219,18 @@ def image_without_run_as(docker_client: docker.DockerClient, base_image: str) ->
     image is not rebuilt when the base image changes."""
     tag = f"orchestrator/test-no-run-as:{uuid.uuid4().hex[:8]}"
     dockerfile = f"FROM {base_image}\nRUN rm -r /opt/orchestrator/bin\n".encode()
-    docker_client.images.build(fileobj=io.BytesIO(dockerfile), tag=tag, rm=True)
+    # Through the product's build and the image store's lock, as every build and removal
+    # on this daemon (images/base.image_store_lock).
+    run_build(
+        docker_client,
+        progress=lambda _line: None,
+        what=tag,
+        fileobj=io.BytesIO(dockerfile),
+        tag=tag,
+    )
     yield tag
-    docker_client.images.remove(tag, force=True)
+    with image_store_lock(docker_client, exclusive=True):
+        docker_client.images.remove(tag, force=True)
 
 
 def test_a_sandbox_of_an_image_without_run_as_gets_the_base_images(

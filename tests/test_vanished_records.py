@@ -19,10 +19,10 @@ from orchestrator.rollouts.errors import InfraError, Rejected, RolloutVanished
 from orchestrator.rollouts.lookup import known, present
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.state.broker import celery_app
+from orchestrator.state.forget import forget_deployment
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueClient
-from tests.redis_units import delete_keys
 
 pytestmark = pytest.mark.anyio
 
@@ -42,7 +42,7 @@ async def service(settings: Settings) -> AsyncIterator[RolloutService]:
     queue = QueueClient(own, celery_app(), store)
     yield RolloutService(own, store, load_environments(own), queue)
     await store.close()
-    delete_keys(own.redis_url, store.keys.prefix + "*")
+    forget_deployment(own.redis_url, own.deployment)
 
 
 def _record(rollout_id: str, state: RolloutState) -> Rollout:

@@ -15,6 +15,7 @@ from orchestrator.images.codebases import CodebaseError, codebase_image
 from orchestrator.sandbox.backend import SandboxError, SandboxSpec
 from orchestrator.sandbox.factory import HostBackend, make_backend
 from orchestrator.sandbox.gc import collect_expired
+from orchestrator.views.sandboxes import list_sandboxes as list_sandboxes_of
 
 app = typer.Typer(help="Sandboxes: run, list, garbage-collect.", no_args_is_help=True)
 console = Console()
@@ -82,22 +83,40 @@ def run(
 
 
 @app.command("ls")
-def list_sandboxes() -> None:
-    """List this deployment's sandboxes on this host."""
-    backend = _backend()
-    table = Table("rollout", "runtime", "image", "created", "expires")
+def list_sandboxes(
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List this deployment's sandboxes on this host, oldest first, with who holds each now.
+
+    OWNER is read from Redis: a rollout id, or `pool` for a sandbox lying in a warm pool or
+    being recycled into one. FIRST ROLLOUT is the one it was made for (its label), which a
+    recycled sandbox has long outlived: a hint, not the owner."""
+    listing = list_sandboxes_of(get_settings(), _backend())
+    if json_:
+        typer.echo(listing.model_dump_json(indent=2))
+        return
+    table = Table("owner", "first rollout", "runtime", "image", "created", "expires")
     # Ids are what people copy into other commands: never cut them.
     table.columns.insert(0, Column("sandbox", no_wrap=True, min_width=20))
-    for h in sorted(backend.list_owned(), key=lambda h: h.created_at):
+    for view in listing.sandboxes:
+        owner = view.owner or "-"
+        if view.recycling:
+            owner += " (recycling)"
         table.add_row(
-            h.sandbox_id,
-            h.rollout_id,
-            h.runtime,
-            h.image[:40],
-            h.created_at.strftime("%Y-%m-%d %H:%M:%S"),
-            h.expires_at.strftime("%Y-%m-%d %H:%M:%S"),
+            view.sandbox_id,
+            owner if view.owner_known else f"{owner}?",
+            view.first_rollout or "-",
+            view.runtime,
+            view.image[:40],
+            view.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+            view.expires_at.strftime("%Y-%m-%d %H:%M:%S"),
         )
     console.print(table)
+    if listing.redis_error:
+        console.print(
+            f"[yellow]Redis could not be read ({listing.redis_error}): owners marked ? are "
+            "the labels' first owners, which a recycled sandbox has outlived[/]"
+        )
 
 
 @app.command()

@@ -28,6 +28,7 @@ from orchestrator.environments.loader import load_environments
 from orchestrator.local import end_sandboxes
 from orchestrator.rollouts.teardown import end_rollouts
 from orchestrator.state.keys import Keys
+from orchestrator.tls import tls
 
 console = Console()
 
@@ -252,7 +253,7 @@ def _wait_ready(base: str, procs: dict[str, subprocess.Popen[bytes]], timeout_s:
         if any(p.poll() is not None for p in procs.values()):
             return False
         try:
-            if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+            if httpx.get(f"{base}/readyz", timeout=2, verify=tls()).status_code == 200:
                 return True
         except httpx.HTTPError:
             pass

@@ -20,6 +20,7 @@ from orchestrator.client import wire
 from orchestrator.client.errors import InfraFailure, OrchestratorError
 from orchestrator.client.retry import RetryPolicy
 from orchestrator.client.transport import DEFAULT_TIMEOUT, auth_headers, log, log_retry
+from orchestrator.tls import tls
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -45,7 +46,7 @@ class RolloutClient:
         its base URL is replaced by ``base_url``."""
         self.retry = retry or RetryPolicy()
         self._owned = http is None
-        self._http = http or httpx.Client(timeout=timeout)
+        self._http = http or httpx.Client(timeout=timeout, verify=tls())
         self._http.base_url = httpx.URL(base_url)
         self._http.headers.update(auth_headers(token))
 

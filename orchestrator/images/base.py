@@ -8,6 +8,8 @@ when its inputs change: a hash of them is stored as a label on the image.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -294,6 +296,34 @@ def _build_lines(stream: Iterable[dict[str, Any]]) -> Iterator[tuple[str, str]]:
             yield "id", str(chunk["aux"]["ID"])
 
 
+@contextlib.contextmanager
+def image_store_lock(client: docker.DockerClient, *, exclusive: bool) -> Iterator[None]:
+    """Hold the daemon's image store for a build (shared) or a removal (exclusive).
+
+    Builds reuse any image's layers from the builder's cache, and a removal with pruning
+    deletes the removed image's untagged parents: a removal beside a build of look-alike
+    contents deleted the cached layer that build had just taken ("failed to get digest
+    ...: no such file"). So builds share the store and a removal waits for them. The lock
+    is a file lock named by the daemon's ID, held by every process of this machine that
+    builds or removes through this module; a daemon reached over TCP from several
+    machines is not covered (nor is an operator's own ``docker image prune``).
+    """
+    try:
+        daemon = str(client.info().get("ID") or "default")
+    except DockerException as exc:
+        raise ImageBuildError(f"docker daemon unreachable: {exc}") from exc
+    name = "".join(c if c.isalnum() else "-" for c in daemon)
+    path = Path(tempfile.gettempdir()) / f"orchestrator-image-store-{name}.lock"
+    # Read-only is enough for flock, so a lock file root made serves other users too;
+    # O_NOFOLLOW: in a world-writable /tmp, never follow somebody's symlink.
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def run_build(
     client: docker.DockerClient,
     *,
@@ -305,7 +335,15 @@ def run_build(
 
     Only ``Step n/m`` lines reach ``progress``; on failure the tail of the output is in the
     raised :class:`ImageBuildError`, so a failed ``apt-get`` is readable without ``--verbose``.
+    Holds :func:`image_store_lock` (shared) while it runs.
     """
+    with image_store_lock(client, exclusive=False):
+        return _run_build(client, progress=progress, what=what, **build_kwargs)
+
+
+def _run_build(
+    client: docker.DockerClient, *, progress: Progress, what: str, **build_kwargs: Any
+) -> str:
     tail: list[str] = []
     image_id = ""
     try:
@@ -387,10 +425,11 @@ def build_base_image(
 def drop_if_untagged(client: docker.DockerClient, image_id: str) -> None:
     """Remove a replaced image once it has no tag left; keep it while anything uses it."""
     # Docker refuses (409) while containers or child images use it, which is the answer we
-    # want, so errors are ignored.
+    # want, so errors are ignored. Pruning its parents needs the store to itself.
     try:
-        image = client.images.get(image_id)
-        if not image.tags:
-            client.images.remove(image_id, noprune=False)
-    except (APIError, ImageNotFound):
+        with image_store_lock(client, exclusive=True):
+            image = client.images.get(image_id)
+            if not image.tags:
+                client.images.remove(image_id, noprune=False)
+    except (APIError, ImageNotFound, ImageBuildError):
         pass

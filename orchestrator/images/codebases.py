@@ -29,6 +29,7 @@ from orchestrator.images.base import (
     ImageBuildError,
     Progress,
     drop_if_untagged,
+    image_store_lock,
     run_build,
     scratch_dir,
 )
@@ -250,9 +251,14 @@ def remove_codebase(settings: Settings, name: str) -> None:
     info = get_codebase(settings, name)
     client = connect(settings)
     try:
-        client.images.remove(info.image, noprune=False)
+        # Its untagged parents go with it: not while a build may be taking them from the
+        # builder's cache (image_store_lock).
+        with image_store_lock(client, exclusive=True):
+            client.images.remove(info.image, noprune=False)
     except ImageNotFound as exc:
         raise UnknownCodebase(f"unknown codebase {name!r}") from exc
+    except ImageBuildError as exc:
+        raise CodebaseError(f"could not remove codebase {name!r}: {exc}") from exc
     except APIError as exc:
         # Pruning the image's untagged parents races with another removal sharing them (the
         # builder's cache makes identical steps one layer): the daemon answers 500

@@ -12,7 +12,7 @@ from orchestrator.sandbox.backend import SandboxBackend, SandboxError
 from orchestrator.state.connection import SyncRedis
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutState
-from orchestrator.state.pools import POOL_LABEL, pool_owner
+from orchestrator.state.pools import POOL_LABEL, pool_standings
 from orchestrator.state.records import SandboxOwner, sandbox_owner
 
 log = get_logger(__name__)
@@ -39,9 +39,12 @@ def sweep_orphans(backend: SandboxBackend, client: SyncRedis, settings: Settings
         rollout_id = handle.rollout_id
         # A recycled sandbox keeps the labels of the rollout it was made for: whether it
         # lies in a pool, is on its way back to one, or which rollout took it is Redis's.
-        pooled, owner = pool_owner(client, keys, handle.sandbox_id, handle.host)
-        if pooled:
+        # Read just before its record (not for all at once): a sandbox may change hands
+        # while earlier ones are being destroyed.
+        (standing,) = pool_standings(client, keys, [handle])
+        if standing.pooled:
             continue
+        owner = standing.claimed_by
         if rollout_id == POOL_LABEL:
             # A young one may be on its way into its pool.
             if now - handle.created_at.timestamp() < pool_delivery_s(settings):

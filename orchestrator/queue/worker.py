@@ -275,9 +275,15 @@ def start_heartbeat() -> threading.Thread:
     second thread probes the host and the beat publishes its latest finding."""
     settings = get_settings()
     latest = _latest
+    # Set by a probe whose finding changes whether the host takes sandboxes: the beat then
+    # publishes at once, not an interval later. A worker just started is cordoned
+    # ("starting") until its first probe, and was not schedulable for a whole interval
+    # after it (5 s by default; a restart in the suite's integrity tests waited 10 s).
+    changed = threading.Event()
 
     def probe() -> None:
         while True:
+            before = latest[0].cordon_reasons
             try:
                 latest[0] = host_status(latest[0])
             except Exception as exc:  # noqa: BLE001 - the probe must outlive any failure
@@ -286,12 +292,15 @@ def start_heartbeat() -> threading.Thread:
                     error=f"probe failed: {exc!r}",
                     cordon_reasons=[f"probe failed: {exc!r}"],
                 )
+            if bool(before) != bool(latest[0].cordon_reasons):
+                changed.set()
             time.sleep(settings.heartbeat_interval_s)
 
     def beat() -> None:
         while True:
             publish_heartbeat(latest[0])
-            time.sleep(settings.heartbeat_interval_s)
+            changed.wait(settings.heartbeat_interval_s)
+            changed.clear()
 
     threading.Thread(target=probe, name="host-probe", daemon=True).start()
     thread = threading.Thread(target=beat, name="heartbeat", daemon=True)

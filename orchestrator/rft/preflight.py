@@ -18,6 +18,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from orchestrator.rft.job import JobBody
+from orchestrator.tls import tls
 
 MAX_RESPONSE_BYTES = 1024 * 1024
 """The platform reads at most 1 MB of a tool's answer (more reaches the model as a 413)."""
@@ -78,7 +79,7 @@ def run_preflight(
     item = {k: v for k, v in row.items() if k not in ("messages", "tools")}
     trace = f"trace_preflight_{uuid.uuid4().hex}"
     checks: list[Check] = []
-    with httpx.Client(timeout=timeout_s, transport=transport) as http:
+    with httpx.Client(timeout=timeout_s, transport=transport, verify=tls()) as http:
         for tool in reinforcement.tools:
             args = (arguments or {}).get(tool.name, sample_arguments(schemas.get(tool.name, {})))
             call_id = f"call_preflight_{uuid.uuid4().hex[:12]}"

@@ -602,11 +602,6 @@ class DockerBackend(agent.AgentBackend):
         exit_code = raw.get("ExitCode") if stopped else None
         oom_killed = bool(raw.get("OOMKilled"))
         killed = stopped and exit_code == 128 + signal.SIGKILL
-        kernel_says = ""
-        if killed and not oom_killed:
-            # Docker's flag can miss an OOM kill that the kernel logged (kernel_log.py).
-            oom_killed = bool(kernel_log.memcg_oom_killed(str((info or {}).get("Id", ""))))
-            kernel_says = " (the kernel's log)" if oom_killed else ""
         # Docker sets OOMKilled on any OOM kill in the container, even one of a single
         # command that the sandbox survived; SIGKILL as the exit status says the OOM
         # killer took the whole sandbox. Under gVisor the kernel may pick the gofer instead
@@ -614,6 +609,12 @@ class DockerBackend(agent.AgentBackend):
         # the sentry's 1): the sandbox then exits 2, not 137, dead of the same OOM (seen
         # once in a fresh-clone run's test_whole_sandbox_oom_is_the_agents_doing[runsc]).
         gvisor_died = handle.runtime == "runsc" and stopped and exit_code not in (0, None)
+        kernel_says = ""
+        if (killed or gvisor_died) and not oom_killed:
+            # Docker's flag can miss an OOM kill that the kernel logged (kernel_log.py), for
+            # a gVisor sandbox that exited 2 as for one that exited 137.
+            oom_killed = bool(kernel_log.memcg_oom_killed(str((info or {}).get("Id", ""))))
+            kernel_says = " (the kernel's log)" if oom_killed else ""
         whole_oom = oom_killed and (killed or gvisor_died)
         detail = f"state={state}"
         if stopped:

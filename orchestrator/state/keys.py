@@ -198,6 +198,20 @@ class Keys:
         return f"orch:{self.deployment}:{role}"
 
 
+def deployment_patterns(deployment: str) -> list[str]:
+    """``SCAN MATCH`` patterns of every key ``deployment`` leaves in Redis: its own keys, its
+    Celery queues and kombu's bindings of them (kept by kombu with no expiry). A
+    ``deployment`` ending in ``*`` covers every deployment whose name starts with the rest
+    (the test suite's runs: ``test-<run>-*``)."""
+    queues = f"orch.{deployment}" if deployment.endswith("*") else f"orch.{deployment}.*"
+    return [
+        f"orch:{deployment}" if deployment.endswith("*") else f"orch:{deployment}:*",
+        queues,
+        f"_kombu.binding.{queues}",
+        f"_kombu.binding_permanent.{queues}",
+    ]
+
+
 def queue_depth_keys(queue: str) -> list[str]:
     """The Redis lists kombu keeps one Celery queue's waiting messages in (one per
     priority step: the queue's own name, then siblings with kombu's separator)."""

@@ -413,20 +413,62 @@ class PoolFiller:
         return self.keys.pool(pool.name, "pending")
 
 
-def pool_owner(
-    client: redis.Redis, keys: Keys, sandbox_id: str, host: str = ""
-) -> tuple[bool, str]:
-    """(lies in a pool or is on its way back to one, the rollout that took it from a pool
-    or ''), for the orphan sweep. On its way back: being recycled (its slot held in transit
-    by state/admission.Admission.hold_for_recycling, on ``host``)."""
+@dataclass(frozen=True)
+class PoolStanding:
+    """What Redis says of one sandbox a pool may have held (its labels cannot: they name the
+    rollout it was made for, fixed at its creation, and a recycled sandbox outlives it)."""
+
+    pooled: bool
+    """It lies in a pool, or is on its way back to one (being recycled)."""
+    recycling: bool
+    """On its way back: being reset, its slot held in transit (Admission.hold_for_recycling)."""
+    claimed_by: str
+    """The rollout that last took it from a pool, or ''."""
+
+    def owner(self, label: str) -> str:
+        """Who holds it now: ``pool``, or a rollout id; ``label`` is the rollout its labels
+        name (its first owner), which is the answer only when no pool ever had it."""
+        if self.pooled:
+            return POOL_LABEL
+        return self.claimed_by or label
+
+
+def pool_standings(
+    client: redis.Redis, keys: Keys, handles: list[SandboxHandle]
+) -> list[PoolStanding]:
+    """:class:`PoolStanding` of each of ``handles``, in order, in one round trip."""
     pipe = client.pipeline(transaction=False)
-    pipe.sismember(keys.pool_members, sandbox_id)
-    pipe.get(keys.pool_claim(sandbox_id))
-    pipe.zscore(keys.transit, transit_member(host, f"recycle:{sandbox_id}"))
-    pooled, owner, recycling = pipe.execute()
-    text = owner.decode() if isinstance(owner, bytes) else (owner or "")
-    returning = recycling is not None and float(recycling) > time.time()
-    return bool(pooled) or returning, str(text)
+    for handle in handles:
+        pipe.sismember(keys.pool_members, handle.sandbox_id)
+        pipe.get(keys.pool_claim(handle.sandbox_id))
+        pipe.zscore(keys.transit, transit_member(handle.host, f"recycle:{handle.sandbox_id}"))
+    replies = pipe.execute() if handles else []
+    now = time.time()
+    standings = []
+    for at in range(0, len(replies), 3):
+        member, claim, recycling_until = replies[at : at + 3]
+        recycling = recycling_until is not None and float(recycling_until) > now
+        claimed = claim.decode() if isinstance(claim, bytes) else (claim or "")
+        standings.append(PoolStanding(bool(member) or recycling, recycling, str(claimed)))
+    return standings
+
+
+def read_pool_standings(
+    settings: Settings, handles: list[SandboxHandle], *, timeout_s: float = 2.0
+) -> list[PoolStanding]:
+    """:func:`pool_standings` on a connection of its own (the CLI's), given up after
+    ``timeout_s``; Redis's own error (state/errors.StateError) when it cannot be read."""
+    keys = Keys.of(settings.deployment)
+    client = redis.Redis.from_url(
+        settings.redis_url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        client_name=keys.client_name("cli"),
+    )
+    try:
+        return pool_standings(client, keys, handles)
+    finally:
+        client.close()
 
 
 class PoolClaims:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, Field
@@ -147,3 +148,34 @@ class RolloutDetail(BaseModel):
     grade_details: dict[str, Any] | None = None
     infra_failure: dict[str, Any] | None = None
     trajectory: list[TrajectoryStep] = Field(default_factory=list)
+
+
+class SandboxView(BaseModel):
+    """One sandbox of this deployment on this host, as ``orchestrator sandbox ls`` shows it."""
+
+    sandbox_id: str
+    owner: str = Field(
+        description="Who holds it now: a rollout id, 'pool' (it lies in a warm pool or is "
+        "being recycled into one), or '' (an ad hoc sandbox of `sandbox run`). Read from "
+        "Redis; the label's first owner when Redis could not be read (owner_known False)."
+    )
+    owner_known: bool = Field(description="The owner was read from Redis, not the label.")
+    recycling: bool = Field(False, description="On its way back to its pool, being reset.")
+    first_rollout: str = Field(
+        description="The rollout it was made for (its label, fixed at creation; 'pool' for "
+        "one made for a pool): a hint, stale once the sandbox is recycled."
+    )
+    host: str
+    runtime: str
+    image: str
+    created_at: datetime
+    expires_at: datetime
+
+
+class SandboxListing(BaseModel):
+    """This host's sandboxes of the deployment, oldest first."""
+
+    sandboxes: list[SandboxView]
+    redis_error: str | None = Field(
+        None, description="Why owners are the labels' (Redis could not be read), or None."
+    )

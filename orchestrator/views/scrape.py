@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, Field
 
 from orchestrator.outcomes import Outcome
+from orchestrator.tls import tls
 from orchestrator.views.models import CallStats, PhaseLatency
 
 TOOL_CALLS = "orchestrator_tool_calls_total"
@@ -64,7 +65,7 @@ def parse(text: str, at: float) -> Scrape:
 
 def fetch(api_url: str, timeout_s: float = 5.0) -> Scrape:
     """Scrape ``api_url``/metrics; httpx.HTTPError when it cannot be read."""
-    response = httpx.get(f"{api_url.rstrip('/')}/metrics", timeout=timeout_s)
+    response = httpx.get(f"{api_url.rstrip('/')}/metrics", timeout=timeout_s, verify=tls())
     response.raise_for_status()
     return parse(response.text, time.time())
 

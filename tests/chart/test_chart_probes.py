@@ -14,9 +14,8 @@ import pytest
 import redis
 
 from orchestrator.config import Settings
-from orchestrator.state.keys import Keys
+from orchestrator.state.forget import forget_deployment
 from tests.chart.conftest import CHART
-from tests.redis_units import delete_keys
 
 PROBES = CHART / "files" / "probes"
 HOST = "worker-probe-0"
@@ -53,7 +52,7 @@ def redis_keys(settings: Settings) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
-        delete_keys(settings.redis_url, f"{Keys.of(settings.deployment).prefix}*")
+        forget_deployment(settings.redis_url, settings.deployment)
 
 
 def test_worker_probe_follows_the_real_heartbeat(

@@ -7,14 +7,17 @@ the custom resources against the hand-written schemas of crd_schemas.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import kubernetes_validate  # type: ignore[import-untyped]
+import kubernetes_validate.utils as kv_utils  # type: ignore[import-untyped]
 import pytest
 import yaml
 
@@ -27,6 +30,17 @@ from tests.chart.crd_schemas import BY_KIND, TRIGGER_REQUIRED
 pytestmark = pytest.mark.xdist_group("chart")
 
 KUBERNETES_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def schemas_parsed_once() -> Iterator[None]:
+    """kubernetes-validate parses its schema files again for every object it validates,
+    its definitions (megabytes of JSON) included: 18 s of CPU for this module's objects.
+    Parsed once each here; the schemas are only read, never changed."""
+    patch = pytest.MonkeyPatch()
+    patch.setattr(kv_utils, "schema_contents", functools.cache(kv_utils.schema_contents))
+    yield
+    patch.undo()
 
 
 def test_helm_is_v4(helm: Helm) -> None:

@@ -1,163 +1,59 @@
-"""A real stack for end-to-end tests: Redis (started by `make test`'s host set-up), a Celery
-worker and the API (uvicorn) as subprocesses, real sandboxes, a real codebase.
-
-The stack gets its own deployment name, so its Redis keys, queues and sandboxes are its own.
+"""The end-to-end suite's deployments (tests/stacks.py makes every one): the main stack
+(API and worker on Redis started by `make test`'s host set-up, real sandboxes, a real
+codebase) that most tests use, and the shared side deployments with beat that tests
+borrow by name instead of each starting one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
+import yaml
 
 from orchestrator.config import Settings
 from orchestrator.environments.examples import ensure_requests_codebase
+from orchestrator.environments.loader import default_environments_text
 from orchestrator.images.codebases import remove_codebase
 from orchestrator.local import free_port
-from orchestrator.sandbox.docker import DockerBackend
-from orchestrator.sandbox.gc import collect_expired
-from orchestrator.state.keys import Keys
-from tests.redis_units import delete_keys
-
-TOKEN = "e2e-token-" + uuid.uuid4().hex[:8]
-
-
-@dataclass
-class Stack:
-    settings: Settings
-    env: dict[str, str]
-    base_url: str
-    codebase: str
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    logs: Path | None = None
-
-    def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(
-            base_url=self.base_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60, **kw
-        )
-
-    def async_client(self, **kw: Any) -> httpx.AsyncClient:
-        return httpx.AsyncClient(
-            base_url=self.base_url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60, **kw
-        )
-
-    def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
-        assert self.logs is not None
-        log = (self.logs / f"{name}.log").open("ab")
-        self.procs[name] = subprocess.Popen(
-            command, env=env or self.env, stdout=log, stderr=subprocess.STDOUT
-        )
-
-    def stop(self, name: str, sig: int = 15) -> None:
-        proc = self.procs.pop(name)
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def shut_down(self, *hosts: Settings) -> None:
-        """Stop every process, destroy what the hosts' daemons still hold for this
-        deployment, and forget its Redis keys."""
-        for name in list(self.procs):
-            self.stop(name)
-        for host in hosts or (self.settings,):
-            collect_expired(DockerBackend(host), everything=True)
-        flush_redis(self.settings)
-
-    def restart_worker(self, **env: str) -> None:
-        """Stop the worker (if running) and start a new one, with ``env`` on top."""
-        from orchestrator.cli.serve import worker_command
-
-        if "worker" in self.procs:
-            self.stop("worker")
-        self.start("worker", worker_command(self.settings), env={**self.env, **env})
-        self.wait_ready()
-
-    def wait_ready(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        last = ""
-        while time.monotonic() < deadline:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited: see {self.logs}/{name}.log")
-            try:
-                response = httpx.get(f"{self.base_url}/readyz", timeout=2)
-                if response.status_code == 200:
-                    return
-                last = response.text
-            except httpx.HTTPError as exc:
-                last = str(exc)
-            time.sleep(0.2)
-        raise RuntimeError(f"stack not ready in {timeout_s} s: {last}")
-
-
-def stack_env(settings: Settings) -> dict[str, str]:
-    return {
-        **os.environ,
-        "ORCH_DEPLOYMENT": settings.deployment,
-        "ORCH_STATE_DIR": str(settings.state_dir),
-        "ORCH_API_TOKENS": TOKEN,
-        "ORCH_API_PORT": str(settings.api_port),
-        "ORCH_HOST_ID": settings.host_id,
-        "ORCH_HEARTBEAT_INTERVAL_S": "1",
-        "ORCH_REAPER_INTERVAL_S": "2",
-        "ORCH_LOG_FORMAT": "json",
-        # Several workers run on this machine: each stack names its own port (0: none).
-        "ORCH_WORKER_METRICS_PORT": str(settings.worker_metrics_port),
-    }
+from tests import agent_caused
+from tests.stacks import Stack, Stacks, deployment, running
 
 
 @pytest.fixture(scope="session")
-def stack(
-    settings: Settings, base_image: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    stack_settings = settings.model_copy(
-        update={
-            "deployment": settings.deployment + "-e2e",
-            "api_port": free_port(),
-            "worker_metrics_port": free_port(),
-            "host_id": f"h1-{uuid.uuid4().hex[:6]}",
-            "api_tokens": TOKEN,
-            "log_format": "json",  # as stack_env says: commands built from it agree
-        }
-    )
+def e2e_codebase(settings: Settings, base_image: str) -> Iterator[str]:
+    """The main stack's codebase: the `requests` library as a git repository, offline,
+    under a name of this worker's own. Removed once every stack is down (``stacks``
+    depends on it, so it ends first)."""
     codebase = f"e2e-requests-{uuid.uuid4().hex[:6]}"
-    # A real open-source codebase, offline: the `requests` library as a git repository.
-    ensure_requests_codebase(stack_settings, codebase)
-    stack = Stack(
-        settings=stack_settings,
-        env=stack_env(stack_settings),
-        base_url=f"http://127.0.0.1:{stack_settings.api_port}",
-        codebase=codebase,
-        logs=tmp_path_factory.mktemp("logs"),
-    )
-    from orchestrator.cli.serve import api_command, worker_command
+    ensure_requests_codebase(settings, codebase)
+    yield codebase
+    remove_codebase(settings, codebase)
 
+
+@pytest.fixture(scope="session")
+def stacks(
+    settings: Settings, e2e_codebase: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stacks]:
+    """This worker's shelf of shared deployments (tests/stacks.py)."""
+    shelf = Stacks(settings, tmp_path_factory.mktemp("stacks"))
     try:
-        stack.start("worker", worker_command(stack_settings))
-        stack.start("api", api_command(stack_settings))
-        stack.wait_ready()
-        yield stack
+        yield shelf
     finally:
-        stack.shut_down()
-        remove_codebase(stack_settings, codebase)
+        shelf.close()
 
 
-def flush_redis(settings: Settings) -> None:
-    delete_keys(settings.redis_url, Keys.of(settings.deployment).prefix + "*")
+@pytest.fixture(scope="session")
+def stack(stacks: Stacks, e2e_codebase: str) -> Stack:
+    """The main stack: API and worker, no beat (no reaper), on the default environments."""
+    return stacks.borrow(
+        "e2e", codebase=e2e_codebase, roles=("worker", "api"), worker_metrics_port=free_port()
+    )
 
 
 def python() -> str:
@@ -186,22 +82,60 @@ def planning_item(stack: Stack) -> dict[str, Any]:
     }
 
 
-REAPER_ENVIRONMENTS = {
-    # Tiny timeouts so the reaper (beat every second) acts within the test's patience.
-    "codebase-planning": {"idle_timeout_s": 4, "grace_after_grade_s": 2},
-}
+REAPED = "codebase-planning-reaped"
+"""codebase-planning with a 4 s idle timeout and 2 s of grace after grading: the reaper (every
+second on the side stack) ends its rollouts within a test's patience."""
+
+ACT_ENVIRONMENTS = {"runc": "acts-runc", "runsc": "acts-runsc"}
+"""The agent-caused table's environments (tests/agent_caused.py), one per runtime."""
 
 
-def reaper_environments_yaml(path: Path) -> Path:
-    import yaml
+def reaper_environments(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (an environments file's contents) with :data:`REAPED` added, made from its
+    codebase-planning."""
+    planning = next(e for e in data["environments"] if e["name"] == "codebase-planning")
+    reaped = {**planning, "name": REAPED, "idle_timeout_s": 4, "grace_after_grade_s": 2}
+    return {**data, "environments": [*data["environments"], reaped]}
 
-    from orchestrator.environments.loader import default_environments_text
 
-    data = yaml.safe_load(default_environments_text())
-    for env in data["environments"]:
-        env.update(REAPER_ENVIRONMENTS.get(env["name"], {}))
+def side_environments_yaml(path: Path) -> Path:
+    """The side stack's environments: the defaults (E2B and Harbor use them), :data:`REAPED`
+    and :data:`ACT_ENVIRONMENTS`."""
+    data = reaper_environments(yaml.safe_load(default_environments_text()))
+    data["environments"] += [
+        {
+            "name": name,
+            "runtime": runtime,
+            "tools": ["shell"],
+            "limits": agent_caused.LIMITS,
+            "grader": {"name": "file_f1"},
+        }
+        for runtime, name in ACT_ENVIRONMENTS.items()
+    ]
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+@pytest.fixture(scope="session")
+def side(stack: Stack, stacks: Stacks, tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    """The shared side deployment, with beat (the reaper every second): one stack for the
+    tests that differ from the main stack only by the environments they run (the E2B API,
+    Harbor, the agent-caused table, the reaper's tests), on its own Redis keys and API
+    port, sharing the main stack's codebase."""
+    root = tmp_path_factory.mktemp("side")
+    return stacks.borrow(
+        "side",
+        codebase=stack.codebase,
+        environments_file=side_environments_yaml(root / "environments.yaml"),
+        reaper_interval_s=1.0,
+        worker_metrics_port=free_port(),
+    )
+
+
+@pytest.fixture(scope="session")
+def reaper_stack(side: Stack) -> Stack:
+    """The side stack, for the reaper's tests: their rows name :data:`REAPED`."""
+    return side
 
 
 @contextlib.contextmanager
@@ -212,55 +146,22 @@ def side_stack(
     name: str,
     environments_file: Path,
     env: dict[str, str] | None = None,
-    **settings: Any,
+    **fields: Any,
 ) -> Iterator[Stack]:
-    """A separate stack beside ``stack`` (own deployment, worker, beat, API port, Redis
-    keys), on ``environments_file``, sharing ``stack``'s codebase image and state dir
-    (sandbox socket paths must stay short; they are per sandbox id, so deployments never
-    collide there). ``env``: more ORCH_* variables; ``settings``: the same, as fields."""
-    side = stack.settings.model_copy(
-        update={
-            "deployment": f"{stack.settings.deployment}-{name}",
-            "api_port": free_port(),
-            "worker_metrics_port": free_port(),
-            "host_id": f"{name}-{uuid.uuid4().hex[:6]}",
-            "environments_file": environments_file,
-            "reaper_interval_s": 1.0,
-            "heartbeat_interval_s": 1.0,
-            **settings,
-        }
-    )
-    logs = root / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    started = Stack(
-        settings=side,
-        env={
-            **stack_env(side),
-            "ORCH_ENVIRONMENTS_FILE": str(environments_file),
-            "ORCH_REAPER_INTERVAL_S": "1",
-            **(env or {}),
-        },
-        base_url=f"http://127.0.0.1:{side.api_port}",
+    """A deployment of a test's or a module's own beside ``stack`` (own worker, beat, API
+    port, Redis keys), for what differs by more than environments (other settings, a debug
+    switch), on ``environments_file`` and ``stack``'s codebase. ``fields``: settings;
+    ``env``: what is not a setting."""
+    made = deployment(
+        stack.settings,
+        name,
+        logs=root / "logs",
         codebase=stack.codebase,
-        logs=logs,
+        env=env,
+        environments_file=environments_file,
+        reaper_interval_s=1.0,
+        worker_metrics_port=free_port(),
+        **fields,
     )
-    from orchestrator.cli.serve import api_command, beat_command, worker_command
-
-    try:
-        started.start("worker", worker_command(side))
-        started.start("beat", beat_command(side))
-        started.start("api", api_command(side))
-        started.wait_ready()
+    with running(made) as started:
         yield started
-    finally:
-        started.shut_down()
-
-
-@pytest.fixture(scope="session")
-def reaper_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """A second, separate stack that also runs beat: the reaper every second, with
-    environments whose idle timeout and grace after grading are a few seconds."""
-    root = tmp_path_factory.mktemp("reaper-stack")
-    env_file = reaper_environments_yaml(root / "environments.yaml")
-    with side_stack(stack, root, name="r", environments_file=env_file) as second:
-        yield second

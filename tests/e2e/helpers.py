@@ -16,7 +16,7 @@ import httpx
 from orchestrator.config import Settings
 from orchestrator.grading import get_grader
 from orchestrator.sandbox.docker import DockerBackend
-from tests.e2e.conftest import TOKEN, Stack
+from tests.stacks import TOKEN, Stack
 
 REPLY_KEYS = {"type", "call_id", "id", "output"}
 

@@ -25,8 +25,8 @@ from orchestrator.adapters.verl import (
     infra_failed_mask,
 )
 from orchestrator.client import InfraFailure, RolloutClient
-from tests.e2e.conftest import TOKEN, Stack
 from tests.e2e.helpers import file_f1, sandboxes_of
+from tests.stacks import TOKEN, Stack
 from tests.trainers.common import kill_sandbox
 
 pytestmark = pytest.mark.xdist_group("e2e")

@@ -1,46 +1,28 @@
 """The agent-caused table on Docker (runc and gVisor's runsc): each act of
-tests/agent_caused.py as a real Agent RFT rollout on a stack of its own, scored, never
+tests/agent_caused.py as a real Agent RFT rollout on the shared side stack, scored, never
 discarded. The Kubernetes column is tests/k8s/test_agent_caused.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import yaml
 
-from tests.agent_caused import ACTS, GOLD, LIMITS, Act, run_act
+from tests.agent_caused import ACTS, GOLD, Act, run_act
 from tests.conftest import runsc_available
-from tests.e2e.conftest import TOKEN, Stack, side_stack
+from tests.e2e.conftest import ACT_ENVIRONMENTS
+from tests.stacks import TOKEN, Stack
 
 pytestmark = pytest.mark.xdist_group("agent-caused")
 
-RUNTIMES = {"runc": "acts-runc", "runsc": "acts-runsc"}
+RUNTIMES = ACT_ENVIRONMENTS
 
 
 @pytest.fixture(scope="module")
-def acts_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("acts-stack")
-    env_file = root / "environments.yaml"
-    env_file.write_text(
-        yaml.safe_dump(
-            {
-                "environments": [
-                    {
-                        "name": name,
-                        "runtime": runtime,
-                        "tools": ["shell"],
-                        "limits": LIMITS,
-                        "grader": {"name": "file_f1"},
-                    }
-                    for runtime, name in RUNTIMES.items()
-                ]
-            }
-        )
-    )
-    with side_stack(stack, root, name="ac", environments_file=env_file) as started:
-        yield started
+def acts_stack(side: Stack) -> Stack:
+    """The shared side deployment (tests/e2e/conftest.py): it holds the table's
+    environments, one per runtime, with tests/agent_caused.py's limits."""
+    return side
 
 
 @pytest.mark.parametrize("runtime", list(RUNTIMES))

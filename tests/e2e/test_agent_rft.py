@@ -18,7 +18,6 @@ from orchestrator.state.keys import Keys
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.tasks import TaskName, ToolCall
 from orchestrator.state.tickets import TicketState
-from tests.e2e.conftest import Stack
 from tests.e2e.helpers import (
     REPLY_KEYS,
     assert_no_rollout,
@@ -28,6 +27,7 @@ from tests.e2e.helpers import (
     new_trace,
     sandboxes_of,
 )
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import Stack
+from orchestrator.tls import tls
 from tests.e2e.helpers import (
     assert_no_rollout,
     error_code,
@@ -20,6 +20,7 @@ from tests.e2e.helpers import (
     owned_count,
     sandboxes_of,
 )
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -197,7 +198,7 @@ def test_auth_required(stack: Stack, planning_item: dict[str, Any], method: str,
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/openapi.json", "/docs"])
 def test_open_endpoints_need_no_token(stack: Stack, path: str) -> None:
-    assert httpx.get(stack.base_url + path).status_code == 200
+    assert httpx.get(stack.base_url + path, verify=tls()).status_code == 200
 
 
 def test_unknown_environment_or_codebase_is_422(stack: Stack) -> None:

@@ -20,8 +20,8 @@ from orchestrator.state.keys import Keys
 from orchestrator.state.models import TrajectoryStep
 from orchestrator.views.models import RolloutDetail, RolloutSummary, StatusSnapshot
 from orchestrator.views.scrape import call_stats, fetch
-from tests.e2e.conftest import Stack
 from tests.e2e.helpers import file_f1, function_call, new_trace
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 

@@ -25,8 +25,9 @@ from orchestrator.client import (
     RolloutNotFound,
 )
 from orchestrator.sandbox.docker import DockerBackend
-from tests.e2e.conftest import TOKEN, Stack
+from orchestrator.tls import tls
 from tests.e2e.helpers import file_f1, sandboxes_of, wait_for
+from tests.stacks import TOKEN, Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -142,7 +143,7 @@ def test_a_503_is_retried_with_the_same_call_id_and_runs_once(
                 refused.set()
 
     retry = RetryPolicy(attempts=200, backoff_s=0.2, max_backoff_s=0.5, max_elapsed_s=120)
-    http = httpx.Client(timeout=120, event_hooks={"response": [watch]})
+    http = httpx.Client(timeout=120, event_hooks={"response": [watch]}, verify=tls())
     with RolloutClient(stack.base_url, TOKEN, retry=retry, http=http) as client:
         rollout = client.rollout(codebase=stack.codebase, item=planning_item)
         with rollout:

@@ -35,29 +35,23 @@ from e2b import (
     TimeoutException,
 )
 
-from orchestrator.cli.serve import worker_command
-from orchestrator.environments.loader import default_environments_text
 from orchestrator.state.keys import Keys
-from tests.e2e.conftest import TOKEN, Stack, side_stack
+from orchestrator.tls import tls
 from tests.e2e.helpers import sandboxes_of, wait_for
+from tests.stacks import TOKEN, Stack
 
 pytestmark = pytest.mark.xdist_group("e2b")
 
 
 @pytest.fixture(scope="module")
-def e2b_stack(
-    stack: Stack, tmp_path_factory: pytest.TempPathFactory, monkeypatch_module: pytest.MonkeyPatch
-) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("e2b-stack")
-    env_file = root / "environments.yaml"
-    env_file.write_text(default_environments_text())
-    with side_stack(stack, root, name="eb", environments_file=env_file) as started:
-        # As docs/e2b.md tells a user to: the SDK's own settings, nothing else.
-        monkeypatch_module.setenv("E2B_API_URL", started.base_url)
-        monkeypatch_module.setenv("E2B_SANDBOX_URL", started.base_url)
-        monkeypatch_module.setenv("E2B_API_KEY", TOKEN)
-        monkeypatch_module.setenv("NO_PROXY", "127.0.0.1,localhost")
-        yield started
+def e2b_stack(side: Stack, monkeypatch_module: pytest.MonkeyPatch) -> Stack:
+    """The shared side deployment (tests/e2e/conftest.py), on the default environments."""
+    # As docs/e2b.md tells a user to: the SDK's own settings, nothing else.
+    monkeypatch_module.setenv("E2B_API_URL", side.base_url)
+    monkeypatch_module.setenv("E2B_SANDBOX_URL", side.base_url)
+    monkeypatch_module.setenv("E2B_API_KEY", TOKEN)
+    monkeypatch_module.setenv("NO_PROXY", "127.0.0.1,localhost")
+    return side
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +221,7 @@ def test_a_stopped_worker_is_not_a_command_failure(e2b_stack: Stack, sbx: Sandbo
             sbx.commands.run("echo during")
         assert "retry" in str(unreachable.value)
     finally:
-        e2b_stack.start("worker", worker_command(e2b_stack.settings))
-        e2b_stack.wait_ready()
+        e2b_stack.restart_worker()
     # Nothing was lost: the sandbox lives on, the call was never run, it runs now.
     assert sbx.commands.run("echo after").stdout == "after\n"
 
@@ -313,7 +306,9 @@ def _sid(sbx: Sandbox) -> str:
 
     env = {"Authorization": f"Bearer {TOKEN}"}
     base = sbx.connection_config.api_url
-    view = httpx.get(f"{base}/v1/rollouts/{sbx.sandbox_id}", headers=env, timeout=30).json()
+    view = httpx.get(
+        f"{base}/v1/rollouts/{sbx.sandbox_id}", headers=env, timeout=30, verify=tls()
+    ).json()
     sandbox_id: str = view["sandbox_id"]
     return sandbox_id
 
@@ -345,7 +340,7 @@ def test_bad_requests_get_clear_errors_in_the_sdks_dialect(e2b_stack: Stack, sbx
     import httpx
 
     base = e2b_stack.base_url
-    with httpx.Client(base_url=base, timeout=30) as raw:
+    with httpx.Client(base_url=base, timeout=30, verify=tls()) as raw:
         before = len(Sandbox.list().next_items())
         no_key = raw.post("/v2/sandboxes", json={"templateID": "base"})
         assert (no_key.status_code, no_key.json()["code"]) == (401, 401)

@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.client import RolloutClient
-from orchestrator.environments.loader import default_environments_text
-from tests.e2e.conftest import TOKEN, Stack, side_stack
+from tests.stacks import TOKEN, Stack, another_api
 
 CALLS = 20
 GOLD = '["src/requests/sessions.py", "src/requests/adapters.py"]'
@@ -30,15 +29,8 @@ def _slow_callbacks(log: Path, offset: int) -> list[str]:
 def test_the_call_path_never_blocks_the_event_loop(
     stack: Stack, planning_item: dict[str, Any], tmp_path: Path
 ) -> None:
-    environments = tmp_path / "environments.yaml"
-    environments.write_text(default_environments_text())
-    with side_stack(
-        stack,
-        tmp_path,
-        name="dbg",
-        environments_file=environments,
-        env={"ORCH_ASYNCIO_DEBUG": "true"},
-    ) as debug:
+    # An API of the main stack's deployment in asyncio's debug mode, on its worker.
+    with another_api(stack, tmp_path, asyncio_debug=True) as debug:
         assert debug.logs is not None
         api_log = debug.logs / "api.log"
         with RolloutClient(debug.base_url, TOKEN) as client:

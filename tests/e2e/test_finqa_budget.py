@@ -11,8 +11,8 @@ import pytest
 
 from orchestrator.environments.examples import finqa_example_dir
 from orchestrator.grading import get_grader
-from tests.e2e.conftest import Stack
 from tests.e2e.helpers import function_call, new_trace, sandboxes_of
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from orchestrator.config import Settings
 from orchestrator.sandbox.labels import DEPLOYMENT
 from orchestrator.state.keys import Keys
-from tests.e2e.conftest import Stack
 from tests.e2e.helpers import function_call, new_trace, sandboxes_of
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 

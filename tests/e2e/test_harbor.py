@@ -15,15 +15,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from orchestrator.environments.loader import default_environments_text
-from tests.e2e.conftest import TOKEN, Stack, side_stack
 from tests.e2e.helpers import orchestrator, sandboxes_of
+from tests.stacks import TOKEN, Stack
 
 pytestmark = pytest.mark.xdist_group("harbor")
 
@@ -47,14 +45,10 @@ def harbor_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def harbor_stack(
-    harbor_python: Path, stack: Stack, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("harbor-stack")
-    env_file = root / "environments.yaml"
-    env_file.write_text(default_environments_text())
-    with side_stack(stack, root, name="hb", environments_file=env_file) as started:
-        yield started
+def harbor_stack(harbor_python: Path, side: Stack) -> Stack:
+    """The shared side deployment (tests/e2e/conftest.py), on the default environments;
+    asked for after the interpreter, so a missing one skips before any stack starts."""
+    return side
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,20 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.e2e.conftest import Stack
+from orchestrator.tls import tls
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
 
 def test_healthz(stack: Stack) -> None:
-    response = httpx.get(f"{stack.base_url}/healthz")
+    response = httpx.get(f"{stack.base_url}/healthz", verify=tls())
     assert response.status_code == 200
     assert response.json() == {"status": "ok"}
 
 
 def test_readyz_sees_the_worker(stack: Stack) -> None:
-    response = httpx.get(f"{stack.base_url}/readyz")
+    response = httpx.get(f"{stack.base_url}/readyz", verify=tls())
     assert response.status_code == 200
     body = response.json()
     assert body["ready"] is True
@@ -29,7 +30,7 @@ def test_readyz_sees_the_worker(stack: Stack) -> None:
 
 
 def test_metrics_are_prometheus_text(stack: Stack) -> None:
-    response = httpx.get(f"{stack.base_url}/metrics")
+    response = httpx.get(f"{stack.base_url}/metrics", verify=tls())
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     lines = response.text.splitlines()
@@ -44,7 +45,7 @@ def test_metrics_are_prometheus_text(stack: Stack) -> None:
 
 
 def test_openapi_and_docs(stack: Stack) -> None:
-    spec = httpx.get(f"{stack.base_url}/openapi.json")
+    spec = httpx.get(f"{stack.base_url}/openapi.json", verify=tls())
     assert spec.status_code == 200
     paths = spec.json()["paths"]
     for path in (
@@ -62,7 +63,7 @@ def test_openapi_and_docs(stack: Stack) -> None:
     ):
         assert path in paths, path
     assert "503" in paths["/agent-rft/tools"]["post"]["responses"]
-    docs = httpx.get(f"{stack.base_url}/docs")
+    docs = httpx.get(f"{stack.base_url}/docs", verify=tls())
     assert docs.status_code == 200
     assert "swagger" in docs.text.lower()
 
@@ -80,14 +81,14 @@ def test_metrics_move_when_calls_are_made(stack: Stack) -> None:
 
     item = {"codebase": stack.codebase, "gold_files": ["README.md"]}
     name = 'orchestrator_tool_calls_total{outcome="ok",tool="shell"}'
-    before = _sample(httpx.get(f"{stack.base_url}/metrics").text, name)
+    before = _sample(httpx.get(f"{stack.base_url}/metrics", verify=tls()).text, name)
     trace = new_trace()
     with stack.client() as client:
         for n in range(3):
             body = function_call(trace, item, "shell", {"command": "true"}, call_id=f"m{n}")
             assert client.post("/agent-rft/tools", json=body).status_code == 200
         client.delete(f"/v1/rollouts/{trace}")
-    text = httpx.get(f"{stack.base_url}/metrics").text
+    text = httpx.get(f"{stack.base_url}/metrics", verify=tls()).text
     assert _sample(text, name) == before + 3
     assert _sample(text, 'orchestrator_tool_call_seconds_count{phase="exec"}') >= 3
     assert _sample(text, "orchestrator_rollouts_started_total") >= 1

@@ -1,5 +1,6 @@
-"""Teardown and infrastructure faults on a second stack that runs beat (the reaper every
-second; codebase-planning with a 4 s idle timeout and 2 s of grace after grading).
+"""Teardown and infrastructure faults on the shared side stack, which runs beat (the reaper
+every second), in its environment ``codebase-planning-reaped`` (a 4 s idle timeout and 2 s
+of grace after grading).
 
 The worker-kill test stops and restarts that stack's worker: it stays the last test here.
 """
@@ -14,16 +15,20 @@ from typing import Any
 import httpx
 import pytest
 
-from orchestrator.cli.serve import worker_command
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import REAPED
 from tests.e2e.helpers import error_code, function_call, new_trace, sandboxes_of, wait_for
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
 
 @pytest.fixture()
 def item(reaper_stack: Stack) -> dict[str, Any]:
-    return {"codebase": reaper_stack.codebase, "gold_files": ["src/requests/api.py"]}
+    return {
+        "environment": REAPED,
+        "codebase": reaper_stack.codebase,
+        "gold_files": ["src/requests/api.py"],
+    }
 
 
 def _state(stack: Stack, rollout_id: str) -> str:
@@ -185,8 +190,7 @@ def test_worker_killed_mid_call_is_infra_error(reaper_stack: Stack, item: dict[s
             )
             assert again.status_code == 503
     finally:
-        reaper_stack.start("worker", worker_command(reaper_stack.settings))
-        reaper_stack.wait_ready()
+        reaper_stack.restart_worker()
     # Back up, the reaper ends the failed rollout and its sandbox is destroyed.
     wait_for(
         lambda: not sandboxes_of(reaper_stack.settings, trace),

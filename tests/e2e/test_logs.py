@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Stack
 from tests.e2e.helpers import function_call, new_trace
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 

@@ -19,14 +19,15 @@ import redis
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.cli.serve import api_command
 from orchestrator.local import free_port
 from orchestrator.observability.api_process import multiproc_dir
 from orchestrator.sandbox.backend import SandboxSpec
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.state.keys import Keys
-from tests.e2e.conftest import Stack
+from orchestrator.tls import tls
+from tests.e2e.conftest import REAPED
 from tests.e2e.helpers import function_call, new_trace, wait_for
+from tests.stacks import Stack, another_api
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -42,7 +43,7 @@ def parse(text: str) -> Samples:
 
 
 def scrape(url: str) -> Samples:
-    response = httpx.get(f"{url}/metrics", timeout=30)
+    response = httpx.get(f"{url}/metrics", timeout=30, verify=tls())
     assert response.status_code == 200, response.text
     return parse(response.text)
 
@@ -135,9 +136,9 @@ def test_http_errors_are_counted_by_route_template(stack: Stack) -> None:
         assert client.get(f"/v1/rollouts/{ghost}").status_code == 404
         assert client.post(f"/v1/rollouts/{ghost}/tools/shell", json=[1]).status_code == 422
         assert client.get(f"/no-such-path/{ghost}").status_code == 404
-    with httpx.Client(base_url=stack.base_url) as anonymous:
+    with httpx.Client(base_url=stack.base_url, verify=tls()) as anonymous:
         assert anonymous.get(f"/v1/rollouts/{ghost}").status_code == 401
-    response = httpx.get(f"{stack.base_url}/metrics", timeout=30)
+    response = httpx.get(f"{stack.base_url}/metrics", timeout=30, verify=tls())
     after = parse(response.text)
 
     name = "orchestrator_http_requests_total"
@@ -195,7 +196,7 @@ def test_reaps_and_orphans_move_the_workers_counters(
     reaper_stack: Stack, base_image: str, planning_item: dict[str, Any]
 ) -> None:
     before = scrape(worker_url(reaper_stack))
-    item = {**planning_item, "codebase": reaper_stack.codebase}
+    item = {**planning_item, "environment": REAPED, "codebase": reaper_stack.codebase}
     trace = new_trace()
     backend = DockerBackend(reaper_stack.settings)
     # A sandbox of this host's deployment that no rollout owns: the sweep's to find. Its
@@ -239,28 +240,15 @@ def test_reaps_and_orphans_move_the_workers_counters(
 
 
 @pytest.fixture()
-def two_process_api(stack: Stack) -> Iterator[Stack]:
+def two_process_api(stack: Stack, tmp_path: Path) -> Iterator[Stack]:
     """A second API of the stack's deployment with two uvicorn worker processes."""
     settings = stack.settings.model_copy(update={"api_port": free_port(), "api_workers": 2})
     directory = multiproc_dir(settings)
     directory.mkdir(parents=True, exist_ok=True)
     # What a previous run left (unreadable, as it happens): the start must wipe it.
     (directory / "counter_1.db").write_bytes(b"not a metrics file")
-    env = {**stack.env, "ORCH_API_PORT": str(settings.api_port), "ORCH_API_WORKERS": "2"}
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    api = Stack(
-        settings=settings,
-        env=env,
-        base_url=f"http://127.0.0.1:{settings.api_port}",
-        codebase=stack.codebase,
-        logs=stack.logs,
-    )
-    api.start("api-2p", api_command(settings))
-    try:
-        api.wait_ready()
+    with another_api(stack, tmp_path, api_port=settings.api_port, api_workers=2) as api:
         yield api
-    finally:
-        api.stop("api-2p")
 
 
 def _healthz_by_pid(directory: Path) -> dict[int, float]:
@@ -286,7 +274,7 @@ def test_counts_of_several_api_processes_add_up(two_process_api: Stack) -> None:
 
     def hit(_: int) -> int:
         # A new connection each: the kernel hands each to either process.
-        return httpx.get(f"{url}/healthz", timeout=30).status_code
+        return httpx.get(f"{url}/healthz", timeout=30, verify=tls()).status_code
 
     made = 0
     with ThreadPoolExecutor(8) as pool:
@@ -317,6 +305,6 @@ def test_counts_of_several_api_processes_add_up(two_process_api: Stack) -> None:
 
 def _answers(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/healthz", timeout=5).status_code == 200
+        return httpx.get(f"{url}/healthz", timeout=5, verify=tls()).status_code == 200
     except httpx.HTTPError:
         return False

@@ -21,8 +21,10 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.conftest import TOKEN, Stack, side_stack
+from orchestrator.tls import tls
+from tests.e2e.conftest import side_stack
 from tests.e2e.helpers import function_call, new_trace
+from tests.stacks import TOKEN, Stack
 
 pytestmark = pytest.mark.solo
 
@@ -116,7 +118,9 @@ def test_an_overloaded_host_discards_nothing(
     async def batch() -> list[dict[str, Any]]:
         headers = {"Authorization": f"Bearer {TOKEN}"}
         base = loaded_stack.base_url
-        async with httpx.AsyncClient(base_url=base, headers=headers, timeout=600) as client:
+        async with httpx.AsyncClient(
+            base_url=base, headers=headers, timeout=600, verify=tls()
+        ) as client:
             sampler = asyncio.create_task(_sample_load(saturated_host))
             try:
                 return await asyncio.gather(*(_rollout(client, item) for _ in range(ROLLOUTS)))

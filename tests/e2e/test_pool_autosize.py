@@ -16,8 +16,9 @@ import yaml
 
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import parse_demand, pool_name
-from tests.e2e.conftest import Stack, side_stack
+from tests.e2e.conftest import side_stack
 from tests.e2e.helpers import wait_for
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -46,12 +47,15 @@ def auto_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             }
         )
     )
-    env = {
-        "ORCH_POOL_AUTOSIZE": "true",
-        "ORCH_POOL_DEMAND_WINDOW_S": str(WINDOW_S),
-        "ORCH_POOL_HEADROOM": "0",
-    }
-    with side_stack(stack, root, name="as", environments_file=environments, env=env) as side:
+    with side_stack(
+        stack,
+        root,
+        name="as",
+        environments_file=environments,
+        pool_autosize=True,
+        pool_demand_window_s=WINDOW_S,
+        pool_headroom=0,
+    ) as side:
         yield side
 
 

@@ -9,9 +9,7 @@ import asyncio
 import json
 import threading
 import time
-import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import docker
@@ -20,11 +18,9 @@ import pytest
 import redis
 import yaml
 
-from orchestrator.cli.serve import api_command, beat_command, worker_command
-from orchestrator.local import free_port
 from orchestrator.state.keys import Keys
-from tests.e2e.conftest import Stack, stack_env
 from tests.e2e.helpers import error_code, function_call, new_trace, wait_for
+from tests.stacks import Stack, deployment, running
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -54,39 +50,20 @@ def pool_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     root = tmp_path_factory.mktemp("pool-stack")
     env_file = root / "environments.yaml"
     env_file.write_text(_environments(stack.codebase))
-    settings = stack.settings.model_copy(
-        update={
-            "deployment": stack.settings.deployment + "-p",
-            "api_port": free_port(),
-            "host_id": f"hp-{uuid.uuid4().hex[:6]}",
-            "environments_file": env_file,
-            "default_environment": "pooled",
-        }
-    )
-    env = {
-        **stack_env(settings),
-        "ORCH_ENVIRONMENTS_FILE": str(env_file),
-        "ORCH_DEFAULT_ENVIRONMENT": "pooled",
-        "ORCH_REAPER_INTERVAL_S": "1",
-        "ORCH_HOST_MAX_SANDBOXES": str(CAPACITY),
-        "ORCH_ADMISSION_WAIT_S": "3",
-        "ORCH_ADMISSION_RETRY_AFTER_S": "2",
-    }
-    pooled = Stack(
-        settings=settings,
-        env=env,
-        base_url=f"http://127.0.0.1:{settings.api_port}",
+    pooled = deployment(
+        stack.settings,
+        "p",
+        logs=root / "logs",
         codebase=stack.codebase,
-        logs=Path(tmp_path_factory.mktemp("pool-logs")),
+        environments_file=env_file,
+        default_environment="pooled",
+        reaper_interval_s=1.0,
+        host_max_sandboxes=CAPACITY,
+        admission_wait_s=3.0,
+        admission_retry_after_s=2.0,
     )
-    try:
-        pooled.start("worker", worker_command(settings))
-        pooled.start("beat", beat_command(settings))
-        pooled.start("api", api_command(settings))
-        pooled.wait_ready()
-        yield pooled
-    finally:
-        pooled.shut_down()
+    with running(pooled) as started:
+        yield started
 
 
 def _ready(stack: Stack) -> int:

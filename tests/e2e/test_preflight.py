@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import Stack
 from tests.e2e.helpers import make_job, orchestrator
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 

@@ -18,8 +18,9 @@ import yaml
 
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import pool_name
-from tests.e2e.conftest import Stack, side_stack
-from tests.e2e.helpers import function_call, new_trace, wait_for
+from tests.e2e.conftest import side_stack
+from tests.e2e.helpers import function_call, new_trace, orchestrator, wait_for
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -53,8 +54,9 @@ def recycling_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> I
             }
         )
     )
-    env = {"ORCH_SANDBOX_REUSE": "true", "ORCH_POOL_AUTOSIZE": "false"}
-    with side_stack(stack, root, name="rc", environments_file=environments, env=env) as side:
+    with side_stack(
+        stack, root, name="rc", environments_file=environments, sandbox_reuse=True
+    ) as side:
         yield side
 
 
@@ -108,6 +110,17 @@ def _wait_destroyed(sandbox_id: str, what: str) -> None:
         client.close()
 
 
+def _listed(stack: Stack, sandbox_id: str) -> dict[str, Any]:
+    """``orchestrator sandbox ls --json``'s entry for ``sandbox_id``, as an operator sees it."""
+    listed = orchestrator(stack, "sandbox", "ls", "--json")
+    assert listed.returncode == 0, listed.stderr
+    listing = json.loads(listed.stdout)
+    assert listing["redis_error"] is None, listing
+    (entry,) = [s for s in listing["sandboxes"] if s["sandbox_id"] == sandbox_id]
+    assert entry["owner_known"], entry
+    return dict(entry)
+
+
 def test_a_clean_rollouts_sandbox_serves_the_next_one_with_nothing_left(
     recycling_stack: Stack,
 ) -> None:
@@ -115,13 +128,21 @@ def test_a_clean_rollouts_sandbox_serves_the_next_one_with_nothing_left(
         wait_for(lambda: len(_ready(recycling_stack)) == 1, timeout_s=60, what="a ready one")
         first = _start(client, recycling_stack)
         assert first["pool_hit"] and first["sandbox_reuses"] == 0, first
+        sandbox = first["sandbox_id"]
+        # Made for the pool (its label says so, and always will); its owner is the rollout.
+        listed = _listed(recycling_stack, sandbox)
+        assert (listed["owner"], listed["first_rollout"]) == (first["rollout_id"], "pool")
         fresh_view = _shell(client, first, LOOK)["output"]
         assert "planted" in _shell(client, first, PLANT)["output"]
-        sandbox = first["sandbox_id"]
         assert client.delete(f"/v1/rollouts/{first['rollout_id']}").status_code == 200
         # While its rollout held it, no refill took its place: it comes back to its pool.
+        wait_for(lambda: _ready(recycling_stack) == [sandbox], timeout_s=60, what="pooled")
+        assert _listed(recycling_stack, sandbox)["owner"] == "pool"
         second = _take_pooled(client, recycling_stack, sandbox)
         assert second["sandbox_reuses"] == 1 and second["sandbox_reset_digest"], second
+        # The listing follows the sandbox to its current rollout, not its first.
+        listed = _listed(recycling_stack, sandbox)
+        assert (listed["owner"], listed["first_rollout"]) == (second["rollout_id"], "pool")
         after = _shell(client, second, LOOK)["output"]
         assert after == fresh_view, (fresh_view, after)
         trajectory = client.get(f"/v1/rollouts/{second['rollout_id']}/trajectory").json()

@@ -23,13 +23,15 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import yaml
 
-from orchestrator.cli.serve import api_command, worker_command
+from orchestrator.cli.serve import api_command
 from orchestrator.environments.loader import default_environments_text
 from orchestrator.local import free_port
 from orchestrator.state.keys import Keys
-from tests.e2e.conftest import Stack, side_stack
+from orchestrator.tls import tls
+from tests.e2e.conftest import side_stack
 from tests.e2e.helpers import (
     assert_no_rollout,
     error_code,
@@ -40,6 +42,7 @@ from tests.e2e.helpers import (
     sandboxes_of,
     wait_for,
 )
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -52,7 +55,8 @@ GRADER_SECRET = secrets.token_urlsafe(32)
 # needs 5 s (queue) + 10 s (agent reply) + 65 s (a probe) besides its command, so commands
 # are capped at 40 s, and a first call with the default 30 s command has 10 s to get its
 # sandbox.
-BOUND = {"ORCH_AGENT_RFT_CALL_BOUND_S": "150", "ORCH_QUEUE_WAIT_S": "5"}
+BOUND_S = 150.0
+QUEUE_WAIT_S = 5.0
 COMMAND_CAP_S = 40
 ACQUIRE_S = 10
 CAPACITY = 4
@@ -95,12 +99,10 @@ def integrity(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         root,
         name="ri",
         environments_file=env_file,
-        env={
-            **BOUND,
-            "ORCH_GRADER_URL_SECRET": GRADER_SECRET,
-            "ORCH_HOST_MAX_SANDBOXES": str(CAPACITY),
-            "ORCH_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S),
-        },
+        agent_rft_call_bound_s=BOUND_S,
+        queue_wait_s=QUEUE_WAIT_S,
+        grader_url_secret=GRADER_SECRET,
+        host_max_sandboxes=CAPACITY,
         heartbeat_interval_s=float(HEARTBEAT_S),
     ) as started:
         yield started
@@ -240,14 +242,7 @@ def test_a_rollout_keeps_the_environment_it_started_with(integrity: Stack, tmp_p
         assert first.json()["output"].strip() == "one"
     changed = tmp_path / "environments.yaml"
     changed.write_text(environments(pinned_changed=True))
-    new_config = {**integrity.env, "ORCH_ENVIRONMENTS_FILE": str(changed)}
-    for name, command in (
-        ("api", api_command(integrity.settings)),
-        ("worker", worker_command(integrity.settings)),
-    ):
-        integrity.stop(name)
-        integrity.start(name, command, env=new_config)
-    integrity.wait_ready()
+    integrity.restart("api", "worker", ORCH_ENVIRONMENTS_FILE=str(changed))
     try:
         with integrity.client() as client:
             outputs = [
@@ -267,13 +262,7 @@ def test_a_rollout_keeps_the_environment_it_started_with(integrity: Stack, tmp_p
             assert "unknown tool 'shell'" in refused.json()["output"], refused.text
             client.delete(f"/v1/rollouts/{trace}")
     finally:
-        for name, command in (
-            ("api", api_command(integrity.settings)),
-            ("worker", worker_command(integrity.settings)),
-        ):
-            integrity.stop(name)
-            integrity.start(name, command)
-        integrity.wait_ready()
+        integrity.restart("api", "worker")
 
 
 # -- Agent RFT's wire --------------------------------------------------------------------------
@@ -309,7 +298,7 @@ def test_the_grader_answers_on_its_secret_path_without_a_header(integrity: Stack
             ).status_code
             == 200
         )
-    with httpx.Client(base_url=integrity.base_url, timeout=30) as bare:
+    with httpx.Client(base_url=integrity.base_url, timeout=30, verify=tls()) as bare:
         graded = bare.post(f"/agent-rft/grade/{GRADER_SECRET}", json=grade_body(trace, item))
         assert (graded.status_code, graded.json()["score"]) == (200, 1.0), graded.text
         for path in ("/agent-rft/grade", f"/agent-rft/grade/{GRADER_SECRET[:-1]}x"):
@@ -424,6 +413,27 @@ def test_a_first_call_out_of_time_leaves_its_sandbox_to_the_retry(integrity: Sta
         record = client.get(f"/v1/rollouts/{trace}").json()
         assert record["state"] == "active" and record["infra_failure"] is None
         client.delete(f"/v1/rollouts/{trace}")
+
+
+def test_a_restarted_worker_takes_sandboxes_before_its_next_beat(integrity: Stack) -> None:
+    """A worker starts cordoned ("starting") until its first probe, and publishes that
+    probe's finding at once: before, its host took no sandbox for a whole interval after
+    its start (here HEARTBEAT_S, 10 s; readyz waited for it on every restart)."""
+    integrity.stop("worker")
+    spawned = time.time()
+    integrity.restart_worker()
+    client = redis.Redis.from_url(integrity.settings.redis_url)
+    try:
+        raw = client.get(
+            Keys.of(integrity.settings.deployment).heartbeat(integrity.settings.host_id)
+        )
+    finally:
+        client.close()
+    assert raw is not None
+    beat = json.loads(raw)
+    assert beat["schedulable"], beat
+    # The worker's own clock: the first schedulable beat, not the beat an interval on.
+    assert beat["time"] - spawned < HEARTBEAT_S, (beat["time"] - spawned, beat)
 
 
 def _fresh_and_schedulable(stack: Stack) -> bool:

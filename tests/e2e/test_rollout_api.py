@@ -10,8 +10,8 @@ import pytest
 import redis
 
 from orchestrator.state.keys import Keys
-from tests.e2e.conftest import Stack
 from tests.e2e.helpers import error_code, file_f1, sandboxes_of
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 

@@ -23,7 +23,7 @@ import redis
 
 from orchestrator.client import RolloutClient
 from orchestrator.state.keys import Keys
-from tests.e2e.conftest import TOKEN, Stack
+from tests.stacks import TOKEN, Stack
 
 CALLS = 5
 API_BUDGET = 3

@@ -43,9 +43,10 @@ from schemathesis.config import SchemathesisConfig
 from orchestrator.api.app import create_app
 from orchestrator.api.auth import OPEN_PATHS
 from orchestrator.config import Settings
-from tests.e2e.conftest import TOKEN, Stack
+from orchestrator.tls import tls
 from tests.e2e.helpers import function_call, new_trace
 from tests.e2e.test_fuzz import Deployment, DeploymentState, json_values
+from tests.stacks import TOKEN, Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -157,7 +158,7 @@ def _unchanged(
 
 
 def test_schema_is_the_running_apps(stack: Stack) -> None:
-    response = httpx.get(f"{stack.base_url}/openapi.json", timeout=30)
+    response = httpx.get(f"{stack.base_url}/openapi.json", timeout=30, verify=tls())
     assert response.status_code == 200
     assert response.json() == OPENAPI
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import Stack
 from tests.e2e.helpers import sandboxes_of
 from tests.e2e.trainers import run_in_trainers
+from tests.stacks import Stack
 
 pytestmark = [pytest.mark.xdist_group("trainers"), pytest.mark.slow]
 

@@ -18,9 +18,9 @@ import docker
 import pytest
 
 from orchestrator.config import Settings
-from orchestrator.local import free_port
+from orchestrator.tls import tls
 from tests.daemons import DockerDaemon, running
-from tests.e2e.conftest import TOKEN, Stack, stack_env
+from tests.stacks import Stack, deployment
 
 pytestmark = [pytest.mark.xdist_group("two-hosts")]
 
@@ -36,9 +36,6 @@ def second_daemon(base_image: str) -> Iterator[docker.DockerClient]:
 
 @pytest.fixture(scope="module")
 def two_host_stack(settings: Settings, second_daemon: docker.DockerClient) -> Iterator[Stack]:
-    from orchestrator.cli.serve import api_command, worker_command
-
-    deployment = settings.deployment + "-2h"
     # Short: sandbox sockets live under the state dirs, and Unix socket paths are short.
     tmp = Path(tempfile.mkdtemp(prefix="orch-2h-"))
     envs_file = tmp / "environments.yaml"
@@ -50,47 +47,38 @@ def two_host_stack(settings: Settings, second_daemon: docker.DockerClient) -> It
         "    tools: [shell, read_file]\n"
         "    grader: {name: file_f1}\n"
     )
+    # One deployment, an API and two workers, each worker a host on its own daemon.
+    stack = deployment(
+        settings,
+        "2h",
+        logs=tmp,
+        host_id="h1",
+        state_dir=tmp / "h1",
+        environments_file=envs_file,
+        default_environment="base-shell",
+    )
     hosts = {
-        "h1": settings.model_copy(
-            update={"deployment": deployment, "host_id": "h1", "state_dir": tmp / "h1"}
-        ),
-        "h2": settings.model_copy(
-            update={
-                "deployment": deployment,
-                "host_id": "h2",
-                "state_dir": tmp / "h2",
-                "docker_host": SOCKET,
-            }
+        "h1": stack,
+        "h2": deployment(
+            settings,
+            "2h",
+            logs=tmp,
+            host_id="h2",
+            state_dir=tmp / "h2",
+            docker_host=SOCKET,
+            environments_file=envs_file,
+            default_environment="base-shell",
         ),
     }
-    api_settings = hosts["h1"].model_copy(update={"api_port": free_port(), "api_tokens": TOKEN})
-    stack = Stack(
-        settings=api_settings,
-        env={
-            **stack_env(api_settings),
-            "ORCH_ENVIRONMENTS_FILE": str(envs_file),
-            "ORCH_DEFAULT_ENVIRONMENT": "base-shell",
-        },
-        base_url=f"http://127.0.0.1:{api_settings.api_port}",
-        codebase="",
-        logs=tmp,
-    )
     try:
-        for name, host_settings in hosts.items():
-            env = {
-                **stack_env(host_settings),
-                "ORCH_ENVIRONMENTS_FILE": str(envs_file),
-                "ORCH_DEFAULT_ENVIRONMENT": "base-shell",
-            }
-            if host_settings.docker_host:
-                env["ORCH_DOCKER_HOST"] = host_settings.docker_host
-            stack.start(f"worker-{name}", worker_command(host_settings), env=env)
-        stack.start("api", api_command(api_settings))
+        for name, host in hosts.items():
+            stack.start(f"worker-{name}", host.command("worker"), env=host.env)
+        stack.start_role("api")
         stack.wait_ready()
         _wait_for_hosts(stack, 2)
         yield stack
     finally:
-        stack.shut_down(*hosts.values())
+        stack.shut_down(*(host.settings for host in hosts.values()))
 
 
 def _wait_for_hosts(stack: Stack, n: int) -> None:
@@ -98,7 +86,7 @@ def _wait_for_hosts(stack: Stack, n: int) -> None:
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        checks = httpx.get(f"{stack.base_url}/readyz", timeout=5).json()["checks"]
+        checks = httpx.get(f"{stack.base_url}/readyz", timeout=5, verify=tls()).json()["checks"]
         if checks["workers"] >= n:
             return
         time.sleep(0.3)

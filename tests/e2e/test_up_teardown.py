@@ -20,8 +20,8 @@ import yaml
 
 from orchestrator.local import free_port
 from orchestrator.outcomes import Cause
-from tests.e2e.conftest import Stack, flush_redis, stack_env
 from tests.e2e.helpers import error_code, function_call, new_trace, owned_count, wait_for
+from tests.stacks import Stack, deployment
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -50,41 +50,21 @@ def up_stack(stack: Stack, tmp_path: Path) -> Iterator[Stack]:
             }
         )
     )
-    settings = stack.settings.model_copy(
-        update={
-            "deployment": f"{stack.settings.deployment}-up{uuid.uuid4().hex[:4]}",
-            "api_port": free_port(),
-            "worker_metrics_port": free_port(),
-            "host_id": f"hu-{uuid.uuid4().hex[:6]}",
-            "environments_file": env_file,
-            "default_environment": "pooled",
-        }
-    )
-    env = {
-        **stack_env(settings),
-        "ORCH_ENVIRONMENTS_FILE": str(env_file),
-        "ORCH_DEFAULT_ENVIRONMENT": "pooled",
-        "ORCH_REAPER_INTERVAL_S": "1",
-    }
-    up = Stack(
-        settings=settings,
-        env=env,
-        base_url=f"http://127.0.0.1:{settings.api_port}",
-        codebase=stack.codebase,
+    up = deployment(
+        stack.settings,
+        f"up{uuid.uuid4().hex[:4]}",
         logs=tmp_path,
+        codebase=stack.codebase,
+        environments_file=env_file,
+        default_environment="pooled",
+        reaper_interval_s=1.0,
+        worker_metrics_port=free_port(),
     )
     try:
         yield up
     finally:
-        from orchestrator.sandbox.docker import DockerBackend
-        from orchestrator.sandbox.gc import collect_expired
-
-        backend = DockerBackend(settings)
-        try:
-            collect_expired(backend, everything=True)
-        finally:
-            backend.client.close()
-        flush_redis(settings)
+        # `orchestrator up` is the test's to start and stop; what it left is the stack's.
+        up.shut_down()
 
 
 @contextmanager

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from orchestrator.client import RolloutClient
-from tests.e2e.conftest import TOKEN, Stack
 from tests.e2e.helpers import file_f1, sandboxes_of
 from tests.e2e.trainers import run_in_trainers
+from tests.stacks import TOKEN, Stack
 
 pytestmark = [pytest.mark.xdist_group("trainers")]
 

@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from orchestrator.state.keys import Keys
-from tests.e2e.conftest import Stack
 from tests.e2e.helpers import error_code, function_call, new_call_id, new_trace
+from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from orchestrator.sandbox.docker import DockerBackend
-from tests.e2e.conftest import TOKEN, Stack
+from tests.stacks import TOKEN, Stack
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINERS_PYTHON_ENV = "ORCH_TRAINERS_PYTHON"

@@ -31,8 +31,8 @@ from orchestrator.config import Settings
 from orchestrator.environments.examples import REQUESTS_CODEBASE, ensure_requests_codebase
 from orchestrator.local import free_port
 from tests.daemons import DockerDaemon, machine_runtimes, running
-from tests.e2e.conftest import TOKEN, Stack, flush_redis, stack_env
 from tests.faults.infra import FaultStack, RedisServer
+from tests.stacks import ROLES, deployment, flush_redis
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,19 +42,19 @@ BROKEN_GRADER_ENVIRONMENT = "faults-broken-grader"
 # Short on purpose: the suite must run in a few minutes on two cores.
 COMMAND_TIMEOUT_S = 5
 TIMEOUTS = {
-    "ORCH_COMMAND_TIMEOUT_S": str(COMMAND_TIMEOUT_S),
-    "ORCH_COMMAND_TIMEOUT_MAX_S": "10",
-    "ORCH_QUEUE_WAIT_S": "8",
-    "ORCH_HEARTBEAT_INTERVAL_S": "1",
-    "ORCH_REAPER_INTERVAL_S": "1",
-    "ORCH_HOST_LOST_AFTER_S": "5",
-    "ORCH_WORKER_SHUTDOWN_GRACE_S": "2",
-    "ORCH_SANDBOX_CREATE_TIMEOUT_S": "20",
-    "ORCH_SANDBOX_MEMORY_MB": "256",
-    "ORCH_SANDBOX_PIDS": "64",
-    "ORCH_SANDBOX_TMP_MB": "32",
-    "ORCH_SANDBOX_DISK_MB": "64",
-    "ORCH_WORKER_CONCURRENCY": "16",
+    "command_timeout_s": COMMAND_TIMEOUT_S,
+    "command_timeout_max_s": 10,
+    "queue_wait_s": 8,
+    "heartbeat_interval_s": 1,
+    "reaper_interval_s": 1,
+    "host_lost_after_s": 5,
+    "worker_shutdown_grace_s": 2,
+    "sandbox_create_timeout_s": 20,
+    "sandbox_memory_mb": 256,
+    "sandbox_pids": 64,
+    "sandbox_tmp_mb": 32,
+    "sandbox_disk_mb": 64,
+    "worker_concurrency": 16,
 }
 IDLE_TIMEOUT_S = 5
 # Where upper layers (sandboxes' /workspace writes) go: a tmpfs of its own, so that even if
@@ -120,8 +120,6 @@ def _umount(path: Path) -> None:
 def fault_stack(settings: Settings, base_image: str) -> Iterator[FaultStack]:
     """Redis + the third dockerd + API, worker and beat, for the module; everything stopped
     and removed afterwards, whatever the tests did to it."""
-    from orchestrator.cli.serve import api_command, beat_command, worker_command
-
     # The codebase image on the machine's daemon (built once per machine), loaded into ours
     # with the base image (each only when our daemon's copy differs).
     requests_image = ensure_requests_codebase(settings)
@@ -142,55 +140,32 @@ def fault_stack(settings: Settings, base_image: str) -> Iterator[FaultStack]:
 
         envs_file = state_dir / "environments.yaml"
         envs_file.write_text(environments_yaml())
-        stack_settings = settings.model_copy(
-            update={
-                "deployment": settings.deployment + "-f",
-                "state_dir": state_dir,
-                "api_port": free_port(),
-                "worker_metrics_port": 0,
-                "host_id": f"f1-{uuid.uuid4().hex[:6]}",
-                "api_tokens": TOKEN,
-                "redis_url": server.url,
-                "docker_host": DAEMON.socket,
-                "environments_file": envs_file,
-                "default_environment": ENVIRONMENT,
-            }
-        )
-        env = {
-            **stack_env(stack_settings),
-            **TIMEOUTS,
-            "ORCH_REDIS_URL": server.url,
-            "ORCH_DOCKER_HOST": DAEMON.socket,
-            "ORCH_ENVIRONMENTS_FILE": str(envs_file),
-            "ORCH_DEFAULT_ENVIRONMENT": ENVIRONMENT,
-            # The custom grader's module, for the API and the worker.
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        }
-        logs = state_dir / "logs"
-        logs.mkdir()
-        stack = Stack(
-            settings=stack_settings,
-            env=env,
-            base_url=f"http://127.0.0.1:{stack_settings.api_port}",
+        stack = deployment(
+            settings,
+            "f",
+            logs=state_dir / "logs",
             codebase=REQUESTS_CODEBASE,
-            logs=logs,
+            # The custom grader's module, for the API and the worker.
+            env={
+                "PYTHONPATH": os.pathsep.join(
+                    filter(None, [str(REPO), os.environ.get("PYTHONPATH")])
+                )
+            },
+            state_dir=state_dir,
+            host_id=f"f1-{uuid.uuid4().hex[:6]}",
+            redis_url=server.url,
+            docker_host=DAEMON.socket,
+            environments_file=envs_file,
+            default_environment=ENVIRONMENT,
+            **TIMEOUTS,
         )
         faults = FaultStack(
-            stack=stack,
-            daemon=DAEMON,
-            docker=daemon_client,
-            redis=server,
-            state_dir=state_dir,
-            commands={
-                "worker": worker_command(stack_settings),
-                "beat": beat_command(stack_settings),
-                "api": api_command(stack_settings),
-            },
+            stack=stack, daemon=DAEMON, docker=daemon_client, redis=server, state_dir=state_dir
         )
         cleanup.callback(lambda: faults.docker.close())
         cleanup.callback(_tear_down, faults)
-        for name in ("worker", "beat", "api"):
-            stack.start(name, faults.commands[name])
+        for role in ROLES:
+            stack.start_role(role)
         faults.wait_healthy()
         yield faults
 
@@ -227,10 +202,10 @@ def faults(fault_stack: FaultStack) -> Iterator[FaultStack]:
     fault_stack.wait_healthy()
     yield fault_stack
     _restore(fault_stack)
-    for name, command in fault_stack.commands.items():
-        proc = fault_stack.stack.procs.get(name)
+    for role in ROLES:
+        proc = fault_stack.stack.procs.get(role)
         if proc is None or proc.poll() is not None:
-            fault_stack.stack.procs.pop(name, None)
-            fault_stack.stack.start(name, command)
+            fault_stack.stack.procs.pop(role, None)
+            fault_stack.stack.start_role(role)
     fault_stack.clean()
     fault_stack.wait_healthy()

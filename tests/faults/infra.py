@@ -10,7 +10,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,9 @@ from orchestrator.config import Settings
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.state.keys import Keys
+from orchestrator.tls import tls
 from tests.daemons import DockerDaemon
-from tests.e2e.conftest import TOKEN, Stack
+from tests.stacks import TOKEN, Stack
 
 
 @dataclass
@@ -108,7 +109,6 @@ class FaultStack:
     docker: docker.DockerClient
     redis: RedisServer
     state_dir: Path
-    commands: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def settings(self) -> Settings:
@@ -131,7 +131,7 @@ class FaultStack:
         proc.wait()
 
     def start_worker(self) -> None:
-        self.stack.start("worker", self.commands["worker"])
+        self.stack.start_role("worker")
 
     def reconnect_docker(self) -> None:
         self.docker.close()
@@ -146,7 +146,7 @@ class FaultStack:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited: see {self.stack.logs}/{name}.log")
             try:
-                response = httpx.get(f"{self.stack.base_url}/readyz", timeout=3)
+                response = httpx.get(f"{self.stack.base_url}/readyz", timeout=3, verify=tls())
                 last = response.text
                 if response.status_code == 200 and self._schedulable():
                     return

@@ -11,7 +11,6 @@ teardown (the sandboxes are pods, destroyed through the API server, not by a dae
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,12 +20,12 @@ import yaml
 
 from orchestrator.config import Settings
 from orchestrator.environments.examples import REQUESTS_CODEBASE, ensure_requests_codebase
-from orchestrator.local import free_port
+from orchestrator.environments.loader import default_environments_text
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
 from tests import agent_caused
-from tests.e2e.conftest import TOKEN, Stack, flush_redis, reaper_environments_yaml, stack_env
 from tests.k8s.cluster import TestCluster
+from tests.stacks import ROLES, Stack, deployment, flush_redis
 
 NAMESPACE = "orchestrator-sandboxes"
 # Anything on the Kubernetes path that still asks a Docker daemon fails loudly here.
@@ -46,17 +45,27 @@ class K8sStack(Stack):
         return [h.native_id for h in self.k8s.list_owned() if h.rollout_id == rollout_id]
 
 
-@pytest.fixture(scope="module")
-def k8s_cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
-    """A cluster of the module's own (control plane and test kubelet); it outlives the
-    stack."""
+@pytest.fixture(scope="session")
+def k8s_session_cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
+    """The session's one cluster (control plane and test kubelet), shared by every module
+    here: they all run on one xdist worker (group ``k8s``), one after another. Starting
+    one cost about 10 s of both cores; five modules each started their own."""
     # Its containers carry a deployment of their own (still this run's, for the leak
     # check), so no Docker backend's label sweep takes them for its sandboxes.
-    with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet-stack") as cluster:
+    with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet") as cluster:
         yield cluster
 
 
 @pytest.fixture(scope="module")
+def k8s_cluster(k8s_session_cluster: TestCluster) -> Iterator[TestCluster]:
+    """The session's cluster for one module: settled (no pod of the module before it left
+    going) when the module starts and when it ends."""
+    k8s_session_cluster.settle()
+    yield k8s_session_cluster
+    k8s_session_cluster.settle()
+
+
+@pytest.fixture(scope="session")
 def requests_image(settings: Settings, base_image: str) -> str:
     """The `requests` codebase as a local image: the test kubelet runs local images."""
     return ensure_requests_codebase(settings)
@@ -76,8 +85,10 @@ def _environments(path: Path) -> Path:
     """The default environments with an idle timeout and a grace after grading of a few
     seconds (the reaper ends rollouts within a test's patience), plus ``POOLED``, ``ACTS``
     and ``OUTAGE``."""
-    reaper_environments_yaml(path)
-    data = yaml.safe_load(path.read_text())
+    data = yaml.safe_load(default_environments_text())
+    for environment in data["environments"]:
+        if environment["name"] == "codebase-planning":
+            environment.update(idle_timeout_s=4, grace_after_grade_s=2)
     data["environments"].append(
         {
             "name": POOLED,
@@ -126,55 +137,32 @@ def k8s_stack(
     # The image as the local daemon names it: relative to an empty k8s_image_registry.
     catalogue.write_text(yaml.safe_dump({REQUESTS_CODEBASE: requests_image}))
     environments = _environments(root / "environments.yaml")
-    stack_settings = settings.model_copy(
-        update={
-            "deployment": settings.deployment + "-k8s",
-            "api_port": free_port(),
-            "worker_metrics_port": free_port(),
-            "host_id": f"k8s-{uuid.uuid4().hex[:6]}",
-            "api_tokens": TOKEN,
-            "log_format": "json",
-            "sandbox_backend": "kubernetes",
-            "k8s_namespace": NAMESPACE,
-            "codebases_file": catalogue,
-            "environments_file": environments,
-            "docker_host": NO_DOCKER,
-            "reaper_interval_s": 1.0,
-        }
-    )
-    env = {
-        **stack_env(stack_settings),
-        "KUBECONFIG": str(kubeconfig),
-        "ORCH_SANDBOX_BACKEND": "kubernetes",
-        "ORCH_K8S_NAMESPACE": NAMESPACE,
-        "ORCH_CODEBASES_FILE": str(catalogue),
-        "ORCH_ENVIRONMENTS_FILE": str(environments),
-        "ORCH_DOCKER_HOST": NO_DOCKER,
-        "ORCH_REAPER_INTERVAL_S": "1",
-    }
-    env.pop("DOCKER_HOST", None)
-    stack = K8sStack(
-        settings=stack_settings,
-        env=env,
-        base_url=f"http://127.0.0.1:{stack_settings.api_port}",
-        codebase=REQUESTS_CODEBASE,
+    made = deployment(
+        settings,
+        "k8s",
         logs=root,
+        codebase=REQUESTS_CODEBASE,
+        env={"KUBECONFIG": str(kubeconfig)},
+        sandbox_backend="kubernetes",
+        k8s_namespace=NAMESPACE,
+        codebases_file=catalogue,
+        environments_file=environments,
+        docker_host=NO_DOCKER,
+        reaper_interval_s=1.0,
     )
+    made.env.pop("DOCKER_HOST", None)
+    stack = K8sStack(settings=made.settings, env=made.env, codebase=made.codebase, logs=root)
     stack.cluster = k8s_cluster
     stack.image = requests_image
-    stack.k8s = KubernetesBackend(stack_settings, client=k8s_cluster.client(NAMESPACE))
-    from orchestrator.cli.serve import api_command, beat_command, worker_command
-
+    stack.k8s = KubernetesBackend(stack.settings, client=k8s_cluster.client(NAMESPACE))
     try:
-        stack.start("worker", worker_command(stack_settings))
-        stack.start("beat", beat_command(stack_settings))
-        stack.start("api", api_command(stack_settings))
+        for role in ROLES:
+            stack.start_role(role)
         stack.wait_ready()
         yield stack
     finally:
-        # Beat first: its reaper passes would wait for a worker that is gone.
-        for name in sorted(stack.procs, key=lambda name: name != "beat"):
-            stack.stop(name)
+        stack.stop_all()
+        # The sandboxes are pods: destroyed through the API server, not by a daemon.
         collect_expired(stack.k8s, everything=True)
         k8s_cluster.settle()
-        flush_redis(stack_settings)
+        flush_redis(stack.settings)

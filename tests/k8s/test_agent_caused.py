@@ -15,28 +15,29 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import docker
 import pytest
 
-from orchestrator.config import Settings
 from tests.agent_caused import ACTS, GOLD, LIMITS, Act, run_act
-from tests.e2e.conftest import TOKEN
 from tests.k8s.cluster import TestCluster
 from tests.k8s.conftest import ACTS as ACTS_ENVIRONMENT
 from tests.k8s.conftest import K8sStack
+from tests.stacks import TOKEN
 
 pytestmark = pytest.mark.xdist_group("k8s")
 
 
 @pytest.fixture(scope="module")
-def k8s_cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
-    """conftest.py's cluster, whose kubelet caps every pod at the acts' pids limit."""
-    with TestCluster(
-        client,
-        docker_deployment=f"{settings.deployment}-kubelet-acts",
-        pod_pids_limit=LIMITS["pids"],
-    ) as cluster:
+def k8s_cluster(k8s_session_cluster: TestCluster) -> Iterator[TestCluster]:
+    """The session's cluster, its kubelet capping every pod this module makes at the acts'
+    pids limit (the default again after it)."""
+    cluster = k8s_session_cluster
+    cluster.settle()
+    default, cluster.pod_pids_limit = cluster.pod_pids_limit, LIMITS["pids"]
+    try:
         yield cluster
+    finally:
+        cluster.pod_pids_limit = default
+        cluster.settle()
 
 
 @pytest.mark.parametrize("act", ACTS, ids=[a.name for a in ACTS])

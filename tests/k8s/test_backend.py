@@ -59,11 +59,9 @@ def codebase_image(settings: Settings, base_image: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
-    # The kubelet's containers carry a deployment of their own (still this run's, for the
-    # leak check), so the Docker backend's label sweeps never take them for its sandboxes.
-    with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet") as cluster:
-        yield cluster
+def cluster(k8s_cluster: TestCluster) -> TestCluster:
+    """The session's cluster (tests/k8s/conftest.py)."""
+    return k8s_cluster
 
 
 def k8s_settings(settings: Settings, **overrides: Any) -> Settings:

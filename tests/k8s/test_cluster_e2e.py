@@ -14,7 +14,6 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import docker
 import pytest
 from lightkube.resources.core_v1 import Pod, Secret
 
@@ -22,25 +21,24 @@ from orchestrator.config import Settings
 from orchestrator.sandbox.backend import SandboxSpec
 from orchestrator.sandbox.k8s import pods
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
-from tests.k8s.cluster import TestCluster
 
 pytestmark = pytest.mark.xdist_group("k8s")
 
 
 @pytest.fixture(scope="module")
 def kubeconfig(
-    settings: Settings, client: docker.DockerClient, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
-    """KUBECONFIG's cluster, else one of the suite's own (its worker's kubeconfig)."""
+    """KUBECONFIG's cluster, else the suite's own (its worker's kubeconfig): asked for only
+    then, so a KUBECONFIG run starts no control plane."""
     named = os.environ.get("KUBECONFIG")
     if named:
         yield named
         return
-    with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet-e2e") as cluster:
-        path = tmp_path_factory.mktemp("k8s-e2e") / "kubeconfig"
-        path.write_text(json.dumps(cluster.kubeconfig()))  # JSON is YAML
-        yield str(path)
-        cluster.settle()
+    cluster = request.getfixturevalue("k8s_cluster")  # the session's (tests/k8s/conftest.py)
+    path = tmp_path_factory.mktemp("k8s-e2e") / "kubeconfig"
+    path.write_text(json.dumps(cluster.kubeconfig()))  # JSON is YAML
+    yield str(path)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import docker
 import pytest
 
 from orchestrator.config import Settings
@@ -76,10 +75,9 @@ GRANTED = sorted(rbac.grants(rbac.worker_role()))
 
 
 @pytest.fixture(scope="module")
-def cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
-    # Its containers carry a deployment of their own (still this run's, for the leak check).
-    with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet-rbac") as cluster:
-        yield cluster
+def cluster(k8s_cluster: TestCluster) -> TestCluster:
+    """The session's cluster (tests/k8s/conftest.py)."""
+    return k8s_cluster
 
 
 @pytest.fixture(scope="module")

@@ -38,9 +38,9 @@ from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.k8s import pods
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import POOL_LABEL, pool_name
-from tests.e2e.conftest import TOKEN
 from tests.e2e.helpers import error_code, file_f1, function_call, new_trace, wait_for
 from tests.k8s.conftest import OUTAGE, POOLED, K8sStack
+from tests.stacks import TOKEN
 
 pytestmark = pytest.mark.xdist_group("k8s")
 
