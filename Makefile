@@ -5,9 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# The trainers the adapters run inside (extra `trainers`), kept out of the product's venv.
+# The trainers the adapters run inside (extra `trainers`), kept out of the product's venv;
+# it and Harbor's are shared by the machine's checkouts (scripts/shared_venv.py).
 TRAINERS_VENV := .venv-trainers
-TRAINERS_STAMP := $(TRAINERS_VENV)/.installed
 # Stock Harbor, on Python >= 3.12 when the machine has one (scripts/harbor-venv.sh).
 HARBOR_VENV := .venv-harbor
 
@@ -63,17 +63,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,sdk-tests]'
 	touch $(STAMP)
 
-# torch first, alone: pip then takes the CPU wheel on this machine's disk, and nothing
-# later asks for another (an unpinned torch would be a CUDA download of several GB).
-trainers-venv: $(TRAINERS_STAMP)
-
-$(TRAINERS_STAMP): pyproject.toml
-	test -x $(TRAINERS_VENV)/bin/python || $(PYTHON) -m venv $(TRAINERS_VENV)
-	$(TRAINERS_VENV)/bin/pip install -q --upgrade pip
-	$(TRAINERS_VENV)/bin/pip install -q torch==2.13.0
-	$(TRAINERS_VENV)/bin/pip install -q -e '.[trainers]'
-	$(TRAINERS_VENV)/bin/pip check
-	touch $(TRAINERS_STAMP)
+# Built once per machine outside the checkout and linked in (scripts/shared_venv.py), the
+# project's own dependencies with the extra but not the project: its scripts run from the
+# repository root. torch first, alone: pip then takes the CPU wheel on this machine's disk,
+# and nothing later asks for another (an unpinned torch would be a CUDA download of several
+# GB).
+trainers-venv:
+	$(PYTHON) scripts/shared_venv.py $(TRAINERS_VENV) $(PYTHON) torch==2.13.0 extra:trainers
 
 harbor-venv:
 	./scripts/harbor-venv.sh $(HARBOR_VENV)
@@ -98,11 +94,15 @@ typecheck: venv
 # Harbor's is named when harbor-venv could build it (else its test skips, saying why).
 # Then, alone, the tests that load the whole machine (marker `solo`): run beside the rest
 # they would slow it down, and measure the load they make, not the suite's.
+# Three workers on two cores: a worker waits on daemons and subprocesses much of the time.
+# Measured on one 2-core machine: 2 workers 10:39, 3 workers 7:36, 4 workers 7:16 (one of
+# them then carries the whole e2e group while the others idle, and each adds its stacks).
+PYTEST_WORKERS ?= 3
 pytest: venv
 	ORCH_TEST_PHASE=parallel \
 	ORCH_TRAINERS_PYTHON=$(abspath $(TRAINERS_VENV))/bin/python \
 	ORCH_HARBOR_PYTHON=$$(test -x $(HARBOR_VENV)/bin/python && echo $(abspath $(HARBOR_VENV))/bin/python) \
-	  $(BIN)/pytest -n 2 --dist loadgroup -m "not solo" $(PYTEST_ARGS)
+	  $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not solo" $(PYTEST_ARGS)
 	ORCH_TEST_PHASE=solo $(BIN)/pytest -n 0 -m solo $(PYTEST_ARGS)
 
 # Before landing (DEVELOPERS.md): the tests a change touched (against FLAKE_BASE: by default

@@ -4,7 +4,8 @@
 # takes the first 3.12+ interpreter it finds (3.12, the one tested, before 3.13; on PATH,
 # then pyenv's). Without one it says so loudly and builds nothing: the Harbor test then
 # skips, saying how to build it.
-# Idempotent: a venv whose stamp matches the pins is kept.
+# Built once per machine and pin set, outside the checkout, and linked in
+# (scripts/shared_venv.py): idempotent, and fast on a machine that has built it.
 #
 # usage: scripts/harbor-venv.sh VENV_DIR
 set -euo pipefail
@@ -12,12 +13,6 @@ set -euo pipefail
 PINS=('harbor[e2b]==0.26.0' 'e2b==2.63.0')
 
 venv="${1:?usage: $0 VENV_DIR}"
-stamp="$venv/.installed"
-
-if [[ -f "$stamp" && "$(cat "$stamp")" == "${PINS[*]}" ]]; then
-  exit 0
-fi
-
 python=""
 for candidate in python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 python3.13 \
     /root/.pyenv/versions/3.13*/bin/python3.13; do
@@ -33,10 +28,4 @@ if [[ -z "$python" ]]; then
   exit 0
 fi
 
-rm -rf "$venv"
-"$python" -m venv "$venv"
-"$venv/bin/pip" install -q --upgrade pip
-"$venv/bin/pip" install -q "${PINS[@]}"
-"$venv/bin/pip" check
-echo "${PINS[*]}" > "$stamp"
-echo "[harbor-venv] Harbor in $venv ($("$venv/bin/python" --version))"
+exec python3 "$(dirname "$0")/shared_venv.py" "$venv" "$python" "${PINS[*]}"
