@@ -107,7 +107,7 @@ pytest: venv
 
 # Before landing (DEVELOPERS.md): the tests a change touched (against FLAKE_BASE: by default
 # the uncommitted changes, else the last commit), plus the concurrency-heavy modules,
-# FLAKE_COUNT times each (default 10, pytest-repeat), on FLAKE_WORKERS workers (2) with a
+# FLAKE_COUNT times each (default 10, pytest-repeat), on FLAKE_WORKERS workers (3) with a
 # CPU hog per core beside them. scripts/flake_hunt.py prints what it picked and why;
 # FLAKE_TESTS replaces the pick.
 flake-hunt: test-setup trainers-venv harbor-venv

@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,10 +97,17 @@ def pick(changed: list[str]) -> dict[str, str]:
     return picked
 
 
+def by_directory(targets: Iterable[str]) -> list[str]:
+    """Each directory's targets together: given tests/e2e/a.py tests/b.py tests/e2e/c.py,
+    pytest 9.1 collects c.py without tests/e2e/conftest.py's fixtures ("fixture 'stack'
+    not found")."""
+    return sorted(targets, key=lambda target: (str(Path(target.split("::")[0]).parent), target))
+
+
 def main() -> int:
     count = os.environ.get("FLAKE_COUNT", "10")
-    workers = os.environ.get("FLAKE_WORKERS", "2")
-    chosen = os.environ.get("FLAKE_TESTS", "").split()
+    workers = os.environ.get("FLAKE_WORKERS", "3")
+    chosen = by_directory(os.environ.get("FLAKE_TESTS", "").split())
     if chosen:
         print(f"flake hunt: FLAKE_TESTS names {len(chosen)} targets")
     else:
@@ -109,7 +117,7 @@ def main() -> int:
         print(f"flake hunt: {len(changed)} files changed since {base}; repeating:")
         for test, why in sorted(picked.items()):
             print(f"  {test}  ({why})")
-        chosen = sorted(picked)
+        chosen = by_directory(picked)
     cores = os.cpu_count() or 1
     # One busy loop per core, niced so they take what the tests leave rather than starve
     # the daemons outright: the tests' processes get descheduled, as on a loaded CI host.
