@@ -33,6 +33,10 @@ PLANT = (
 )
 LOOK = "ls -A /tmp ~ /workspace; ps -eo uid=,comm= | grep -v -e ps -e bash -e grep || true"
 
+HANDED_OUT: set[str] = set()
+"""The sandboxes this module's rollouts took: one not among them is new (when make
+flake-hunt repeats a test, the pool's sandbox may be one recycled before)."""
+
 
 @pytest.fixture(scope="module")
 def recycling_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
@@ -98,6 +102,7 @@ def _ended(client: httpx.Client) -> Iterator[Callable[[dict[str, Any]], dict[str
 
     def started(rollout: dict[str, Any]) -> dict[str, Any]:
         rollouts.append(rollout["rollout_id"])
+        HANDED_OUT.add(rollout["sandbox_id"])
         return rollout
 
     try:
@@ -146,11 +151,12 @@ def test_a_clean_rollouts_sandbox_serves_the_next_one_with_nothing_left(
 ) -> None:
     with recycling_stack.client() as client, _ended(client) as started:
         wait_for(lambda: len(_ready(recycling_stack)) == 1, timeout_s=60, what="a ready one")
-        first = started(_start(client, recycling_stack))
-        # The pool's sandbox: new, or (when this test runs again) one recycled before.
-        assert first["pool_hit"], first
-        reuses = first["sandbox_reuses"]
+        first = _start(client, recycling_stack)
         sandbox = first["sandbox_id"]
+        assert first["pool_hit"], first
+        if sandbox not in HANDED_OUT:
+            assert first["sandbox_reuses"] == 0, first
+        reuses = started(first)["sandbox_reuses"]
         # Made for the pool (its label says so, and always will); its owner is the rollout.
         listed = _listed(recycling_stack, sandbox)
         assert (listed["owner"], listed["first_rollout"]) == (first["rollout_id"], "pool")
@@ -188,6 +194,7 @@ def test_a_grade_hands_the_sandbox_to_the_next_rollout_at_once(recycling_stack: 
         try:
             assert client.post("/agent-rft/tools", json=plant).status_code == 200
             before = client.get(f"/v1/rollouts/{first}").json()
+            HANDED_OUT.add(before["sandbox_id"])
             graded = client.post(
                 "/agent-rft/grade",
                 json={"sample": {"output_text": "README.md"}, "item": item, "trace_id": first},
