@@ -566,6 +566,16 @@ def test_find_final_number_none(text: str) -> None:
         ("$5.2 million", 5_200_000, 1.0),
         ("5200000", "5.2 million", 1.0),
         ("3.2bn", 3200, 0.0),  # thousands of millions is not a reading we guess
+        # Strict about units: a unit on both sides is read alike on both.
+        ("1197%", 11.97, 0.0),  # a percent over 100 is not a ratio of a plain gold
+        ("1197%", "11.97%", 0.0),
+        ("11.97%", "11.97%", 1.0),
+        ("100%", 1, 1.0),
+        ("-5%", -0.05, 1.0),
+        ("457.6 thousand", "457.6 million", 0.0),
+        ("0.4576 billion", "457.6 million", 1.0),
+        ("457.6 million", "457.6 million", 1.0),
+        ("457,600 thousand", "$457.6m", 1.0),
         # A gold written rounded accepts an answer that rounds to it.
         ("14.12%", "14.1%", 1.0),
         ("0.1412", "14.1%", 1.0),
@@ -588,6 +598,50 @@ def test_find_final_number_none(text: str) -> None:
 )
 def test_numeric_scores(answer: str, gold: Any, score: float) -> None:
     assert numeric(answer, gold).score == score
+
+
+@pytest.mark.parametrize(
+    ("answer", "gold", "unit", "score"),
+    [
+        ("457.6 thousand", 457.6, "million", 0.0),
+        ("457.6 million", 457.6, "million", 1.0),
+        ("457,600,000", 457.6, "million", 1.0),
+        ("457.6", 457.6, "million", 1.0),  # a bare answer in the table's units
+        ("150%", 1.5, "ratio", 1.0),
+        ("12.5%", 12.5, "ratio", 0.0),  # declared a ratio: 12.5% is 0.125
+        ("12.5%", 0.125, "ratio", 1.0),
+        ("0.125", 0.125, "ratio", 1.0),
+        ("1197%", 11.97, "percent", 0.0),
+        ("11.97%", 11.97, "percent", 1.0),
+        ("0.1197", 11.97, "percent", 1.0),
+        ("11.97", 11.97, " Percent ", 1.0),
+    ],
+)
+def test_numeric_declared_units(answer: str, gold: Any, unit: str, score: float) -> None:
+    grader = NumericMatchGrader()
+    assert grader.grade(answer, {"answer": gold, "answer_unit": unit}, NO_STEPS).score == score
+
+
+@pytest.mark.parametrize(
+    ("item", "fragment"),
+    [
+        ({"answer": 5, "answer_unit": "furlongs"}, "unknown unit 'furlongs'"),
+        ({"answer": 5, "answer_unit": 6}, "must be a unit"),
+        ({"answer": "5%", "answer_unit": "ratio"}, "writes its own"),
+    ],
+)
+def test_numeric_bad_declared_unit_is_an_item_error(item: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(ItemError, match=fragment) as caught:
+        NumericMatchGrader().grade("5", item, NO_STEPS)
+    assert caught.value.field == "answer_unit"
+    custom = NumericMatchGrader(unit_field="unit")
+    assert custom.grade("5", {"answer": 5, "answer_unit": "furlongs"}, NO_STEPS).score == 1.0
+
+
+def test_numeric_units_on_both_sides_are_compared_scaled() -> None:
+    result = numeric("457.6 thousand", "457.6 million")
+    assert result.score == 0.0
+    assert (result.details["answer_reading"], result.details["gold_reading"]) == (457_600, 457.6e6)
 
 
 def test_numeric_details() -> None:
@@ -736,7 +790,7 @@ THIS_MODULE = __name__  # importable under this name while the tests run
 
 
 def test_builtin_names() -> None:
-    assert grader_names() == ["file_f1", "numeric_match"]
+    assert grader_names() == ["file_f1", "multi", "numeric_match"]
     assert set(BUILTIN_GRADERS) == set(grader_names())
     assert isinstance(get_grader("file_f1"), FileF1Grader)
     assert isinstance(get_grader("numeric_match", {"rel_tol": 0.01}), NumericMatchGrader)
@@ -747,7 +801,7 @@ def test_builtin_names() -> None:
 
 
 def test_unknown_builtin_lists_the_names() -> None:
-    with pytest.raises(GraderConfigError, match="file_f1, numeric_match"):
+    with pytest.raises(GraderConfigError, match="file_f1, multi, numeric_match"):
         get_grader("f1")
 
 

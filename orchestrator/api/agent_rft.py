@@ -99,5 +99,6 @@ async def _grade(body: GradeRequest, svc: RolloutService) -> Score:
         extract_answer(body.sample),
         body.item,
         source=RolloutSource.AGENT_RFT,
+        sample=body.sample,
     )
     return Score(score=reply.score, details=reply.details)

@@ -75,7 +75,7 @@ async def call_tool(rollout_id: RolloutId, name: str, body: ToolCallRequest, svc
 @router.post("/{rollout_id}/grade", responses=RESPONSES)
 async def grade_rollout(rollout_id: RolloutId, body: RolloutGradeRequest, svc: Svc) -> Score:
     answer = body.answer if body.answer is not None else extract_answer(body.sample or {})
-    reply = await svc.grade(rollout_id, answer, None, source=RolloutSource.API)
+    reply = await svc.grade(rollout_id, answer, None, source=RolloutSource.API, sample=body.sample)
     return Score(score=reply.score, details=reply.details)
 
 

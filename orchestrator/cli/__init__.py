@@ -28,6 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tools": ("orchestrator.cli.tools", "tools"),
     "status": ("orchestrator.cli.status", "status"),
     "rollouts": ("orchestrator.cli.rollouts", "app"),
+    "export": ("orchestrator.cli.rewards", "export"),
+    "regrade": ("orchestrator.cli.rewards", "regrade"),
     "rft-config": ("orchestrator.cli.rft_config", "rft_config"),
     "preflight": ("orchestrator.cli.preflight", "preflight"),
     "config": ("orchestrator.cli.config_docs", "app"),

@@ -351,6 +351,13 @@ class GraderConfig(BaseModel):
         default_factory=dict, description="Passed to the grader; each grader checks its own."
     )
 
+    @property
+    def digest(self) -> str:
+        """A short content hash of the name and options: a stored grade says which grader
+        configuration gave it (``orchestrator regrade`` compares two)."""
+        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
 
 class E2BRootUser(StrEnum):
     """What a client of the E2B API (docs/e2b.md) gets when it asks for user ``root``."""

@@ -1,7 +1,8 @@
 """Graders: turn a finished rollout (answer, dataset row, trajectory) into a score.
 
-Built-ins: ``file_f1`` (:class:`FileF1Grader`, files to edit against the real change) and
-``numeric_match`` (:class:`NumericMatchGrader`, FinQA-style numbers). Custom graders are any
+Built-ins: ``file_f1`` (:class:`FileF1Grader`, files to edit against the real change),
+``numeric_match`` (:class:`NumericMatchGrader`, FinQA-style numbers) and ``multi``
+(:class:`MultiGrader`, sub-graders combined by a formula with penalties). Custom graders are any
 :class:`Grader` subclass named by dotted path. The interface and the error contract
 (:class:`GraderConfigError`, :class:`ItemError` -> 422, anything else -> 503, never a 0) are
 documented in :mod:`orchestrator.grading.base`.
@@ -9,12 +10,14 @@ documented in :mod:`orchestrator.grading.base`.
 
 from orchestrator.grading.answer import extract_answer
 from orchestrator.grading.base import (
+    GradeContext,
     Grader,
     GraderConfigError,
     GradeResult,
     GraderOptions,
     GradingError,
     ItemError,
+    grade_context,
     grade_sample,
     parse_options,
 )
@@ -25,6 +28,7 @@ from orchestrator.grading.file_f1 import (
     normalise_path,
     paths_in_text,
 )
+from orchestrator.grading.multi import Measures, MultiGrader, MultiOptions
 from orchestrator.grading.numeric_match import (
     NumericMatchGrader,
     NumericMatchOptions,
@@ -42,12 +46,16 @@ __all__ = [
     "BUILTIN_GRADERS",
     "FileF1Grader",
     "FileF1Options",
+    "GradeContext",
     "GradeResult",
     "Grader",
     "GraderConfigError",
     "GraderOptions",
     "GradingError",
     "ItemError",
+    "Measures",
+    "MultiGrader",
+    "MultiOptions",
     "NumericMatchGrader",
     "NumericMatchOptions",
     "ParsedNumber",
@@ -55,6 +63,7 @@ __all__ = [
     "extract_paths",
     "find_final_number",
     "get_grader",
+    "grade_context",
     "grade_sample",
     "grader_names",
     "normalise_path",

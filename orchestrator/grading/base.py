@@ -10,6 +10,10 @@ A grader turns one finished rollout into a score::
 * ``item`` is the dataset row the trainer sent (``gold_files``, ``answer``, ...).
 * ``trajectory`` is every tool call of the rollout, rebuilt from our own log.
 
+A grader that needs more (the Agent RFT ``sample`` with its token usage, the rollout's
+measures) overrides :meth:`Grader.evaluate`, which gets all of it as one
+:class:`GradeContext`; ``multi`` (combined graders and penalties) is one.
+
 ``grade`` must be pure and deterministic: no I/O, no clock, no randomness. The trainer
 retries a grade call after a 5xx, and a retried grade must return the same score.
 
@@ -54,6 +58,21 @@ class GradeResult(BaseModel):
         if not math.isfinite(value):
             raise ValueError("score must be a finite number")
         return value
+
+
+class GradeContext(BaseModel):
+    """Everything a grade may read about one finished rollout."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    answer: str = Field(description="The final answer, read from the sample.")
+    item: Mapping[str, Any] = Field(description="The dataset row.")
+    trajectory: Sequence[TrajectoryStep] = Field(description="Every tool call, in order.")
+    sample: Mapping[str, Any] = Field(
+        default_factory=dict,
+        description="What the trainer sent as its output (Agent RFT's ``sample``: "
+        "``output_text``, ``choices``, ``usage``, ...); empty when it sent only an answer.",
+    )
 
 
 class GradingError(Exception):
@@ -109,6 +128,16 @@ class Grader(ABC):
     ) -> GradeResult:
         """Score ``answer`` for ``item``. Pure and deterministic; see the module docstring."""
 
+    def uses_sandbox(self) -> bool:
+        """Whether this grader's score needs the sandbox alive (:attr:`needs_sandbox`; a
+        grader made of others answers for them)."""
+        return self.needs_sandbox
+
+    def evaluate(self, context: GradeContext) -> GradeResult:
+        """Score the rollout ``context`` describes. By default :meth:`grade` on its
+        answer, row and trajectory; a grader that reads the sample overrides this."""
+        return self.grade(context.answer, context.item, context.trajectory)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.options!r})"
 
@@ -150,7 +179,19 @@ def grade_sample(
     grader failure, hence a 503 -- if a custom grader returns something other than a
     :class:`GradeResult`.
     """
-    result = grader.grade(extract_answer(sample), item, trajectory)
+    context = GradeContext(
+        answer=extract_answer(sample),
+        item=item,
+        trajectory=trajectory,
+        sample=sample if isinstance(sample, Mapping) else {},
+    )
+    return grade_context(grader, context)
+
+
+def grade_context(grader: Grader, context: GradeContext) -> GradeResult:
+    """``grader.evaluate(context)``, checked: raises what the grader raises, and
+    ``TypeError`` (a grader failure, hence a 503) for a result not a :class:`GradeResult`."""
+    result = grader.evaluate(context)
     if not isinstance(result, GradeResult):
         raise TypeError(
             f"grader {_name_of(type(grader))!r} returned {type(result).__name__}, not a GradeResult"

@@ -20,12 +20,27 @@ Which number is the answer: the first number in the last ``\\boxed{...}``; else 
 number after the last ``answer:`` / ``answer is`` / ``answer =`` / ``final answer``; else the
 last number in the text. No number: score 0 with ``details["reason"]``.
 
-Readings: a side with a ``%`` sign is read both as written (12.5) and as a fraction
-(0.125); a side with a scale word both scaled (5.2e6) and as written (5.2), because FinQA
-golds are in the table's units while prose answers spell the unit out. The answer scores
-the best over all pairs of an answer reading and a gold reading. So ``12.5%`` matches a gold
-of 0.125 or 12.5, and ``0.125`` matches a gold of ``"12.5%"``; a bare ``12.5`` does not
-match a bare 0.125 (no ``%`` anywhere says a percent is meant).
+Units: a side with a ``%`` sign may be read as written (12.5 "points") or as a ratio
+(0.125); a side with a scale word scaled (5.2e6) or as written (5.2, in a table's units,
+as FinQA golds are while prose answers spell the unit out). The answer scores the best
+over the pairs of an answer reading and a gold reading that agree about units:
+
+* a unit written on both sides is read alike on both: ``12.5%`` against ``"12.5%"`` compares
+  12.5 with 12.5, never 1197% as 11.97 with ``"11.97%"`` as 11.97; ``457.6 thousand`` against
+  ``"457.6 million"`` compares 457,600 with 457,600,000 (and ``0.4576 billion`` matches it);
+* a percent against a plain number: as written (``12.5%`` matches 12.5), or as a ratio only
+  when the plain number is at most 1 in size (``12.5%`` matches 0.125, ``1197%`` does not
+  match 11.97); ``0.125`` matches a gold of ``"12.5%"`` the same way;
+* a bare ``12.5`` never matches 0.125 (no ``%`` anywhere says a percent is meant);
+* a scale word against a plain number: either reading (``$5.2 million`` matches 5.2 and
+  5,200,000).
+
+A row can declare its gold's unit in ``answer_unit`` (option ``unit_field``): ``percent``
+(the gold is in points, as if written with ``%``), ``ratio`` (a percent answer is read as a
+ratio whatever its size: ``150%`` matches 1.5, and ``12.5%`` no longer matches 12.5), or a
+scale word (``million``: the gold is in millions, so ``457.6 thousand`` does not match 457.6
+and ``457.6 million`` does). A gold that writes its own unit and declares one, or an
+unknown unit, is an :class:`~orchestrator.grading.base.ItemError`.
 
 Credit:
 
@@ -48,8 +63,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
+from enum import StrEnum
 from typing import Any, ClassVar, Self
 
 from pydantic import Field, model_validator
@@ -113,19 +129,84 @@ class ParsedNumber:
     scale_exponent: int = 0  # 6 for "million"
     exact: bool = False  # a JSON number gold: no written precision to honour
 
-    def readings(self) -> list[tuple[float, int]]:
-        """Every (value, decimals) this number may mean; see the module docstring."""
-        bases = [(self.value, self.decimals)]
+    ratio: bool = False  # declared a ratio by the row: a percent answer is read as one
+
+    def readings(self) -> list[Reading]:
+        """Every way this number may be meant; see the module docstring."""
+        scales: list[tuple[float, int, Scale | None]] = [(self.value, self.decimals, None)]
         if self.scale_exponent:
-            bases.append(
-                (self.value * 10.0**self.scale_exponent, self.decimals - self.scale_exponent)
-            )
-        readings: list[tuple[float, int]] = []
-        for value, decimals in bases:
-            readings.append((value, decimals))
+            scales = [
+                (
+                    self.value * 10.0**self.scale_exponent,
+                    self.decimals - self.scale_exponent,
+                    Scale.SCALED,
+                ),
+                (self.value, self.decimals, Scale.UNSCALED),
+            ]
+        readings: list[Reading] = []
+        for value, decimals, scale in scales:
             if self.percent:
-                readings.append((value / 100.0, decimals + 2))
+                readings.append(Reading(value, decimals, Percent.POINTS, scale))
+                readings.append(Reading(value / 100.0, decimals + 2, Percent.RATIO, scale))
+            else:
+                readings.append(Reading(value, decimals, None, scale))
         return readings
+
+
+class Percent(StrEnum):
+    """How a number written with ``%`` is read: as written (12.5) or as a ratio (0.125)."""
+
+    POINTS = "points"
+    RATIO = "ratio"
+
+
+class Scale(StrEnum):
+    """How a number written with a scale word is read: scaled (5.2e6) or as written (5.2,
+    in a table's units)."""
+
+    SCALED = "scaled"
+    UNSCALED = "unscaled"
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One meaning of a written number: its value, its written precision, and which
+    readings of its percent sign and scale word it takes (None: it has none)."""
+
+    value: float
+    decimals: int
+    percent: Percent | None
+    scale: Scale | None
+
+
+def comparable(answer: Reading, gold: Reading, gold_is_ratio: bool) -> bool:
+    """Whether an answer reading may be compared with a gold reading: a unit written on
+    both sides must be read the same way on both; read away on one side only, it must be
+    a reading the other side's plain number can mean (module docstring, "Units")."""
+    return _percents_agree(answer, gold, gold_is_ratio) and _scales_agree(answer.scale, gold.scale)
+
+
+def _percents_agree(answer: Reading, gold: Reading, gold_is_ratio: bool) -> bool:
+    if answer.percent is None and gold.percent is None:
+        return True
+    if answer.percent is not None and gold.percent is not None:
+        # 1197% is not 11.97%: the two are read alike or not at all.
+        return answer.percent == gold.percent == Percent.POINTS
+    if gold_is_ratio:
+        return answer.percent == Percent.RATIO
+    percent, plain = (answer, gold) if answer.percent is not None else (gold, answer)
+    if percent.percent == Percent.POINTS:
+        return True
+    # A plain number read as a ratio of a percent: only a ratio up to 1 (100%) reads so,
+    # else 1197% would match 11.97 written for 11.97%.
+    return abs(plain.value) <= 1.0 + 1e-12
+
+
+def _scales_agree(answer: Scale | None, gold: Scale | None) -> bool:
+    if answer is None or gold is None:
+        return True
+    # Both sides name a scale: 457.6 thousand is not 457.6 million.
+    return answer == gold == Scale.SCALED
 
 
 def parse_number(match: re.Match[str]) -> ParsedNumber | None:
@@ -190,6 +271,12 @@ class NumericMatchOptions(GraderOptions):
     partial_rel_tol: float = Field(1e-2, ge=0, le=1, description="Relative error for partial.")
     partial_credit: float = Field(0.5, ge=0, le=1, description="Score of a rounding-level miss.")
     answer_field: str = Field("answer", min_length=1, description="Item field: the gold.")
+    unit_field: str = Field(
+        "answer_unit",
+        min_length=1,
+        description="Item field declaring the gold's unit, when the row has it: percent, "
+        "ratio, or a scale word (thousand, million, billion, ...).",
+    )
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:
@@ -209,7 +296,9 @@ class NumericMatchGrader(Grader):
         self, answer: str, item: Mapping[str, Any], trajectory: Sequence[TrajectoryStep]
     ) -> GradeResult:
         """Score ``answer``; the trajectory is not needed."""
-        gold = _gold_number(item, self.options.answer_field)
+        gold = _declared_unit(
+            _gold_number(item, self.options.answer_field), item, self.options.unit_field
+        )
         details: dict[str, Any] = {"gold": gold.text, "gold_value": gold.value}
         parsed = find_final_number(answer)
         if parsed is None:
@@ -218,15 +307,17 @@ class NumericMatchGrader(Grader):
         details.update(answer=parsed.text, answer_value=parsed.value)
 
         best: tuple[float, str | None, float, float, float] | None = None
-        for a_value, a_decimals in parsed.readings():
-            for g_value, g_decimals in gold.readings():
-                score, rule = self._credit(a_value, a_decimals, parsed, g_value, g_decimals, gold)
-                error = _relative_error(a_value, g_value)
-                candidate = (score, rule, error, a_value, g_value)
+        for a in parsed.readings():
+            for g in gold.readings():
+                if not comparable(a, g, gold.ratio):
+                    continue
+                score, rule = self._credit(a.value, a.decimals, parsed, g.value, g.decimals, gold)
+                error = _relative_error(a.value, g.value)
+                candidate = (score, rule, error, a.value, g.value)
                 # Highest score wins, then the smallest error; ties keep reading order.
                 if best is None or (score, -error) > (best[0], -best[2]):
                     best = candidate
-        if best is None:  # unreachable: readings() always has the number as written
+        if best is None:  # unreachable: the readings as written always agree
             raise RuntimeError("no readings to compare")
         score, rule, error, a_value, g_value = best
         details.update(
@@ -275,6 +366,26 @@ def _relative_error(answer: float, gold: float) -> float:
     if gold == 0:
         return 0.0 if answer == 0 else math.inf
     return abs(answer - gold) / abs(gold)
+
+
+def _declared_unit(gold: ParsedNumber, item: Mapping[str, Any], field: str) -> ParsedNumber:
+    """``gold`` with the unit the row declares in ``field`` (absent: as written)."""
+    unit = item.get(field)
+    if unit is None:
+        return gold
+    known = "percent, ratio, " + ", ".join(sorted(_SCALES))
+    if not isinstance(unit, str):
+        raise ItemError(field, f"must be a unit ({known}), got {type(unit).__name__}")
+    word = unit.strip().lower()
+    if gold.percent or gold.scale_exponent:
+        raise ItemError(field, f"declares {unit!r}, and the gold {gold.text!r} writes its own")
+    if word in ("percent", "%"):
+        return replace(gold, percent=True)
+    if word == "ratio":
+        return replace(gold, ratio=True)
+    if word in _SCALES:
+        return replace(gold, scale_exponent=_SCALES[word])
+    raise ItemError(field, f"unknown unit {unit!r} (known: {known})")
 
 
 def _gold_number(item: Mapping[str, Any], field: str) -> ParsedNumber:

@@ -20,10 +20,11 @@ from typing import Any
 
 from orchestrator.grading.base import Grader, GraderConfigError
 from orchestrator.grading.file_f1 import FileF1Grader
+from orchestrator.grading.multi import MultiGrader
 from orchestrator.grading.numeric_match import NumericMatchGrader
 
 BUILTIN_GRADERS: Mapping[str, type[Grader]] = {
-    grader.name: grader for grader in (FileF1Grader, NumericMatchGrader)
+    grader.name: grader for grader in (FileF1Grader, MultiGrader, NumericMatchGrader)
 }
 
 

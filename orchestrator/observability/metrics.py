@@ -70,12 +70,20 @@ INFRA_ERRORS = Counter(
 ROLLOUTS_GRADED = Counter("orchestrator_rollouts_graded_total", "Rollouts graded.")
 GRADE_SCORE = Histogram(
     "orchestrator_grade_score",
-    "Scores given.",
+    "Scores given, by environment.",
+    ["environment"],
     buckets=(0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
 )
 GRADER_ERRORS = Counter(
     "orchestrator_grader_errors_total",
-    "Grades that failed because the grader raised or is misconfigured (503 grader_failed).",
+    "Grades that failed on our side (503 grader_failed), by environment and kind.",
+    ["environment", "kind"],
+)
+LIMIT_HITS = Counter(
+    "orchestrator_limit_hits_total",
+    "Tool calls that hit a sandbox limit, by environment and kind (timeout, memory_limit, "
+    "pids_limit, disk_limit, output_limit).",
+    ["environment", "kind"],
 )
 TOOL_CALLS_PER_ROLLOUT = Histogram(
     "orchestrator_tool_calls_per_rollout",

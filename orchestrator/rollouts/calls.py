@@ -48,6 +48,7 @@ from orchestrator.state.replies import QueueClient
 from orchestrator.state.tasks import ToolCall, ToolCallDone
 from orchestrator.state.tickets import TicketState
 from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
+from orchestrator.tools.shell import LIMIT_KINDS
 
 
 @dataclass(frozen=True)
@@ -388,6 +389,10 @@ class ToolCalls:
             rollout_id, call_id, token, reply=reply.model_dump(mode="json"), step=step
         )
         metrics.TOOL_CALLS.labels(call.tool, result.outcome).inc()
+        if result.error_kind in LIMIT_KINDS:
+            # A spike of these says the environment is mis-sized: its rollouts are being
+            # scored on what its limits cut, not on what the agent could do.
+            metrics.LIMIT_HITS.labels(rollout.environment, result.error_kind).inc()
         metrics.TOOL_CALL_SECONDS.labels("total").observe(duration_ms / 1000)
         if queue_ms is not None and exec_ms is not None:
             metrics.TOOL_CALL_SECONDS.labels("queue").observe(queue_ms / 1000)

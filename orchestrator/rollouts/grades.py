@@ -13,13 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel
 
 from orchestrator.config import Settings
 from orchestrator.environments.loader import ResolvedEnvironment
-from orchestrator.grading import Grader, GraderConfigError, ItemError, get_grader
+from orchestrator.grading import (
+    GradeContext,
+    Grader,
+    GraderConfigError,
+    ItemError,
+    get_grader,
+    grade_context,
+)
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import bind_sandbox, get_logger, in_rollout_context
 from orchestrator.outcomes import Cause, Outcome
@@ -30,8 +38,8 @@ from orchestrator.rollouts.lookup import present, unknown
 from orchestrator.rollouts.models import new_record
 from orchestrator.rollouts.starts import Starter
 from orchestrator.state.errors import StateError
-from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
-from orchestrator.state.records import Rollout, RolloutStore
+from orchestrator.state.models import RolloutSource, RolloutState
+from orchestrator.state.records import GradeInputs, Rollout, RolloutStore
 from orchestrator.state.replies import QueueTimeout
 
 log = get_logger(__name__)
@@ -59,9 +67,11 @@ class Grading:
         item: dict[str, Any] | None,
         *,
         source: RolloutSource,
+        sample: dict[str, Any] | None = None,
     ) -> GradeReply:
         """Grade once; a retry (even a concurrent one) gets the score stored first. An
-        infra-failed rollout is a 503. A rejected grade (422) stores nothing."""
+        infra-failed rollout is a 503. A rejected grade (422) stores nothing. ``sample`` is
+        the trainer's output as sent (Agent RFT's ``sample``), kept with the score."""
         rollout = await self.store.get(rollout_id)
         if rollout is None:
             if source != RolloutSource.AGENT_RFT or item is None:
@@ -69,7 +79,9 @@ class Grading:
             # A rollout may end without a single tool call: grade it on an empty trajectory,
             # and keep a record only once the grade succeeded.
             resolved = await self.starter.aresolve(item)
-            graded = await self._run_grader(self._grader(resolved), rollout_id, answer, item, [])
+            grader = self._grader(resolved)
+            context = GradeContext(answer=answer, item=item, trajectory=[], sample=sample or {})
+            graded = await self._run_grader(grader, rollout_id, resolved, context)
             record = new_record(
                 rollout_id,
                 source,
@@ -79,9 +91,11 @@ class Grading:
                 graded_at=time.time(),
                 score=graded.score,
                 grade_details=graded.details,
+                grade_inputs=_inputs(resolved, context),
                 outcome=Outcome.OK,
             )
             if await self.store.create(record):
+                _observe(resolved, graded.score)
                 return graded
             rollout = present(await self.store.get(rollout_id), rollout_id, "it was graded")
         rollout = await self.starter.wait_ready(rollout, Deadline.for_source(self.settings, source))
@@ -89,19 +103,24 @@ class Grading:
         await self.closer.refuse_failed(rollout, "rollout failed")
         if rollout.score is not None:
             return GradeReply(score=rollout.score, details=rollout.grade_details or {})
-        grader = self._grader(self.starter.environment_of(rollout))
-        if grader.needs_sandbox:
+        resolved = self.starter.environment_of(rollout)
+        grader = self._grader(resolved)
+        if grader.uses_sandbox():
             # Only a grader that reads the sandbox needs it alive; one that scores the
             # answer against the row and the trajectory (file_f1, numeric_match) does not,
             # so a sandbox that is slow, or dead after its last call, changes nothing.
             await self._probe_before_grading(rollout)
-        trajectory = await self.store.trajectory(rollout_id)
-        graded = await self._run_grader(
-            grader, rollout_id, answer, item if item is not None else rollout.item, trajectory
+        context = GradeContext(
+            answer=answer,
+            item=item if item is not None else rollout.item,
+            trajectory=await self.store.trajectory(rollout_id),
+            sample=sample or {},
         )
+        graded = await self._run_grader(grader, rollout_id, resolved, context)
         fields: dict[str, Any] = {
             "score": graded.score,
             "grade_details": graded.details,
+            "grade_inputs": _inputs(resolved, context),
             "graded_at": time.time(),
             "outcome": Outcome.OK,
             "last_activity": time.time(),
@@ -111,12 +130,14 @@ class Grading:
         updated = await self.store.update(rollout_id, once=True, **fields)
         if updated is None or updated.score is None:
             raise RolloutVanished(rollout_id, "it was graded")
-        metrics.ROLLOUTS_GRADED.inc()
-        metrics.GRADE_SCORE.observe(updated.score)
+        _observe(resolved, updated.score)
         log.info(
-            "rollout.graded", rollout_id=rollout_id, score=updated.score, tool_calls=len(trajectory)
+            "rollout.graded",
+            rollout_id=rollout_id,
+            score=updated.score,
+            tool_calls=len(context.trajectory),
         )
-        grace_s = self.starter.environment_of(rollout).environment.grace_after_grade_s
+        grace_s = resolved.environment.grace_after_grade_s
         if grace_s == 0 and updated.closed_at is None:  # (a trainer may have closed it)
             await self._hand_back(rollout_id)
         return GradeReply(score=updated.score, details=updated.grade_details or {})
@@ -163,27 +184,54 @@ class Grading:
         try:
             return get_grader(config.name, config.options)
         except GraderConfigError as exc:
-            metrics.GRADER_ERRORS.inc()
+            _failed(resolved, GraderErrorKind.MISCONFIGURED)
             raise GraderFailed(f"grader misconfigured: {exc}") from exc
 
     async def _run_grader(
         self,
         grader: Grader,
         rollout_id: str,
-        answer: str,
-        row: dict[str, Any],
-        trajectory: list[TrajectoryStep],
+        resolved: ResolvedEnvironment,
+        context: GradeContext,
     ) -> GradeReply:
         try:
-            graded = await asyncio.to_thread(grader.grade, answer, row, trajectory)
+            graded = await asyncio.to_thread(grade_context, grader, context)
         except ItemError as exc:
             raise Rejected(
                 422, f"the dataset row cannot be graded: {exc}", code="invalid_item"
             ) from exc
         except Exception as exc:  # any grader bug is a 503, never a 0
-            metrics.GRADER_ERRORS.inc()
+            _failed(resolved, GraderErrorKind.RAISED)
             log.exception("grade.failed", rollout_id=rollout_id)
             raise GraderFailed(f"grader {grader.name} failed: {exc!r}") from exc
         return GradeReply(
-            score=graded.score, details={**graded.details, "tool_calls": len(trajectory)}
+            score=graded.score,
+            details={**graded.details, "tool_calls": len(context.trajectory)},
         )
+
+
+class GraderErrorKind(StrEnum):
+    """Why a grade failed on our side (the ``kind`` of orchestrator_grader_errors_total)."""
+
+    MISCONFIGURED = "misconfigured"  # the pinned grader configuration no longer builds
+    RAISED = "raised"  # the grader raised, or returned something not a GradeResult
+
+
+def _failed(resolved: ResolvedEnvironment, kind: GraderErrorKind) -> None:
+    metrics.GRADER_ERRORS.labels(resolved.environment.name, kind).inc()
+
+
+def _observe(resolved: ResolvedEnvironment, score: float) -> None:
+    metrics.ROLLOUTS_GRADED.inc()
+    metrics.GRADE_SCORE.labels(resolved.environment.name).observe(score)
+
+
+def _inputs(resolved: ResolvedEnvironment, context: GradeContext) -> GradeInputs:
+    config = resolved.environment.grader
+    return GradeInputs(
+        answer=context.answer,
+        sample=dict(context.sample),
+        grader=config.name,
+        grader_digest=config.digest,
+        environment_digest=resolved.environment.digest,
+    )

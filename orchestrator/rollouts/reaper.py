@@ -137,6 +137,7 @@ async def reap_once(settings: Settings, environments: EnvironmentRegistry) -> di
         for host in hosts:
             await queue.send(TaskName.SWEEP_HOST, {}, queue=keys.host_queue(host))
         await queue.send(TaskName.REFILL_POOLS, {}, queue=keys.shared_queue)
+        await store.mark_reaper_pass(time.time())
     finally:
         await store.close()
     return {"ended": ended, "hosts_swept": hosts, "hosts_failing": sorted(failing)}

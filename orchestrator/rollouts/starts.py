@@ -26,6 +26,7 @@ from orchestrator.rollouts.models import new_record, rollout_group
 from orchestrator.sandbox.agent.client import PROBE_MAX_S
 from orchestrator.sandbox.backend import ProbeResult, SandboxHandle
 from orchestrator.state.admission import Admission
+from orchestrator.state.errors import outlasting_an_outage
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
@@ -296,15 +297,21 @@ class Starter:
         else:
             handle = await self._create_cold(record, resolved, acquired.host)
         bind_sandbox(handle.sandbox_id)
+        ready_at = time.time()
+        # The sandbox is made: a Redis restart now must not strand it, and its rollout
+        # "creating" until the reaper calls it stuck (the update is safe to run twice).
         updated = present(
-            await self.store.update(
-                record.rollout_id,
-                state=RolloutState.ACTIVE,
-                sandbox=handle,
-                host=handle.host,
-                pool_hit=acquired.handle is not None,
-                sandbox_ready_at=time.time(),
-                last_activity=time.time(),
+            await outlasting_an_outage(
+                lambda: self.store.update(
+                    record.rollout_id,
+                    state=RolloutState.ACTIVE,
+                    sandbox=handle,
+                    host=handle.host,
+                    pool_hit=acquired.handle is not None,
+                    sandbox_ready_at=ready_at,
+                    last_activity=ready_at,
+                ),
+                for_s=self.settings.sandbox_create_timeout_s,
             ),
             record.rollout_id,
             "its sandbox started",

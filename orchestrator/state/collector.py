@@ -106,6 +106,11 @@ def gauges(state: DeploymentState) -> list[Metric]:
             dict(pool_target),
         ),
         _gauge("orchestrator_rollouts_live", "Live rollouts (not closed).", state.live.count),
+        _gauge(
+            "orchestrator_reaper_last_pass_timestamp_seconds",
+            "When beat's reaper last finished a pass (Unix seconds; 0: never).",
+            state.reaper_last_pass or 0.0,
+        ),
         _labelled(
             "orchestrator_queue_depth",
             "Celery messages waiting in each queue (priority sub-queues included).",

@@ -170,6 +170,12 @@ class Keys:
         return f"{self.prefix}pool-demand"
 
     @cached_property
+    def reaper_pass(self) -> str:
+        """String: when beat's reaper last finished a pass (Unix seconds): the reaper-down
+        alert's source (state/collector.py)."""
+        return f"{self.prefix}reaper-last-pass"
+
+    @cached_property
     def pool_refill_requested(self) -> str:
         """String: a refill was asked for lately (one ask per interval, not per take)."""
         return f"{self.prefix}pool-refill-requested"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
 from enum import StrEnum
 from typing import Any, cast
 
@@ -37,6 +38,19 @@ RECENT_FAILURES_MAX = 100
 """Entries kept in the list of recent infrastructure failures."""
 
 
+class GradeInputs(BaseModel):
+    """What a grade read besides the row and the trajectory (both kept already), and which
+    grader read it: enough to grade the rollout again with another grader."""
+
+    answer: str
+    sample: dict[str, Any] = Field(
+        default_factory=dict, description="The trainer's output as sent ({} for an answer)."
+    )
+    grader: str = Field(description="The grader's name or path.")
+    grader_digest: str = Field(description="GraderConfig.digest: its name and options.")
+    environment_digest: str | None = None
+
+
 class Rollout(BaseModel):
     """The record of one rollout."""
 
@@ -56,6 +70,9 @@ class Rollout(BaseModel):
     closed_at: float | None = None
     score: float | None = None
     grade_details: dict[str, Any] | None = None
+    grade_inputs: GradeInputs | None = Field(
+        None, description="What the score was computed from, kept for regrading and export."
+    )
     outcome: Outcome | None = None
     infra_failure: dict[str, Any] | None = Field(
         None, description="Why the rollout was marked infra_failed, with the evidence."
@@ -92,7 +109,15 @@ class InfraFailureEntry(BaseModel):
     at: float
 
 
-_JSON_FIELDS = {"sandbox", "item", "grade_details", "infra_failure", "ended_by", "e2b"}
+_JSON_FIELDS = {
+    "sandbox",
+    "item",
+    "grade_details",
+    "grade_inputs",
+    "infra_failure",
+    "ended_by",
+    "e2b",
+}
 
 
 def _encode(rollout: Rollout) -> dict[str, str]:
@@ -441,6 +466,10 @@ class RolloutStore:
         ids = await self.redis.zrevrange(self.keys.index, start, start + count - 1)
         return [str(i) for i in ids]
 
+    async def mark_reaper_pass(self, at: float) -> None:
+        """Beat's reaper finished a pass at ``at`` (state/keys.Keys.reaper_pass)."""
+        await self.redis.set(self.keys.reaper_pass, repr(at))
+
     async def recent_failures(self) -> list[InfraFailureEntry]:
         """The newest infrastructure failures, newest first."""
         raw = await self.redis.lrange(self.keys.infra_failures, 0, -1)
@@ -462,6 +491,36 @@ class RolloutStore:
         raw = await self.redis.lrange(self.keys.trajectory(rollout_id), 0, -1)
         steps = [TrajectoryStep.model_validate_json(r) for r in raw]
         return sorted(steps, key=lambda s: s.seq)
+
+    async def trajectories(self, rollout_ids: list[str]) -> list[list[TrajectoryStep]]:
+        """:meth:`trajectory` of each of ``rollout_ids``, in one round trip."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for rollout_id in rollout_ids:
+                pipe.lrange(self.keys.trajectory(rollout_id), 0, -1)
+            raws = await pipe.execute()
+        return [
+            sorted((TrajectoryStep.model_validate_json(r) for r in raw), key=lambda s: s.seq)
+            for raw in raws
+        ]
+
+    async def every_id(self, batch: int = 1000) -> AsyncIterator[list[str]]:
+        """Every rollout id with a record, in batches, in no order: the whole history,
+        past the listing index's newest INDEX_MAX (an export or a regrade reads it; a
+        SCAN, so a long history takes a round trip per ``batch`` keys of the deployment's
+        rollout hashes)."""
+        prefix = self.keys.rollout("")
+        cursor = 0
+        while True:
+            cursor, keys = await self.redis.scan(
+                cursor, match=f"{prefix}*", count=batch, _type="hash"
+            )
+            ids = [str(key)[len(prefix) :] for key in keys]
+            # The run tickets and E2B process tables are hashes below a record's key.
+            found = [rollout_id for rollout_id in ids if ":" not in rollout_id]
+            if found:
+                yield found
+            if cursor == 0:
+                return
 
     def _call_keys(self, rollout_id: str, call_id: str) -> list[str]:
         return [

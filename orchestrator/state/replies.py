@@ -4,11 +4,15 @@ reply without blocking the event loop; the worker pushes the reply.
 Replies do not go through Celery's result backend: each task pushes its reply to a Redis
 list named in the payload (``reply_to``), and the API waits on it with BLPOP on its async
 Redis client. A wait is bounded, and while it lasts the host's heartbeat is checked, so a
-call whose worker is gone fails fast as an infrastructure error instead of hanging.
+call whose worker is gone fails fast as an infrastructure error instead of hanging. A wait
+outlives Redis going away and coming back within its bound (a restart keeps the reply list,
+and the worker pushes its reply once Redis is back): a sandbox's creation awaited in the
+background must not be dropped half-way, leaving its rollout "creating" for good.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -20,6 +24,7 @@ from celery import Celery
 
 from orchestrator.config import Settings
 from orchestrator.state.broker import task_message
+from orchestrator.state.errors import StateError
 from orchestrator.state.heartbeat import Heartbeats
 from orchestrator.state.keys import Keys, queue_depth_keys
 from orchestrator.state.records import RolloutStore
@@ -27,6 +32,8 @@ from orchestrator.state.tasks import TaskName
 from orchestrator.state.tickets import REPLY_LIST_TTL_S
 
 HEARTBEAT_CHECK_S = 1.0
+STATE_RETRY_S = 0.2
+"""How long a reply's wait pauses when Redis cannot be reached, before it asks again."""
 
 
 class QueueTimeout(Exception):
@@ -59,7 +66,7 @@ class QueueClient:
     ) -> dict[str, Any]:
         """Run ``task`` on ``queue`` and return its reply; :class:`QueueTimeout` when none
         comes within ``timeout_s`` or the worker of ``host_id`` stops beating."""
-        if host_id is not None and not await self.heartbeats.alive(host_id):
+        if host_id is not None and not await self._alive(host_id):
             raise QueueTimeout(f"no live worker on host {host_id!r}")
         reply_key = self.reply_key()
         payload = {**payload, "reply_to": reply_key}
@@ -71,11 +78,26 @@ class QueueClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise QueueTimeout(f"{task} got no reply within {timeout_s:.0f} s on {queue}")
-            reply = await self.wait_reply(reply_key, min(remaining, HEARTBEAT_CHECK_S))
-            if reply is not None:
-                return reply
-            if host_id is not None and not await self.heartbeats.alive(host_id):
+            try:
+                reply = await self.wait_reply(reply_key, min(remaining, HEARTBEAT_CHECK_S))
+                if reply is not None:
+                    return reply
+                alive = host_id is None or await self.heartbeats.alive(host_id)
+            except StateError:
+                # Redis is away (restarting, say): the task was sent, so its reply will be
+                # pushed once Redis is back; ask again until the deadline.
+                await asyncio.sleep(min(STATE_RETRY_S, max(0.0, deadline - time.monotonic())))
+                continue
+            if not alive:
                 raise QueueTimeout(f"the worker on host {host_id!r} stopped while running {task}")
+
+    async def _alive(self, host_id: str) -> bool:
+        """Whether the host's worker beats; True when Redis cannot tell now (the send that
+        follows fails, or the wait rides the outage out)."""
+        try:
+            return await self.heartbeats.alive(host_id)
+        except StateError:
+            return True
 
     async def send(
         self, task: TaskName, payload: dict[str, Any], *, queue: str, expires: float | None = None

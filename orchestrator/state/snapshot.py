@@ -113,6 +113,9 @@ class DeploymentState(BaseModel):
         "shared queue, then each known host's.",
     )
     admission_waiting: int = Field(0, description="New rollouts waiting for a slot.")
+    reaper_last_pass: float | None = Field(
+        None, description="When beat's reaper last finished a pass; None: never seen."
+    )
 
     @property
     def beating(self) -> list[Heartbeat]:
@@ -177,7 +180,8 @@ class StateReader:
         first.smembers(keys.hosts)
         first.hgetall(keys.load)
         first.hgetall(keys.pool_demand)
-        members, loads, demand = first.execute()
+        first.get(keys.reaper_pass)
+        members, loads, demand, reaper_pass = first.execute()
         slots = {str(h): int(n) for h, n in loads.items()}
         hosts = sorted({str(h) for h in members} | set(slots))
         pools = self._configured_pools(parse_demand(demand))
@@ -213,6 +217,7 @@ class StateReader:
             pools=pools,
             queues=depths,
             admission_waiting=waiting,
+            reaper_last_pass=float(reaper_pass) if reaper_pass else None,
         )
 
     def _host(self, host: str, raw_beat: str | None, slots: int) -> HostState:

@@ -143,6 +143,8 @@ LIMIT_ERROR_KINDS: dict[LimitKind, str] = {
 """The ``error_kind`` of a call whose command hit each limit. When it hit several, the
 first in this order names the call (the cause before its consequences: a fork bomb that
 also ran out of time is a pids_limit)."""
+LIMIT_KINDS = frozenset(LIMIT_ERROR_KINDS.values())
+"""Every ``error_kind`` that says a call hit one of the sandbox's limits."""
 
 
 def limit_error_kind(result: ExecResult) -> str | None:

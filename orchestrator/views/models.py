@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.daemon_share import DaemonShare
 from orchestrator.state.models import RolloutState, TrajectoryStep
-from orchestrator.state.records import InfraFailureEntry
+from orchestrator.state.records import GradeInputs, InfraFailureEntry
 
 
 class HostView(BaseModel):
@@ -146,6 +146,9 @@ class RolloutDetail(BaseModel):
     last_activity: float
     calls_in_flight: int = 0
     grade_details: dict[str, Any] | None = None
+    grade_inputs: GradeInputs | None = Field(
+        None, description="What the score was computed from: answer, sample, grader, digests."
+    )
     infra_failure: dict[str, Any] | None = None
     trajectory: list[TrajectoryStep] = Field(default_factory=list)
 

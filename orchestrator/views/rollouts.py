@@ -89,6 +89,7 @@ async def rollout_detail(store: RolloutStore, rollout_id: str) -> RolloutDetail 
         last_activity=rollout.last_activity,
         calls_in_flight=rollout.calls_in_flight,
         grade_details=rollout.grade_details,
+        grade_inputs=rollout.grade_inputs,
         infra_failure=rollout.infra_failure,
         trajectory=steps,
     )

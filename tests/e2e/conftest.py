@@ -86,6 +86,13 @@ REAPED = "codebase-planning-reaped"
 """codebase-planning with a 4 s idle timeout and 2 s of grace after grading: the reaper (every
 second on the side stack) ends its rollouts within a test's patience."""
 
+REWARDED = "rewards-multi"
+"""codebase-planning scored by ``multi``: file_f1, less 0.1 per tool call past the first and
+0.0001 per output token (tests/e2e/test_rewards.py)."""
+REWARD_FORMULA = "files - 0.1 * max(0, tool_calls - 1) - 0.0001 * output_tokens"
+REGRADER = "rewards-files-only"
+"""codebase-planning scored by file_f1 alone, in ``multi``: what test_rewards.py regrades by."""
+
 ACT_ENVIRONMENTS = {"runc": "acts-runc", "runsc": "acts-runsc"}
 """The agent-caused table's environments (tests/agent_caused.py), one per runtime."""
 
@@ -98,10 +105,31 @@ def reaper_environments(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "environments": [*data["environments"], reaped]}
 
 
+def reward_environments(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with :data:`REWARDED` and :data:`REGRADER` added, made from its
+    codebase-planning."""
+    planning = next(e for e in data["environments"] if e["name"] == "codebase-planning")
+    files = {"files": {"name": "file_f1"}}
+    rewarded = {
+        **planning,
+        "name": REWARDED,
+        "grader": {
+            "name": "multi",
+            "options": {"graders": files, "formula": REWARD_FORMULA, "clamp": [0, 1]},
+        },
+    }
+    regrader = {
+        **planning,
+        "name": REGRADER,
+        "grader": {"name": "multi", "options": {"graders": files, "formula": "files"}},
+    }
+    return {**data, "environments": [*data["environments"], rewarded, regrader]}
+
+
 def side_environments_yaml(path: Path) -> Path:
-    """The side stack's environments: the defaults (E2B and Harbor use them), :data:`REAPED`
-    and :data:`ACT_ENVIRONMENTS`."""
-    data = reaper_environments(yaml.safe_load(default_environments_text()))
+    """The side stack's environments: the defaults (E2B and Harbor use them), :data:`REAPED`,
+    :data:`REWARDED`, :data:`REGRADER` and :data:`ACT_ENVIRONMENTS`."""
+    data = reward_environments(reaper_environments(yaml.safe_load(default_environments_text())))
     data["environments"] += [
         {
             "name": name,
