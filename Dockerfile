@@ -14,7 +14,7 @@ ARG BASE_IMAGE=debian:bookworm-slim
 FROM ${BASE_IMAGE}
 
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates tini \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates tini patch \
     && rm -rf /var/lib/apt/lists/*
 
 RUN groupadd --gid 10001 orchestrator \

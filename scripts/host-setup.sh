@@ -25,6 +25,8 @@ install_packages() {
   # Each sandbox's /workspace is capped by an ext4 image of its own, loop-mounted.
   command -v mkfs.ext4 >/dev/null 2>&1 || missing+=(e2fsprogs)
   command -v losetup >/dev/null 2>&1 || missing+=(mount)
+  # The sandbox_tests grader applies a row's test patch to the pristine tree on the host.
+  command -v patch >/dev/null 2>&1 || missing+=(patch)
   if [ "${#missing[@]}" -eq 0 ]; then
     return
   fi

@@ -141,8 +141,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     environments = load_environments(settings)
     # A misconfigured grader fails the start, not the first grade of a training run.
     for name in environments.names():
-        grader = environments.get(name).grader
-        get_grader(grader.name, grader.options)
+        config = environments.get(name).grader
+        grader = get_grader(config.name, config.options)
+        if grader.sandbox_time_s() and settings.sandbox_backend != "docker":
+            # Only the Docker backend keeps an image's pristine /workspace on the host.
+            raise RuntimeError(
+                f"environment {name!r}: grader {config.name!r} runs tests in the sandbox, "
+                f"which needs ORCH_SANDBOX_BACKEND=docker (this deployment runs "
+                f"{settings.sandbox_backend})"
+            )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -1,11 +1,12 @@
 """Graders: turn a finished rollout (answer, dataset row, trajectory) into a score.
 
 Built-ins: ``file_f1`` (:class:`FileF1Grader`, files to edit against the real change),
-``numeric_match`` (:class:`NumericMatchGrader`, FinQA-style numbers) and ``multi``
-(:class:`MultiGrader`, sub-graders combined by a formula with penalties). Custom graders are any
-:class:`Grader` subclass named by dotted path. The interface and the error contract
-(:class:`GraderConfigError`, :class:`ItemError` -> 422, anything else -> 503, never a 0) are
-documented in :mod:`orchestrator.grading.base`.
+``numeric_match`` (:class:`NumericMatchGrader`, FinQA-style numbers), ``multi``
+(:class:`MultiGrader`, sub-graders combined by a formula with penalties) and
+``sandbox_tests`` (:class:`SandboxTestsGrader`, the task's tests run in the sandbox).
+Custom graders are any :class:`Grader` subclass named by dotted path. The interface and the
+error contract (:class:`GraderConfigError`, :class:`ItemError` -> 422, anything else -> 503,
+never a 0) are documented in :mod:`orchestrator.grading.base`.
 """
 
 from orchestrator.grading.answer import extract_answer
@@ -17,6 +18,8 @@ from orchestrator.grading.base import (
     GraderOptions,
     GradingError,
     ItemError,
+    SandboxAccess,
+    SandboxUnusable,
     grade_context,
     grade_sample,
     parse_options,
@@ -41,6 +44,7 @@ from orchestrator.grading.registry import (
     grader_names,
     resolve_grader,
 )
+from orchestrator.grading.sandbox_tests import SandboxTestsGrader, SandboxTestsOptions
 
 __all__ = [
     "BUILTIN_GRADERS",
@@ -59,6 +63,10 @@ __all__ = [
     "NumericMatchGrader",
     "NumericMatchOptions",
     "ParsedNumber",
+    "SandboxAccess",
+    "SandboxTestsGrader",
+    "SandboxTestsOptions",
+    "SandboxUnusable",
     "extract_answer",
     "extract_paths",
     "find_final_number",

@@ -35,11 +35,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from orchestrator.grading.answer import extract_answer
+from orchestrator.sandbox.testrun import TestRun, TestRunResult
 from orchestrator.state.models import TrajectoryStep
 
 
@@ -60,6 +61,17 @@ class GradeResult(BaseModel):
         return value
 
 
+@runtime_checkable
+class SandboxAccess(Protocol):
+    """What a grader that needs the rollout's sandbox may do in it (``needs_sandbox``),
+    given by the grade as :attr:`GradeContext.sandbox`. Raises :class:`SandboxUnusable`
+    when the sandbox or the machinery around it fails: no verdict, never a score."""
+
+    def run_tests(self, run: TestRun) -> TestRunResult:
+        """Run ``run``'s tests against the agent's work (sandbox/testrun.py)."""
+        ...
+
+
 class GradeContext(BaseModel):
     """Everything a grade may read about one finished rollout."""
 
@@ -73,6 +85,11 @@ class GradeContext(BaseModel):
         description="What the trainer sent as its output (Agent RFT's ``sample``: "
         "``output_text``, ``choices``, ``usage``, ...); empty when it sent only an answer.",
     )
+    sandbox: SandboxAccess | None = Field(
+        None,
+        exclude=True,
+        description="The rollout's sandbox, for a grader that needs it (None otherwise).",
+    )
 
 
 class GradingError(Exception):
@@ -81,6 +98,15 @@ class GradingError(Exception):
 
 class GraderConfigError(GradingError):
     """Unknown grader, a dotted path that does not load, or invalid options."""
+
+
+class SandboxUnusable(GradingError):
+    """The rollout's sandbox, or our machinery around it, failed while a grader used it:
+    the rollout is ``infra_failed`` with ``evidence`` (503), never scored."""
+
+    def __init__(self, message: str, evidence: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.evidence = evidence or {}
 
 
 class ItemError(GradingError):
@@ -132,6 +158,11 @@ class Grader(ABC):
         """Whether this grader's score needs the sandbox alive (:attr:`needs_sandbox`; a
         grader made of others answers for them)."""
         return self.needs_sandbox
+
+    def sandbox_time_s(self) -> float:
+        """The longest this grader may work in the sandbox (0: it never does); the rollout
+        is not idle meanwhile."""
+        return 0.0
 
     def evaluate(self, context: GradeContext) -> GradeResult:
         """Score the rollout ``context`` describes. By default :meth:`grade` on its

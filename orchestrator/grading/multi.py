@@ -48,6 +48,7 @@ from orchestrator.grading.base import (
     GradeResult,
     GraderOptions,
     ItemError,
+    SandboxUnusable,
     grade_context,
 )
 from orchestrator.outcomes import Outcome
@@ -244,6 +245,10 @@ class MultiGrader(Grader):
         """Any sub-grader's need."""
         return any(grader.uses_sandbox() for grader in self.graders.values())
 
+    def sandbox_time_s(self) -> float:
+        """The sub-graders', one after another."""
+        return sum(grader.sandbox_time_s() for grader in self.graders.values())
+
     def grade(
         self, answer: str, item: Mapping[str, Any], trajectory: Sequence[TrajectoryStep]
     ) -> GradeResult:
@@ -268,6 +273,8 @@ class MultiGrader(Grader):
                 result = grade_context(grader, context)
             except ItemError as exc:
                 raise ItemError(exc.field, f"{exc.message} (sub-grader {part!r})") from exc
+            except SandboxUnusable:
+                raise  # the sandbox's failure, not the sub-grader's: the rollout's infra_failed
             except Exception as exc:
                 raise RuntimeError(f"sub-grader {part!r} ({grader.name}) failed: {exc!r}") from exc
             parts[part] = {"score": result.score, "details": result.details}

@@ -27,6 +27,7 @@ from orchestrator.observability.logging import (
 from orchestrator.observability.metrics import serve_worker_metrics
 from orchestrator.queue import worker
 from orchestrator.queue.sweep import sweep_orphans
+from orchestrator.sandbox import testrun
 from orchestrator.sandbox.backend import FileError, ProbeResult, SandboxError, SandboxHandle
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.state.broker import celery_app, task
@@ -38,6 +39,8 @@ from orchestrator.state.tasks import (
     FileOpRequest,
     ProbeSandbox,
     RecycleSandbox,
+    RunTests,
+    RunTestsReply,
     SandboxCreated,
     SignalExec,
     SignalReply,
@@ -272,6 +275,32 @@ def probe_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     request = ProbeSandbox.model_validate(payload)
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         return _probe(request.handle).model_dump(mode="json")
+
+
+@task(TaskName.RUN_TESTS)
+@replies
+def run_tests(payload: dict[str, Any]) -> dict[str, Any]:
+    """A grader's tests in the rollout's sandbox (sandbox/testrun.py). A backend failure
+    comes back with a probe of the sandbox as evidence: no verdict."""
+    request = RunTests.model_validate(payload)
+    handle = request.handle
+    with rollout_context(handle.rollout_id, sandbox_id=handle.sandbox_id):
+        try:
+            result = testrun.run_tests(worker.backend(), handle, request.run)
+        except SandboxError as exc:
+            probe = _probe(handle)
+            log.warning("grade.tests_failed", error=str(exc), probe=probe.state)
+            return RunTestsReply(
+                infra_error=f"{type(exc).__name__}: {exc}",
+                evidence={"probe": probe.model_dump(mode="json")},
+            ).model_dump(mode="json")
+        log.info(
+            "grade.tests_ran",
+            tests=len(request.run.tests),
+            passed=sum(1 for o in result.outcomes.values() if o == testrun.TestOutcome.PASSED),
+            timed_out=result.timed_out,
+        )
+        return RunTestsReply(result=result).model_dump(mode="json")
 
 
 @task(TaskName.FILE_OP)

@@ -25,6 +25,7 @@ from orchestrator.grading import (
     Grader,
     GraderConfigError,
     ItemError,
+    SandboxUnusable,
     get_grader,
     grade_context,
 )
@@ -37,10 +38,13 @@ from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected, Rol
 from orchestrator.rollouts.lookup import present, unknown
 from orchestrator.rollouts.models import new_record
 from orchestrator.rollouts.starts import Starter
+from orchestrator.sandbox.backend import SandboxHandle
+from orchestrator.sandbox.testrun import TestRun, TestRunResult
 from orchestrator.state.errors import StateError
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import GradeInputs, Rollout, RolloutStore
 from orchestrator.state.replies import QueueTimeout
+from orchestrator.state.tasks import RunTests, RunTestsReply, TaskName
 
 log = get_logger(__name__)
 
@@ -110,11 +114,18 @@ class Grading:
             # answer against the row and the trajectory (file_f1, numeric_match) does not,
             # so a sandbox that is slow, or dead after its last call, changes nothing.
             await self._probe_before_grading(rollout)
+        sandbox = None
+        if grader.uses_sandbox() and rollout.sandbox is not None and rollout.closed_at is None:
+            sandbox = QueuedSandbox(self.starter, rollout.sandbox, asyncio.get_running_loop())
+            # Not idle while it is judged: the reaper leaves it alone for as long as the
+            # grader may work in it (a grade that ends sooner sets the activity again).
+            await self.store.update(rollout_id, last_activity=time.time() + grader.sandbox_time_s())
         context = GradeContext(
             answer=answer,
             item=item if item is not None else rollout.item,
             trajectory=await self.store.trajectory(rollout_id),
             sample=sample or {},
+            sandbox=sandbox,
         )
         graded = await self._run_grader(grader, rollout_id, resolved, context)
         fields: dict[str, Any] = {
@@ -200,6 +211,15 @@ class Grading:
             raise Rejected(
                 422, f"the dataset row cannot be graded: {exc}", code="invalid_item"
             ) from exc
+        except SandboxUnusable as exc:
+            # The sandbox died, or our machinery around it failed, while the grader used
+            # it: the rollout is discarded with the evidence, never scored.
+            raise await self.closer.fail(
+                rollout_id,
+                Cause.SANDBOX_DEAD,
+                f"the sandbox failed while it was graded: {exc}",
+                exc.evidence,
+            ) from exc
         except Exception as exc:  # any grader bug is a 503, never a 0
             _failed(resolved, GraderErrorKind.RAISED)
             log.exception("grade.failed", rollout_id=rollout_id)
@@ -208,6 +228,43 @@ class Grading:
             score=graded.score,
             details={**graded.details, "tool_calls": len(context.trajectory)},
         )
+
+
+class QueuedSandbox:
+    """A rollout's sandbox for a grader that needs it (grading.SandboxAccess), reached
+    through its host's worker. The grader runs in a thread (asyncio.to_thread), the queue
+    on the event loop: each operation is handed to the loop and waited for."""
+
+    def __init__(
+        self, starter: Starter, handle: SandboxHandle, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self.starter = starter
+        self.handle = handle
+        self.loop = loop
+
+    def run_tests(self, run: TestRun) -> TestRunResult:
+        """:func:`orchestrator.sandbox.testrun.run_tests` on the sandbox's host."""
+        return asyncio.run_coroutine_threadsafe(self._run_tests(run), self.loop).result()
+
+    async def _run_tests(self, run: TestRun) -> TestRunResult:
+        handle = self.handle
+        try:
+            raw = await self.starter.queue.call(
+                TaskName.RUN_TESTS,
+                RunTests(handle=handle, run=run).model_dump(mode="json"),
+                queue=self.starter.keys.host_queue(handle.host),
+                # The run's budget, and its set-up: ending the agent's processes, staging.
+                timeout_s=run.timeout_s + 60 + self.starter.settings.queue_wait_s,
+                host_id=handle.host,
+            )
+        except QueueTimeout as exc:
+            raise SandboxUnusable(f"no worker ran the tests: {exc}") from exc
+        reply = RunTestsReply.model_validate(raw)
+        if reply.result is None:
+            raise SandboxUnusable(
+                reply.infra_error or "the test run gave no result", reply.evidence
+            )
+        return reply.result
 
 
 class GraderErrorKind(StrEnum):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from datetime import datetime
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -198,6 +199,14 @@ class LimitHit(BaseModel):
         False, description="A process was killed for it (not merely refused a resource)."
     )
     evidence: str = Field("", description="What the sandbox saw, for logs and records.")
+
+
+class StageResult(BaseModel):
+    """What :meth:`SandboxBackend.stage` did."""
+
+    removed: list[str] = Field(default_factory=list)
+    written: int = 0
+    no_space: bool = Field(False, description="A write failed for want of space.")
 
 
 class ExecResult(BaseModel):
@@ -472,6 +481,28 @@ class SandboxBackend(ABC):
         OOM kill, its process limit, a full /workspace): a sandbox that hit one is never
         recycled. Empty when none, or when the backend keeps no such record."""
         return []
+
+    def pristine_workspace(self, handle: SandboxHandle) -> Path | None:
+        """The image's own /workspace on this host, as no sandbox can have changed it (read
+        only: a grader restores from it what decides a verdict); None when this backend
+        keeps none."""
+        return None
+
+    def stage(
+        self,
+        handle: SandboxHandle,
+        *,
+        purge: list[str],
+        keep: list[str],
+        remove: list[str],
+        write: dict[str, bytes],
+        timeout_s: float = 30.0,
+    ) -> StageResult:
+        """Every process of the agent's user ended, then under /workspace, as that user:
+        files named in ``purge`` (names, or ``*.suffix``) not in ``keep`` removed, each of
+        ``remove`` removed, each of ``write`` written over what was there (exec_agent.stage).
+        :class:`SandboxError` when it cannot be done."""
+        raise SandboxError(f"the {self.name} backend cannot stage files")
 
     def reset(self, handle: SandboxHandle, spec: SandboxSpec) -> ResetReport:
         """Make ``handle`` (made from ``spec``) as a fresh sandbox is, for another rollout:

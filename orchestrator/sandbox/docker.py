@@ -440,6 +440,11 @@ class DockerBackend(agent.AgentBackend):
             bound.warning("sandbox.reset_audit_failed", differences=differences[:20])
         return report
 
+    def pristine_workspace(self, handle: SandboxHandle) -> Path | None:
+        """The image's /workspace as extracted for the overlay's lower layer (workspace.py):
+        what every sandbox of the image starts from, written by none."""
+        return self.workspaces.lower(handle.image)
+
     def _scrub(self, handle: SandboxHandle, fresh: dict[str, Any]) -> None:
         """The agent's half of an in-place reset: it ends the agent's user's processes and
         System V IPC, and empties the writable trees, giving their roots back the modes a

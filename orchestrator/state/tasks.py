@@ -17,6 +17,7 @@ from orchestrator.sandbox.backend import (
     SandboxHandle,
     SandboxSpec,
 )
+from orchestrator.sandbox.testrun import TestRun, TestRunResult
 from orchestrator.tools.base import ToolResult
 
 
@@ -26,6 +27,7 @@ class TaskName(StrEnum):
     CREATE_SANDBOX = "orchestrator.create_sandbox"
     RUN_TOOL = "orchestrator.run_tool"
     PROBE_SANDBOX = "orchestrator.probe_sandbox"
+    RUN_TESTS = "orchestrator.run_tests"
     FILE_OP = "orchestrator.file_op"
     SIGNAL_EXEC = "orchestrator.signal_exec"
     DESTROY_SANDBOX = "orchestrator.destroy_sandbox"
@@ -111,6 +113,22 @@ class RecycleSandbox(BaseModel):
 
 class ProbeSandbox(BaseModel):
     handle: SandboxHandle
+
+
+class RunTests(BaseModel):
+    """A grader's tests, run in a rollout's sandbox against the agent's work
+    (sandbox/testrun.py)."""
+
+    handle: SandboxHandle
+    run: TestRun
+
+
+class RunTestsReply(BaseModel):
+    """The run's result; ``infra_error`` (the sandbox or the backend failed) means none."""
+
+    result: TestRunResult | None = None
+    infra_error: str | None = None
+    evidence: dict[str, Any] = Field(default_factory=dict)
 
 
 class FileOpRequest(BaseModel):

@@ -93,6 +93,9 @@ REWARD_FORMULA = "files - 0.1 * max(0, tool_calls - 1) - 0.0001 * output_tokens"
 REGRADER = "rewards-files-only"
 """codebase-planning scored by file_f1 alone, in ``multi``: what test_rewards.py regrades by."""
 
+SWE_TESTS = "swe-tests"
+"""Rows name their codebase; scored by sandbox_tests (tests/e2e/test_sandbox_tests.py)."""
+
 ACT_ENVIRONMENTS = {"runc": "acts-runc", "runsc": "acts-runsc"}
 """The agent-caused table's environments (tests/agent_caused.py), one per runtime."""
 
@@ -106,8 +109,8 @@ def reaper_environments(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def reward_environments(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` with :data:`REWARDED` and :data:`REGRADER` added, made from its
-    codebase-planning."""
+    """``data`` with :data:`REWARDED` and :data:`REGRADER` (made from its codebase-planning)
+    and :data:`SWE_TESTS` added."""
     planning = next(e for e in data["environments"] if e["name"] == "codebase-planning")
     files = {"files": {"name": "file_f1"}}
     rewarded = {
@@ -123,7 +126,12 @@ def reward_environments(data: dict[str, Any]) -> dict[str, Any]:
         "name": REGRADER,
         "grader": {"name": "multi", "options": {"graders": files, "formula": "files"}},
     }
-    return {**data, "environments": [*data["environments"], rewarded, regrader]}
+    swe = {
+        "name": SWE_TESTS,
+        "tools": ["shell", "read_file"],
+        "grader": {"name": "sandbox_tests", "options": {"timeout_s": 60}},
+    }
+    return {**data, "environments": [*data["environments"], rewarded, regrader, swe]}
 
 
 def side_environments_yaml(path: Path) -> Path:

@@ -138,8 +138,11 @@ def test_regrade_and_export_round_trip(side: Stack, tmp_path: Path) -> None:
     assert by_id[wrong]["old_score"] == 0.0 and by_id[wrong]["new_score"] == 0.0
     assert report["grader_environment"] == REGRADER and report["errors"] == 0
     assert report["changed"] >= 1
-    table = orchestrator(side, "regrade", REGRADER, "--environment", REWARDED, "--since", since)
-    assert table.returncode == 0 and right in table.stdout and "changed" in table.stdout
+    table = orchestrator(
+        side, "regrade", REGRADER, "--environment", REWARDED, "--since", since, COLUMNS="300"
+    )
+    assert table.returncode == 0, table.stderr
+    assert right in table.stdout and "changed" in table.stdout, table.stdout
     # Regrading changed no stored score.
     assert _shown(side, right)["summary"]["score"] == pytest.approx(0.8)
 

@@ -22,6 +22,7 @@ from orchestrator.sandbox.backend import (
     SandboxError,
     SandboxHandle,
     SandboxUnavailable,
+    StageResult,
     StreamCapture,
 )
 
@@ -306,6 +307,34 @@ class AgentBackend(SandboxBackend):
         self, handle: SandboxHandle, request: dict[str, Any], timeout_s: float
     ) -> dict[str, Any]:
         """Send ``request`` to the agent of ``handle``; return its result."""
+
+    def stage(
+        self,
+        handle: SandboxHandle,
+        *,
+        purge: list[str],
+        keep: list[str],
+        remove: list[str],
+        write: dict[str, bytes],
+        timeout_s: float = 30.0,
+    ) -> StageResult:
+        """See :meth:`SandboxBackend.stage`: one request to the agent (exec_agent.stage)."""
+        request = {
+            "op": "stage",
+            "purge": purge,
+            "keep": keep,
+            "remove": remove,
+            "write": {path: base64.b64encode(data).decode() for path, data in write.items()},
+            "timeout_s": timeout_s,
+        }
+        done = self._call(handle, request, timeout_s + 30)
+        if done.get("processes"):
+            raise SandboxError(
+                f"processes of the agent's user outlived the staging: {done['processes'][:5]}"
+            )
+        if "error" in done:
+            raise SandboxError(f"staging the workspace failed: {done['error']}")
+        return StageResult.model_validate(done)
 
     @abstractmethod
     def _still_running(self, handle: SandboxHandle) -> bool:

@@ -34,6 +34,7 @@ import os
 import pwd
 import re
 import selectors
+import shutil
 import signal
 import socketserver
 import stat
@@ -726,6 +727,21 @@ class Agent:
                 os.chmod(point, modes[point])
         return {"processes": [], **done}
 
+    def stage(self, req: dict[str, object]) -> dict[str, object]:
+        """Set /workspace up for a judgement of the agent's work (a grader's tests): every
+        process of the agent's user ended first, so nothing of the agent's runs or writes
+        while its work is judged; then, as the agent's user (its own files, and nothing a
+        symbolic link of its making could lead a root write to), under /workspace and
+        outside ``.git``: every file named in ``purge`` (or ending in one of ``purge``'s
+        ``*.suffix`` entries) whose path is not in ``keep`` removed, each of ``remove``
+        removed, each of ``write`` (path -> base64 contents) written in place of whatever
+        was there. ``processes``: those that outlived ``timeout_s``; ``no_space``: a write
+        failed for want of space (the agent filled its workspace)."""
+        left = end_processes_of(self.uid, float(req.get("timeout_s") or 10))  # type: ignore[arg-type]
+        if left:
+            return {"processes": left}
+        return self._as_user(req, stage_files)
+
     def exec(self, req: dict[str, object]) -> dict[str, object]:
         cwd = str(req.get("cwd") or WORKSPACE)
         argv = req.get("argv")
@@ -1289,6 +1305,91 @@ def end_processes_of(uid: int, timeout_s: float) -> list[list[object]]:
         delay = min(delay * 2, 0.05)
 
 
+def stage_files(req: dict[str, object]) -> dict[str, object]:
+    """The file half of :meth:`Agent.stage`, run as the agent's user."""
+    purge = {str(name) for name in req.get("purge") or []}  # type: ignore[attr-defined]
+    suffixes = tuple(name[1:] for name in purge if name.startswith("*."))
+    keep = {str(path) for path in req.get("keep") or []}  # type: ignore[attr-defined]
+    removed: list[str] = []
+    pending = [WORKSPACE]
+    while pending:
+        top = pending.pop()
+        # A directory the agent made unlistable (mode 0311) still lets a test runner find a
+        # conftest.py by its name: every directory is opened up before it is listed.
+        try:
+            os.chmod(top, stat.S_IMODE(os.lstat(top).st_mode) | stat.S_IRWXU)
+        except PermissionError:
+            pass  # not the agent's: what it could not change, it did not tamper with
+        with os.scandir(top) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    if not (top == WORKSPACE and entry.name == ".git"):
+                        pending.append(entry.path)
+                    continue
+                relative = os.path.relpath(entry.path, WORKSPACE)
+                named = entry.name in purge or (bool(suffixes) and entry.name.endswith(suffixes))
+                if named and relative not in keep:
+                    os.unlink(entry.path)
+                    removed.append(relative)
+    for relative in req.get("remove") or []:  # type: ignore[attr-defined]
+        removed += [str(relative)] if remove_path(workspace_path(str(relative))) else []
+    written = 0
+    try:
+        for relative, encoded in dict(req.get("write") or {}).items():  # type: ignore[call-overload]
+            path = workspace_path(str(relative))
+            remove_path(path)
+            directory = os.path.dirname(path)
+            make_directories(directory)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as out:
+                out.write(base64.b64decode(str(encoded)))
+            written += 1
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return {"removed": removed, "written": written, "no_space": True}
+        raise
+    return {"removed": removed, "written": written, "no_space": False}
+
+
+def workspace_path(relative: str) -> str:
+    """``relative`` under /workspace; ValueError for one that leaves it."""
+    path = os.path.normpath(os.path.join(WORKSPACE, relative))
+    if not path.startswith(WORKSPACE + "/"):
+        raise ValueError(f"{relative!r} is not under {WORKSPACE}")
+    return path
+
+
+def remove_path(path: str) -> bool:
+    """Remove a file, a link or a whole tree at ``path``; False when nothing was there."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(info.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+    return True
+
+
+def make_directories(directory: str) -> None:
+    """Every directory from /workspace down to ``directory``, replacing whatever of the
+    agent's stands in the way (a file, or a link that would lead the write elsewhere)."""
+    current = WORKSPACE
+    for part in os.path.relpath(directory, WORKSPACE).split(os.sep):
+        if part in ("", "."):
+            continue
+        current = os.path.join(current, part)
+        try:
+            info = os.lstat(current)
+        except FileNotFoundError:
+            os.mkdir(current, 0o755)
+            continue
+        if not stat.S_ISDIR(info.st_mode):
+            os.unlink(current)
+            os.mkdir(current, 0o755)
+
+
 IPC_RMID = 0
 
 
@@ -1395,6 +1496,7 @@ class Handler(socketserver.StreamRequestHandler):
                 "files": agent.files,
                 "manifest": agent.manifest,
                 "scrub": agent.scrub,
+                "stage": agent.stage,
             }[op]
             reply = {"ok": True, "result": method(req)}
         except Exception as exc:  # noqa: BLE001 - every failure must reach the caller
