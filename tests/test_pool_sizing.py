@@ -27,7 +27,7 @@ from orchestrator.state.pools import (
     pooled_codebases,
 )
 from orchestrator.state.records import Rollout, RolloutStore
-from tests.redis_units import own_deployment
+from tests.redis_units import own_deployment, pool_handle
 
 AUTO = Settings(pool_autosize=True, pool_headroom=0.1, pool_max_sandboxes=100)
 
@@ -167,3 +167,42 @@ def test_a_burst_that_ended_between_two_passes_counts_whole(
 
     with own_deployment(settings, "demand") as own:
         asyncio.run(scenario(own))
+
+
+def test_the_recount_never_undoes_a_claim_made_during_its_pass(settings: Settings) -> None:
+    """The reaper reads the live rollouts, then sets each pool's count of sandboxes out with
+    rollouts; a claim in between (it comes before its rollout's record) was not in what it
+    read. Set anyway, the count fell to 0 with the sandbox out, a refill made another, and
+    the claimed one, recycled, found its pool full and was destroyed (make flake-hunt's
+    repeats of tests/e2e/test_recycling.py). A quiet pass still corrects the count."""
+
+    async def scenario(own: Settings) -> None:
+        store = RolloutStore(own.redis_url, Keys.of(own.deployment))
+        keys = Keys.of(own.deployment)
+        out = keys.pool("e:c", "out")
+        live = [("e", "c")]
+        try:
+            pools = PoolClaims(own, store.redis)
+            await pools.record_demand(live, [], await pools.out_changes())
+            assert await store.redis.get(out) == "1"
+            before = await pools.out_changes()  # a pass begins, reads one rollout live
+            await pools._claimed("e:c", _handle_json())  # a claim, its record not yet made
+            await pools.record_demand(live, [], before)
+            assert await store.redis.get(out) == "2", "the claim was undone"
+            assert 0 < await store.redis.ttl(out) <= max(30, 3 * own.reaper_interval_s)
+            before = await pools.out_changes()  # reads two live
+            await pools.returned("e", "c")  # one ends meanwhile
+            await pools.record_demand(live * 2, [], before)
+            assert await store.redis.get(out) == "1", "the return was undone"
+            # A pass with no claim or return during it sets the count it read.
+            await pools.record_demand([], [], await pools.out_changes())
+            assert await store.redis.get(out) == "0"
+        finally:
+            await store.close()
+
+    with own_deployment(settings, "recount") as own:
+        asyncio.run(scenario(own))
+
+
+def _handle_json() -> str:
+    return pool_handle("h", "sbx-000000000001").model_dump_json()

@@ -187,11 +187,13 @@ async def _record_pool_demand(store: RolloutStore, pools: PoolClaims, since: flo
     (state/pools.py): its live rollouts, and the most of them live at once among those
     live now or created since ``since`` (the rollouts of a burst that ended between two
     passes count too)."""
+    # Read first: a claim after it may be missing from the live rollouts read next.
+    out_changes = await pools.out_changes()
     live_ids = await store.live_ids()
     recent_ids = set(await store.created_since(since)) - set(live_ids)
     records = [r for r in await store.get_many([*live_ids, *recent_ids]) if r is not None]
     live = [(r.environment, r.codebase) for r in records if r.closed_at is None]
-    await pools.record_demand(live, records)
+    await pools.record_demand(live, records, out_changes)
 
 
 async def _forget_vanished(store: RolloutStore, rollout_id: str) -> None:

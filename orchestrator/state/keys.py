@@ -170,6 +170,12 @@ class Keys:
         return f"{self.prefix}pool-demand"
 
     @cached_property
+    def pools_out_changes(self) -> str:
+        """String: how many pool claims and returns there have been; the reaper's recount of
+        what pools' rollouts hold applies only when none came during its pass."""
+        return f"{self.prefix}pools-out-changes"
+
+    @cached_property
     def reaper_pass(self) -> str:
         """String: when beat's reaper last finished a pass (Unix seconds): the reaper-down
         alert's source (state/collector.py)."""

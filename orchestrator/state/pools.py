@@ -149,6 +149,31 @@ if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then return redis.call('DECR'
 return 0
 """
 
+# KEYS: a pool's count of sandboxes out with rollouts, the deployment's count of claims and
+# returns. The first one fewer (never below 0), the second one more.
+_RETURNED_OUT = """
+redis.call('INCR', KEYS[2])
+if tonumber(redis.call('GET', KEYS[1]) or '0') > 0 then return redis.call('DECR', KEYS[1]) end
+return 0
+"""
+
+# KEYS: the count of claims and returns, then each pool's count of sandboxes out. ARGV: that
+# count as the reaper read it before it read the live rollouts ('' for none), the TTL, then
+# each pool's recount. The recount is what the rollouts the reaper read hold: a claim or a
+# return since then is not in it (a claim comes before its rollout's record), so it is set
+# only when none came; else each count keeps its own value, its TTL renewed.
+_RECOUNT = """
+local unchanged = (redis.call('GET', KEYS[1]) or '') == ARGV[1]
+for i = 2, #KEYS do
+  if unchanged then
+    redis.call('SET', KEYS[i], ARGV[i + 1], 'EX', ARGV[2])
+  else
+    redis.call('EXPIRE', KEYS[i], ARGV[2])
+  end
+end
+return unchanged and 1 or 0
+"""
+
 # KEYS: ready list, members set. ARGV: size. Takes out the newest ready sandboxes past the
 # size, for the caller to destroy (LPOP claims take the oldest, so a claim never races it).
 _TRIM = """
@@ -480,6 +505,8 @@ class PoolClaims:
         self.keys = Keys.of(settings.deployment)
         self._take = client.register_script(_TAKE)
         self._returned = client.register_script(_RETURNED)
+        self._returned_out = client.register_script(_RETURNED_OUT)
+        self._recount = client.register_script(_RECOUNT)
         self._await = client.register_script(_AWAIT)
         self._take_or_wait = client.register_script(_TAKE_OR_WAIT)
         self._unstock = client.register_script(_UNSTOCK)
@@ -546,6 +573,7 @@ class PoolClaims:
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.incr(self.keys.pool(name, "out"))
             pipe.expire(self.keys.pool(name, "out"), self._out_ttl_s)
+            pipe.incr(self.keys.pools_out_changes)
             await pipe.execute()
         # Still a pool member (the orphan sweep spares it), and its slot in transit (the
         # recount keeps it), until bound to its rollout.
@@ -553,7 +581,13 @@ class PoolClaims:
 
     async def returned(self, environment: str, codebase: str | None) -> None:
         """A rollout that took a sandbox from this pool ended: one fewer out with rollouts."""
-        await self._returned(keys=[self.keys.pool(pool_name(environment, codebase), "out")])
+        out = self.keys.pool(pool_name(environment, codebase), "out")
+        await self._returned_out(keys=[out, self.keys.pools_out_changes])
+
+    async def out_changes(self) -> str:
+        """The count of claims and returns so far ('' for none): the reaper reads it
+        before the live rollouts, for :meth:`record_demand`."""
+        return str(await self.client.get(self.keys.pools_out_changes) or "")
 
     async def bind(self, handle: SandboxHandle, rollout_id: str, ttl_s: int) -> None:
         """From now on the sandbox is ``rollout_id``'s (and the sweep judges it by it)."""
@@ -576,7 +610,10 @@ class PoolClaims:
         return parse_demand(await self.client.hgetall(self.keys.pool_demand))
 
     async def record_demand(
-        self, live: list[tuple[str, str | None]], recent: list[Rollout] | None = None
+        self,
+        live: list[tuple[str, str | None]],
+        recent: list[Rollout] | None = None,
+        out_changes: str | None = None,
     ) -> None:
         """The reaper's pass: the (environment, codebase) of every live rollout, and
         ``recent``, the records of the rollouts live at some moment since the last pass
@@ -589,6 +626,9 @@ class PoolClaims:
         known = await self.demand()
         now = time.time()
         counts = Counter(pool_name(env, codebase) for env, codebase in live)
+        # ``out_changes``: :meth:`out_changes` before ``live`` was read (None: as now).
+        if out_changes is None:
+            out_changes = await self.out_changes()
         peaks = peak_concurrency(
             [
                 (pool_name(r.environment, r.codebase), r.created_at, r.closed_at)
@@ -608,13 +648,17 @@ class PoolClaims:
             for name, now_seen in seen.items()
             if (kept := next_demand(known.get(name), now_seen, window)) != known.get(name)
         }
-        async with self.client.pipeline(transaction=False) as pipe:
-            if updates:
-                pipe.hset(self.keys.pool_demand, mapping=updates)
-            # What each pool's rollouts hold now, counted afresh (claims add to it between).
-            for name in seen:
-                pipe.set(self.keys.pool(name, "out"), counts.get(name, 0), ex=self._out_ttl_s)
-            await pipe.execute()
+        if updates:
+            await self.client.hset(self.keys.pool_demand, mapping=updates)
+        # What each pool's rollouts hold now, counted afresh, unless a claim or a return
+        # came since the live rollouts were read: set then, the recount would undo it (a
+        # claim undone lets a refill make a sandbox the claimed one, recycled, finds no room
+        # beside; it is destroyed as pool_full).
+        names = sorted(seen)
+        await self._recount(
+            keys=[self.keys.pools_out_changes, *(self.keys.pool(n, "out") for n in names)],
+            args=[out_changes, self._out_ttl_s, *(counts.get(n, 0) for n in names)],
+        )
 
     async def ready(self, pool: str) -> list[SandboxHandle]:
         """The ready sandboxes of ``pool`` (the reaper's slot recount counts them)."""
