@@ -324,8 +324,15 @@ class Settings(BaseSettings):
     asyncio_debug: bool = Field(
         False,
         description="Run the API's event loop in asyncio's debug mode: every callback that "
-        "holds the loop over 100 ms is logged (asyncio's 'Executing ... took' warning). Slow; "
-        "for finding what blocks the loop, never for production.",
+        "holds the loop over asyncio_slow_callback_s is logged (asyncio's 'Executing ... "
+        "took' warning). Slow; for finding what blocks the loop, never for production.",
+    )
+    asyncio_slow_callback_s: float = Field(
+        0.1,
+        gt=0,
+        description="With asyncio_debug: how long a callback may hold the loop before it is "
+        "logged (asyncio's slow_callback_duration). On a shared VM the hypervisor alone can "
+        "stall a busy guest for 100 ms and more.",
     )
     worker_metrics_port: int = Field(
         9109,

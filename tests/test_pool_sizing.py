@@ -180,7 +180,7 @@ def test_the_recount_never_undoes_a_claim_made_during_its_pass(settings: Setting
         store = RolloutStore(own.redis_url, Keys.of(own.deployment))
         keys = Keys.of(own.deployment)
         out = keys.pool("e:c", "out")
-        live = [("e", "c")]
+        live: list[tuple[str, str | None]] = [("e", "c")]
         try:
             pools = PoolClaims(own, store.redis)
             await pools.record_demand(live, [], await pools.out_changes())

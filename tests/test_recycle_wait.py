@@ -148,6 +148,29 @@ def test_a_reset_that_ends_destroyed_lets_its_waiter_go(unit: Settings) -> None:
     asyncio.run(scenario())
 
 
+def test_a_reset_that_ended_after_the_pool_was_found_empty_is_taken(unit: Settings) -> None:
+    """The rollout found the pool empty; before it asked for a reset to wait for, the last
+    one ended, its sandbox delivered and no longer counted as resetting. It takes that
+    sandbox, not a cold one beside it (make flake-hunt's repeats of tests/e2e/
+    test_recycling.py: a rollout started cold 14 ms after the sandbox came back)."""
+
+    async def scenario() -> None:
+        sides = Sides(unit)
+        resolved = _resolved(unit)
+        handle = _handle(unit, "sbx-000000000042")
+        try:
+            assert await sides.claims.take(resolved) is None  # the pool is empty
+            await sides.claims.recycling(POOL, handle.sandbox_id)
+            await sides.back_after(0, handle, handle.sandbox_id)  # delivered, then uncounted
+            taken = await sides.claims.take_recycled(resolved, wait_s=10)
+            assert taken is not None and taken.sandbox_id == handle.sandbox_id
+            assert await sides.awaiting() == 0
+        finally:
+            await sides.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_wait_is_bounded_and_none_without_a_reset(unit: Settings) -> None:
     async def scenario() -> None:
         sides = Sides(unit)

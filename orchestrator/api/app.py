@@ -169,6 +169,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         loop = asyncio.get_running_loop()
         if settings.asyncio_debug:
             loop.set_debug(True)
+            loop.slow_callback_duration = settings.asyncio_slow_callback_s
         # Said here, so a log without slow-callback lines proves something
         # (tests/e2e/test_event_loop.py).
         get_logger(__name__).info("api.started", asyncio_debug=loop.get_debug())

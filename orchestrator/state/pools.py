@@ -534,9 +534,17 @@ class PoolClaims:
         counted on, or when the resets end without one for us."""
         name = pool_name(resolved.environment.name, resolved.codebase)
         recycling, awaiting = self.keys.pool(name, "recycling"), self.keys.pool(name, "awaiting")
-        if wait_s <= 0 or not await self._await(keys=[recycling, awaiting], args=[time.time()]):
-            return None
         keys = [self.keys.pool(name, "ready"), self.keys.transit, recycling]
+        if wait_s <= 0:
+            return None
+        if not await self._await(keys=[recycling, awaiting], args=[time.time()]):
+            # No reset under way now; one may have ended since the caller found the pool
+            # empty, its sandbox delivered before the reset stopped counting (the worker
+            # delivers first): taken here, or the rollout would make a cold one beside it.
+            raw = await self._take_or_wait(
+                keys=keys, args=[time.time() + TRANSIT_MAX_S, time.time()]
+            )
+            return await self._claimed(name, raw) if isinstance(raw, str) else None
         started = time.monotonic()
         result, handle = RecycleWait.TIMED_OUT, None
         try:
