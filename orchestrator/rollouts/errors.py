@@ -96,6 +96,19 @@ class CallPending(InfraError):
         )
 
 
+class GradePending(InfraError):
+    """Another grade of the rollout is still running its grader in the sandbox when the
+    request's time is up: a 503 whose retry gets the score it stores. Fails nothing."""
+
+    def __init__(self, rollout_id: str) -> None:
+        super().__init__(
+            "an earlier grade of this rollout is still running its tests and this request's "
+            "time is up; retry to get its score",
+            rollout_id=rollout_id,
+            code=Cause.CALL_IN_PROGRESS,
+        )
+
+
 class RolloutVanished(InfraError):
     """The rollout's record went away while we worked on it (records never expire, so
     Redis lost it): our fault, a 503, and nothing left to score. An id the client never

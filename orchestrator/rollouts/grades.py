@@ -34,7 +34,13 @@ from orchestrator.observability.logging import bind_sandbox, get_logger, in_roll
 from orchestrator.outcomes import Cause, Outcome
 from orchestrator.rollouts.bounds import Deadline
 from orchestrator.rollouts.closes import Closer
-from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected, RolloutVanished
+from orchestrator.rollouts.errors import (
+    GradePending,
+    GraderFailed,
+    InfraError,
+    Rejected,
+    RolloutVanished,
+)
 from orchestrator.rollouts.lookup import present, unknown
 from orchestrator.rollouts.models import new_record
 from orchestrator.rollouts.starts import Starter
@@ -47,6 +53,9 @@ from orchestrator.state.replies import QueueTimeout
 from orchestrator.state.tasks import RunTests, RunTestsReply, TaskName
 
 log = get_logger(__name__)
+
+GRADE_POLL_S = 0.2
+"""How often a grade waiting for another grade of its rollout looks for the score."""
 
 
 class GradeReply(BaseModel):
@@ -102,24 +111,62 @@ class Grading:
                 _observe(resolved, graded.score)
                 return graded
             rollout = present(await self.store.get(rollout_id), rollout_id, "it was graded")
-        rollout = await self.starter.wait_ready(rollout, Deadline.for_source(self.settings, source))
+        deadline = Deadline.for_source(self.settings, source)
+        rollout = await self.starter.wait_ready(rollout, deadline)
         bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
         await self.closer.refuse_failed(rollout, "rollout failed")
         if rollout.score is not None:
             return GradeReply(score=rollout.score, details=rollout.grade_details or {})
         resolved = self.starter.environment_of(rollout)
         grader = self._grader(resolved)
-        if grader.uses_sandbox():
-            # Only a grader that reads the sandbox needs it alive; one that scores the
-            # answer against the row and the trajectory (file_f1, numeric_match) does not,
-            # so a sandbox that is slow, or dead after its last call, changes nothing.
-            await self._probe_before_grading(rollout)
-        sandbox = None
-        if grader.uses_sandbox() and rollout.sandbox is not None and rollout.closed_at is None:
+        if not grader.uses_sandbox():
+            return await self._graded(rollout, resolved, grader, answer, item, sample, None)
+        # Only a grader that reads the sandbox needs it alive; one that scores the answer
+        # against the row and the trajectory (file_f1, numeric_match) does not, so a
+        # sandbox that is slow, or dead after its last call, changes nothing.
+        await self._probe_before_grading(rollout)
+        if rollout.sandbox is None or rollout.closed_at is not None:
+            return await self._graded(rollout, resolved, grader, answer, item, sample, None)
+        # One grade at a time works in the sandbox: a retry that came while the first still
+        # runs the tests (a platform's timeout is shorter than a test suite) would end the
+        # first one's test processes as it staged its own, and the first would store
+        # failures the agent never caused. The retry waits for the score instead.
+        hold_s = grader.sandbox_time_s() + 60
+        while not await self.store.take_grade_lease(rollout_id, hold_s):
+            current = present(await self.store.get(rollout_id), rollout_id, "it was graded")
+            await self.closer.refuse_failed(current, "rollout failed")
+            if current.score is not None:
+                return GradeReply(score=current.score, details=current.grade_details or {})
+            if deadline.remaining() <= GRADE_POLL_S:
+                raise GradePending(rollout_id)
+            await asyncio.sleep(GRADE_POLL_S)
+        try:
+            # The lease's holder reads the record again: a grade that held it before may
+            # have stored the score since this one's first read.
+            current = present(await self.store.get(rollout_id), rollout_id, "it was graded")
+            await self.closer.refuse_failed(current, "rollout failed")
+            if current.score is not None:
+                return GradeReply(score=current.score, details=current.grade_details or {})
             sandbox = QueuedSandbox(self.starter, rollout.sandbox, asyncio.get_running_loop())
             # Not idle while it is judged: the reaper leaves it alone for as long as the
-            # grader may work in it (a grade that ends sooner sets the activity again).
+            # grader may work in it (the grade sets the activity again when it is done).
             await self.store.update(rollout_id, last_activity=time.time() + grader.sandbox_time_s())
+            return await self._graded(rollout, resolved, grader, answer, item, sample, sandbox)
+        finally:
+            await self.store.end_grade_lease(rollout_id)
+
+    async def _graded(
+        self,
+        rollout: Rollout,
+        resolved: ResolvedEnvironment,
+        grader: Grader,
+        answer: str,
+        item: dict[str, Any] | None,
+        sample: dict[str, Any] | None,
+        sandbox: QueuedSandbox | None,
+    ) -> GradeReply:
+        """Run the grader on ``rollout`` and store the first score (see :meth:`grade`)."""
+        rollout_id = rollout.rollout_id
         context = GradeContext(
             answer=answer,
             item=item if item is not None else rollout.item,

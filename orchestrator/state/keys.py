@@ -17,6 +17,7 @@ key                             type   holds
 ``rollout:<id>:lock:call:<c>``  string the lease of the one request running ``call``
 ``rollout:<id>:run:<call>``     hash   the call's run ticket (state/tickets.py)
 ``rollout:<id>:starting``       string the lease of the one request creating its sandbox
+``rollout:<id>:grading``        string the lease of the one grade working in its sandbox
 ``rollout:<id>:e2b:pid``        string the E2B processes' pid counter
 ``rollout:<id>:e2b:processes``  hash   pid -> the E2B process record
 =============================== ====== ===================================================
@@ -71,6 +72,9 @@ class Keys:
 
     def starting(self, rollout_id: str) -> str:
         return f"{self.prefix}rollout:{rollout_id}:starting"
+
+    def grading(self, rollout_id: str) -> str:
+        return f"{self.prefix}rollout:{rollout_id}:grading"
 
     def e2b_pid(self, rollout_id: str) -> str:
         return f"{self.prefix}rollout:{rollout_id}:e2b:pid"

@@ -613,6 +613,16 @@ class RolloutStore:
     async def end_start_lease(self, rollout_id: str) -> None:
         await self.redis.delete(self.keys.starting(rollout_id))
 
+    async def take_grade_lease(self, rollout_id: str, ttl_s: float) -> bool:
+        """The lease of the one grade that works in the rollout's sandbox (a grader that
+        needs it); False while another holds it. It lapses after ``ttl_s``."""
+        return bool(
+            await self.redis.set(self.keys.grading(rollout_id), "1", nx=True, ex=int(ttl_s))
+        )
+
+    async def end_grade_lease(self, rollout_id: str) -> None:
+        await self.redis.delete(self.keys.grading(rollout_id))
+
     async def take_close_lease(self, rollout_id: str, ttl_s: float) -> bool:
         """The lease of the one close that ends the rollout; False while another close of
         it is under way (its grade's and the reaper's, say). It lapses after ``ttl_s``, so

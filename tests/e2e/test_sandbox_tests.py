@@ -219,3 +219,35 @@ def test_a_row_the_grader_cannot_use_is_a_422_naming_the_field_and_changes_nothi
             assert graded.status_code == 200 and graded.json()["score"] == 1.0, graded.text
         finally:
             client.delete(f"/v1/rollouts/{trace}")
+
+
+def test_grades_racing_for_one_rollout_run_its_tests_once_and_agree(
+    side: Stack, project: swe_project.Project, codebase: str
+) -> None:
+    """A platform's retry that comes while the first grade still runs the tests waits for
+    that grade's score: a second staging would end the first run's test processes, and the
+    first would store failures the agent never caused."""
+    row = project.row(codebase, SWE_TESTS)
+    with side.client() as client:
+        trace = _rollout(client, row, [_write("calc/__init__.py", swe_project.FIXED)])
+        try:
+            replies: list[httpx.Response] = []
+            racers = [
+                threading.Thread(target=lambda: replies.append(_grade(client, trace, row)))
+                for _ in range(3)
+            ]
+            for racer in racers:
+                racer.start()
+            for racer in racers:
+                racer.join(timeout=180)
+            assert [r.status_code for r in replies] == [200, 200, 200], [r.text for r in replies]
+            assert {r.json()["score"] for r in replies} == {1.0}
+        finally:
+            client.delete(f"/v1/rollouts/{trace}")
+    assert side.logs is not None
+    ran = [
+        line
+        for line in (side.logs / "worker.log").read_text().splitlines()
+        if '"grade.tests_ran"' in line and trace in line
+    ]
+    assert len(ran) == 1, ran
