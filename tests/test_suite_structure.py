@@ -103,8 +103,10 @@ def test_split_groups_fail_the_run(project: Path) -> None:
     ran = _run(project, "--dist", "load")
     assert ran.returncode == 1, ran.stdout + ran.stderr
     assert "12 passed" in ran.stdout, ran.stdout  # every test passed: the guard failed it
+    # xdist deals its first batch round robin, so the first group's tests always land on
+    # both workers; the rest go to whichever worker is free, and under load one worker may
+    # take all of the second group's (seen once in a fresh-clone run): not asserted.
     assert "group 'alpha' was split across workers ['gw0', 'gw1']" in ran.stdout, ran.stdout
-    assert "group 'beta' was split across workers ['gw0', 'gw1']" in ran.stdout, ran.stdout
 
 
 def test_groups_ignored_by_the_scheduler_fail_the_run(project: Path) -> None:
