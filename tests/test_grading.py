@@ -790,7 +790,7 @@ THIS_MODULE = __name__  # importable under this name while the tests run
 
 
 def test_builtin_names() -> None:
-    assert grader_names() == ["file_f1", "multi", "numeric_match", "sandbox_tests"]
+    assert grader_names() == ["file_f1", "multi", "numeric_match", "sandbox_tests", "score_model"]
     assert set(BUILTIN_GRADERS) == set(grader_names())
     assert isinstance(get_grader("file_f1"), FileF1Grader)
     assert isinstance(get_grader("numeric_match", {"rel_tol": 0.01}), NumericMatchGrader)

@@ -33,6 +33,7 @@ def error_response(
     rollout_id: str | None = None,
     headers: dict[str, str] | None = None,
     path: str = "",
+    evidence: dict[str, Any] | None = None,
 ) -> JSONResponse:
     """An error answer, in the dialect of the API ``path`` belongs to: ours
     (``{"error": {type, code, message}}``), or on the E2B planes the E2B SDK's, which reads
@@ -50,6 +51,8 @@ def error_response(
     body: dict[str, Any] = {"type": outcome.value, "code": code, "message": message}
     if rollout_id is not None:
         body["rollout_id"] = rollout_id
+    if evidence:
+        body["evidence"] = evidence
     return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
@@ -145,9 +148,10 @@ def install(app: FastAPI) -> None:
         return error_response(
             503,
             Outcome.INFRA_ERROR,
-            "grader_failed",
+            exc.code,
             str(exc),
             headers={"Retry-After": RETRY_AFTER_S},
+            evidence=exc.evidence,
         )
 
     @app.exception_handler(E2BError)

@@ -3,7 +3,8 @@
 Built-ins: ``file_f1`` (:class:`FileF1Grader`, files to edit against the real change),
 ``numeric_match`` (:class:`NumericMatchGrader`, FinQA-style numbers), ``multi``
 (:class:`MultiGrader`, sub-graders combined by a formula with penalties) and
-``sandbox_tests`` (:class:`SandboxTestsGrader`, the task's tests run in the sandbox).
+``sandbox_tests`` (:class:`SandboxTestsGrader`, the task's tests run in the sandbox) and
+``score_model`` (:class:`ScoreModelGrader`, a model as judge).
 Custom graders are any :class:`Grader` subclass named by dotted path. The interface and the
 error contract (:class:`GraderConfigError`, :class:`ItemError` -> 422, anything else -> 503,
 never a 0) are documented in :mod:`orchestrator.grading.base`.
@@ -16,6 +17,8 @@ from orchestrator.grading.base import (
     GraderConfigError,
     GradeResult,
     GraderOptions,
+    GraderUnavailable,
+    GradeServices,
     GradingError,
     ItemError,
     SandboxAccess,
@@ -31,6 +34,7 @@ from orchestrator.grading.file_f1 import (
     normalise_path,
     paths_in_text,
 )
+from orchestrator.grading.judge import JudgeErrorKind, ScoreModelGrader, ScoreModelOptions
 from orchestrator.grading.multi import Measures, MultiGrader, MultiOptions
 from orchestrator.grading.numeric_match import (
     NumericMatchGrader,
@@ -52,11 +56,14 @@ __all__ = [
     "FileF1Options",
     "GradeContext",
     "GradeResult",
+    "GradeServices",
     "Grader",
     "GraderConfigError",
     "GraderOptions",
+    "GraderUnavailable",
     "GradingError",
     "ItemError",
+    "JudgeErrorKind",
     "Measures",
     "MultiGrader",
     "MultiOptions",
@@ -67,6 +74,8 @@ __all__ = [
     "SandboxTestsGrader",
     "SandboxTestsOptions",
     "SandboxUnusable",
+    "ScoreModelGrader",
+    "ScoreModelOptions",
     "extract_answer",
     "extract_paths",
     "find_final_number",

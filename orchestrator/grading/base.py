@@ -25,6 +25,9 @@ Errors, and what the API makes of them:
 * :class:`ItemError` -- the dataset row lacks what the grader needs (no ``gold_files``, an
   unparseable gold ``answer``). The API answers 422 naming :attr:`ItemError.field`. It is
   the dataset's fault, so it must never become a reward.
+* :class:`GraderUnavailable` -- something the grader depends on failed (a judge model's
+  server down, slow, or answering nonsense): a 503 with its ``kind`` and ``evidence``, the
+  rollout left intact so a retry may grade it once the service is back.
 * Any other exception raised by ``grade`` is a grader failure: the API answers 503, so the
   trainer retries and finally discards the rollout. A crashing grader never yields a 0,
   because a zero reward for our bug would poison training exactly as an infra fault would.
@@ -35,6 +38,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -72,6 +76,31 @@ class SandboxAccess(Protocol):
         ...
 
 
+@runtime_checkable
+class GradeServices(Protocol):
+    """What the deployment lends a grader that calls out (a judge model, say), given by
+    the grade as :attr:`GradeContext.services`: a verdict cache shared by every API
+    replica, so a retried grade neither pays for a second verdict nor gets another one,
+    and slots that bound how many calls to one service the whole deployment makes at once.
+    Raises :class:`GraderUnavailable` when the deployment's state store is unreachable."""
+
+    def recall(self, key: str) -> dict[str, Any] | None:
+        """The verdict kept under ``key``, or None."""
+        ...
+
+    def remember(self, key: str, verdict: dict[str, Any], ttl_s: float) -> None:
+        """Keep ``verdict`` under ``key`` for ``ttl_s`` seconds."""
+        ...
+
+    def slot(
+        self, name: str, limit: int, wait_s: float, hold_s: float
+    ) -> AbstractContextManager[bool]:
+        """One of ``limit`` slots named ``name`` across the deployment, for at most
+        ``hold_s`` (it lapses after, should its holder die); the context's value is False
+        when none came free within ``wait_s``."""
+        ...
+
+
 class GradeContext(BaseModel):
     """Everything a grade may read about one finished rollout."""
 
@@ -90,6 +119,13 @@ class GradeContext(BaseModel):
         exclude=True,
         description="The rollout's sandbox, for a grader that needs it (None otherwise).",
     )
+    rollout_id: str = Field("", description="The rollout graded ('' offline).")
+    environment: str = Field("", description="Its environment's name ('' offline).")
+    services: GradeServices | None = Field(
+        None,
+        exclude=True,
+        description="The deployment's verdict cache and slots (None offline).",
+    )
 
 
 class GradingError(Exception):
@@ -106,6 +142,17 @@ class SandboxUnusable(GradingError):
 
     def __init__(self, message: str, evidence: dict[str, Any] | None = None) -> None:
         super().__init__(message)
+        self.evidence = evidence or {}
+
+
+class GraderUnavailable(GradingError):
+    """A service the grader depends on failed (unreachable, too slow, answering what
+    cannot be read): a 503 naming ``kind``, with ``evidence``, never a score. The rollout
+    stays intact: a retry once the service is back grades it."""
+
+    def __init__(self, kind: str, message: str, evidence: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
         self.evidence = evidence or {}
 
 

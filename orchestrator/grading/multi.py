@@ -47,6 +47,7 @@ from orchestrator.grading.base import (
     GraderConfigError,
     GradeResult,
     GraderOptions,
+    GraderUnavailable,
     ItemError,
     SandboxUnusable,
     grade_context,
@@ -273,8 +274,10 @@ class MultiGrader(Grader):
                 result = grade_context(grader, context)
             except ItemError as exc:
                 raise ItemError(exc.field, f"{exc.message} (sub-grader {part!r})") from exc
-            except SandboxUnusable:
-                raise  # the sandbox's failure, not the sub-grader's: the rollout's infra_failed
+            except (SandboxUnusable, GraderUnavailable):
+                # The sandbox's failure, or a service's (a judge's): as the sub-grader's
+                # own kind, with its evidence, not as a bug of the sub-grader.
+                raise
             except Exception as exc:
                 raise RuntimeError(f"sub-grader {part!r} ({grader.name}) failed: {exc!r}") from exc
             parts[part] = {"score": result.score, "details": result.details}

@@ -20,13 +20,20 @@ from typing import Any
 
 from orchestrator.grading.base import Grader, GraderConfigError
 from orchestrator.grading.file_f1 import FileF1Grader
+from orchestrator.grading.judge import ScoreModelGrader
 from orchestrator.grading.multi import MultiGrader
 from orchestrator.grading.numeric_match import NumericMatchGrader
 from orchestrator.grading.sandbox_tests import SandboxTestsGrader
 
 BUILTIN_GRADERS: Mapping[str, type[Grader]] = {
     grader.name: grader
-    for grader in (FileF1Grader, MultiGrader, NumericMatchGrader, SandboxTestsGrader)
+    for grader in (
+        FileF1Grader,
+        MultiGrader,
+        NumericMatchGrader,
+        SandboxTestsGrader,
+        ScoreModelGrader,
+    )
 }
 
 

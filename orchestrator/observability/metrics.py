@@ -79,6 +79,19 @@ GRADER_ERRORS = Counter(
     "Grades that failed on our side (503 grader_failed), by environment and kind.",
     ["environment", "kind"],
 )
+JUDGE_VERDICTS = Counter(
+    "orchestrator_judge_verdicts_total",
+    "Verdicts asked of judge models (grader score_model), by environment and outcome: ok, "
+    "cached, or why none came (judge_unavailable, judge_timeout, judge_unparseable, "
+    "judge_refused, judge_busy).",
+    ["environment", "outcome"],
+)
+JUDGE_LATENCY = Histogram(
+    "orchestrator_judge_latency_seconds",
+    "How long a judge model took to answer one request, by environment.",
+    ["environment"],
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60),
+)
 LIMIT_HITS = Counter(
     "orchestrator_limit_hits_total",
     "Tool calls that hit a sandbox limit, by environment and kind (timeout, memory_limit, "

@@ -42,7 +42,16 @@ class Rejected(Exception):
 
 
 class GraderFailed(Exception):
-    """The grader raised: a 503 so the trainer retries, never a zero."""
+    """The grader raised, or what it depends on failed: a 503 so the trainer retries,
+    never a zero. ``code`` names why (``grader_failed``, or the grader's own kind, such as
+    ``judge_timeout``), ``evidence`` what was seen."""
+
+    def __init__(
+        self, message: str, *, code: str = "grader_failed", evidence: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.evidence = evidence or {}
 
 
 class CallNotRun(InfraError):

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 from typing import Any
 
@@ -24,6 +27,7 @@ from orchestrator.grading import (
     GradeContext,
     Grader,
     GraderConfigError,
+    GraderUnavailable,
     ItemError,
     SandboxUnusable,
     get_grader,
@@ -93,7 +97,15 @@ class Grading:
             # and keep a record only once the grade succeeded.
             resolved = await self.starter.aresolve(item)
             grader = self._grader(resolved)
-            context = GradeContext(answer=answer, item=item, trajectory=[], sample=sample or {})
+            context = GradeContext(
+                answer=answer,
+                item=item,
+                trajectory=[],
+                sample=sample or {},
+                rollout_id=rollout_id,
+                environment=resolved.environment.name,
+                services=StoreServices(self.store, asyncio.get_running_loop()),
+            )
             graded = await self._run_grader(grader, rollout_id, resolved, context)
             record = new_record(
                 rollout_id,
@@ -173,6 +185,9 @@ class Grading:
             trajectory=await self.store.trajectory(rollout_id),
             sample=sample or {},
             sandbox=sandbox,
+            rollout_id=rollout_id,
+            environment=resolved.environment.name,
+            services=StoreServices(self.store, asyncio.get_running_loop()),
         )
         graded = await self._run_grader(grader, rollout_id, resolved, context)
         fields: dict[str, Any] = {
@@ -267,6 +282,14 @@ class Grading:
                 f"the sandbox failed while it was graded: {exc}",
                 exc.evidence,
             ) from exc
+        except GraderUnavailable as exc:
+            # What the grader depends on (a judge model) failed: a 503 with its evidence,
+            # the rollout left as it is for a retry once the service is back.
+            _failed(resolved, exc.kind)
+            log.warning(
+                "grade.unavailable", rollout_id=rollout_id, kind=exc.kind, evidence=exc.evidence
+            )
+            raise GraderFailed(str(exc), code=exc.kind, evidence=exc.evidence) from exc
         except Exception as exc:  # any grader bug is a 503, never a 0
             _failed(resolved, GraderErrorKind.RAISED)
             log.exception("grade.failed", rollout_id=rollout_id)
@@ -314,6 +337,47 @@ class QueuedSandbox:
         return reply.result
 
 
+class StoreServices:
+    """The deployment's verdict cache and grader slots (grading.GradeServices), kept in
+    the rollout store. The grader runs in a thread (asyncio.to_thread), the store on the
+    event loop: each operation is handed to the loop and waited for."""
+
+    POLL_S = 0.05
+    """How often a grade waiting for a slot asks again."""
+
+    def __init__(self, store: RolloutStore, loop: asyncio.AbstractEventLoop) -> None:
+        self.store = store
+        self.loop = loop
+
+    def _run(self, coroutine: Any) -> Any:
+        try:
+            return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+        except StateError as exc:
+            raise GraderUnavailable(
+                "state_store_unavailable", f"the state store (Redis) is unavailable: {exc!r}"
+            ) from exc
+
+    def recall(self, key: str) -> dict[str, Any] | None:
+        return self._run(self.store.recall_verdict(key))  # type: ignore[no-any-return]
+
+    def remember(self, key: str, verdict: dict[str, Any], ttl_s: float) -> None:
+        self._run(self.store.keep_verdict(key, verdict, ttl_s))
+
+    @contextmanager
+    def slot(self, name: str, limit: int, wait_s: float, hold_s: float) -> Iterator[bool]:
+        holder = uuid.uuid4().hex
+        until = time.monotonic() + wait_s
+        held = bool(self._run(self.store.take_grader_slot(name, limit, holder, hold_s)))
+        while not held and time.monotonic() + self.POLL_S <= until:
+            time.sleep(self.POLL_S)
+            held = bool(self._run(self.store.take_grader_slot(name, limit, holder, hold_s)))
+        try:
+            yield held
+        finally:
+            if held:
+                self._run(self.store.give_grader_slot(name, holder))
+
+
 class GraderErrorKind(StrEnum):
     """Why a grade failed on our side (the ``kind`` of orchestrator_grader_errors_total)."""
 
@@ -321,7 +385,7 @@ class GraderErrorKind(StrEnum):
     RAISED = "raised"  # the grader raised, or returned something not a GradeResult
 
 
-def _failed(resolved: ResolvedEnvironment, kind: GraderErrorKind) -> None:
+def _failed(resolved: ResolvedEnvironment, kind: str) -> None:
     metrics.GRADER_ERRORS.labels(resolved.environment.name, kind).inc()
 
 

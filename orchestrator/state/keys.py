@@ -190,6 +190,18 @@ class Keys:
         """String: a refill was asked for lately (one ask per interval, not per take)."""
         return f"{self.prefix}pool-refill-requested"
 
+    # Graders.
+
+    def verdict(self, digest: str) -> str:
+        """JSON string: a judge's verdict kept under the digest of what it was asked
+        (grading/judge.py), so a retried grade neither pays for nor gets another one."""
+        return f"{self.prefix}verdict:{digest}"
+
+    def grader_slots(self, name: str) -> str:
+        """Sorted set: the holders of the deployment's slots called ``name`` (calls to one
+        judge model), each scored by when its hold lapses (Redis's clock, ms)."""
+        return f"{self.prefix}grader-slots:{name}"
+
     # Queues.
 
     def reply(self, token: str) -> str:

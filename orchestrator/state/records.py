@@ -276,6 +276,22 @@ def _failure_entry(rollout: Rollout, failure: dict[str, Any]) -> InfraFailureEnt
     )
 
 
+# A slot (KEYS[1], a sorted set of holders scored by when their hold lapses): lapsed holds
+# are dropped, then ARGV[1] takes one if fewer than ARGV[2] are held, for ARGV[3] ms. Redis's
+# own clock, so API replicas' clocks need not agree. Safe to run twice (a holder holds once).
+_TAKE_SLOT = """
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ms)
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 1 end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], ms + tonumber(ARGV[3]), ARGV[1])
+local last = redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')
+redis.call('PEXPIREAT', KEYS[1], tonumber(last[2]))
+return 1
+"""
+
+
 class CallStartStatus(StrEnum):
     """What :meth:`RolloutStore.begin_call` found."""
 
@@ -355,6 +371,7 @@ class RolloutStore:
         self.tickets = ApiTickets(self.redis, keys)
         self._create_script = self.redis.register_script(_CREATE)
         self._update_script = self.redis.register_script(_UPDATE)
+        self._slot_script = self.redis.register_script(_TAKE_SLOT)
 
     @classmethod
     def connect(cls, settings: Settings, role: str = "api") -> RolloutStore:
@@ -622,6 +639,29 @@ class RolloutStore:
 
     async def end_grade_lease(self, rollout_id: str) -> None:
         await self.redis.delete(self.keys.grading(rollout_id))
+
+    async def recall_verdict(self, digest: str) -> dict[str, Any] | None:
+        """The judge's verdict kept under ``digest`` (:meth:`keep_verdict`), or None."""
+        raw = await self.redis.get(self.keys.verdict(digest))
+        return cast(dict[str, Any], json.loads(raw)) if raw else None
+
+    async def keep_verdict(self, digest: str, verdict: dict[str, Any], ttl_s: float) -> None:
+        """Keep a judge's verdict; the first kept stands (a racing second is dropped)."""
+        await self.redis.set(
+            self.keys.verdict(digest), json.dumps(verdict), nx=True, ex=max(1, int(ttl_s))
+        )
+
+    async def take_grader_slot(self, name: str, limit: int, holder: str, hold_s: float) -> bool:
+        """One of the deployment's ``limit`` slots ``name`` for ``holder``, lapsing after
+        ``hold_s`` (so a holder that died frees it); False while all are held."""
+        taken = await self._slot_script(
+            keys=[self.keys.grader_slots(name)],
+            args=[holder, limit, max(1, int(hold_s * 1000))],
+        )
+        return bool(taken)
+
+    async def give_grader_slot(self, name: str, holder: str) -> None:
+        await self.redis.zrem(self.keys.grader_slots(name), holder)
 
     async def take_close_lease(self, rollout_id: str, ttl_s: float) -> bool:
         """The lease of the one close that ends the rollout; False while another close of

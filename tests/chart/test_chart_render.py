@@ -309,21 +309,28 @@ def test_kubernetes_doc_names_only_real_settings() -> None:
     assert named <= set(Settings.model_fields), named - set(Settings.model_fields)
 
 
+def secret_refs(objects: list[dict[str, Any]], variable: str) -> dict[str, Any]:
+    """Each workload giving its containers ``variable``: its Secret reference (a literal
+    value fails: secrets go by reference)."""
+    found = {}
+    for obj in objects:
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        for container in obj["spec"]["template"]["spec"]["containers"]:
+            for var in container.get("env", []):
+                if var["name"] == variable:
+                    assert "value" not in var, var
+                    found[obj["metadata"]["name"]] = var["valueFrom"]["secretKeyRef"]
+    return found
+
+
 def test_the_headerless_grader_secret_reaches_the_api_only(helm: Helm) -> None:
     """graderUrlSecret.enabled: a kept random secret in the chart's Secret, given to the API
     alone as ORCH_GRADER_URL_SECRET, long enough for the real Settings; NOTES say how to
     read it. Off by default: no such variable anywhere."""
 
     def grader_env(objects: list[dict[str, Any]]) -> dict[str, Any]:
-        found = {}
-        for obj in objects:
-            if obj["kind"] not in ("Deployment", "StatefulSet"):
-                continue
-            for container in obj["spec"]["template"]["spec"]["containers"]:
-                for var in container.get("env", []):
-                    if var["name"] == "ORCH_GRADER_URL_SECRET":
-                        found[obj["metadata"]["name"]] = var["valueFrom"]["secretKeyRef"]
-        return found
+        return secret_refs(objects, "ORCH_GRADER_URL_SECRET")
 
     assert grader_env(helm.render()) == {}
     objects = helm.render("--set", "graderUrlSecret.enabled=true")
@@ -342,3 +349,17 @@ def test_the_headerless_grader_secret_reaches_the_api_only(helm: Helm) -> None:
         "--set", "graderUrlSecret.enabled=true", "--set", "graderUrlSecret.existingSecret=mine"
     )
     assert grader_env(own)[f"{FULLNAME}-api"]["name"] == "mine"
+
+
+def test_the_graders_secret_variables_reach_the_api_only_by_reference(helm: Helm) -> None:
+    """graderSecretEnv: a judge's key from a Secret the operator made, given to the API (where
+    grades run) as a secretKeyRef, to no other process; a malformed entry fails the install."""
+    objects = helm.render(
+        "--set", "graderSecretEnv[0].name=OPENAI_API_KEY",
+        "--set", "graderSecretEnv[0].secret=judge-credentials",
+        "--set", "graderSecretEnv[0].key=api-key",
+    )  # fmt: skip
+    refs = secret_refs(objects, "OPENAI_API_KEY")
+    assert refs == {f"{FULLNAME}-api": {"name": "judge-credentials", "key": "api-key"}}
+    bad = helm.template("--set", "graderSecretEnv[0].name=not a name")
+    assert bad.returncode != 0 and "graderSecretEnv" in bad.stderr

@@ -10,6 +10,7 @@ import contextlib
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from orchestrator.environments.loader import default_environments_text
 from orchestrator.images.codebases import remove_codebase
 from orchestrator.local import free_port
 from tests import agent_caused
+from tests.judge_server import JudgeServer
 from tests.stacks import Stack, Stacks, deployment, running
 
 
@@ -96,6 +98,17 @@ REGRADER = "rewards-files-only"
 SWE_TESTS = "swe-tests"
 """Rows name their codebase; scored by sandbox_tests (tests/e2e/test_sandbox_tests.py)."""
 
+JUDGED = "judged"
+"""codebase-planning scored by ``score_model``, the steered judge "fair" (0.75, as JSON), one
+call at a time across the deployment (tests/e2e/test_judge.py)."""
+JUDGED_MODELS = {"judged-lined": "lined", "judged-garbage": "garbage", "judged-over": "overscored"}
+"""Environments scored by the other steered judges (tests/judge_models.VERDICTS)."""
+JUDGED_LATE = "judged-late"
+"""Scored by a judge model whose directory the test makes only after the server's first
+500 for it."""
+JUDGE_KEY = "sk-test-0123456789-never-logged"
+"""The side stack's judge key: tests/e2e/test_judge.py looks for it in every log."""
+
 ACT_ENVIRONMENTS = {"runc": "acts-runc", "runsc": "acts-runsc"}
 """The agent-caused table's environments (tests/agent_caused.py), one per runtime."""
 
@@ -134,10 +147,48 @@ def reward_environments(data: dict[str, Any]) -> dict[str, Any]:
     return {**data, "environments": [*data["environments"], rewarded, regrader, swe]}
 
 
-def side_environments_yaml(path: Path) -> Path:
+JUDGE_INPUT = [
+    {
+        "role": "system",
+        "content": "Score from 0 to 1 how well the answer names the files to change.",
+    },
+    {
+        "role": "user",
+        "content": "Task: {{ item.request }}\nFiles that change: {{ item.gold_files }}\n"
+        "Last calls:\n{{ trajectory }}\nAnswer: {{ answer }}",
+    },
+]
+
+
+def judge_environments(data: dict[str, Any], judge: JudgeHome) -> dict[str, Any]:
+    """``data`` with :data:`JUDGED`, :data:`JUDGED_MODELS` and :data:`JUDGED_LATE` added
+    (codebase-planning's, scored by the judge at ``judge``)."""
+    planning = next(e for e in data["environments"] if e["name"] == "codebase-planning")
+
+    def judged(name: str, model: str, **options: Any) -> dict[str, Any]:
+        grader = {
+            "model": str(judge.models / model),
+            "base_url": judge.base_url,
+            "input": JUDGE_INPUT,
+            "request_timeout_s": 4,
+            "timeout_s": 10,
+            "backoff_s": 0.2,
+            **options,
+        }
+        return {**planning, "name": name, "grader": {"name": "score_model", "options": grader}}
+
+    added = [judged(JUDGED, "fair", max_concurrent=1, timeout_s=6)]
+    added += [judged(env, model) for env, model in JUDGED_MODELS.items()]
+    # A wait between attempts the test can act in: it makes the model after the first 500.
+    added.append(judged(JUDGED_LATE, "late", backoff_s=3.0, max_attempts=2))
+    return {**data, "environments": [*data["environments"], *added]}
+
+
+def side_environments_yaml(path: Path, judge: JudgeHome) -> Path:
     """The side stack's environments: the defaults (E2B and Harbor use them), :data:`REAPED`,
-    :data:`REWARDED`, :data:`REGRADER` and :data:`ACT_ENVIRONMENTS`."""
+    :data:`REWARDED`, :data:`REGRADER`, the judged ones and :data:`ACT_ENVIRONMENTS`."""
     data = reward_environments(reaper_environments(yaml.safe_load(default_environments_text())))
+    data = judge_environments(data, judge)
     data["environments"] += [
         {
             "name": name,
@@ -152,17 +203,52 @@ def side_environments_yaml(path: Path) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class JudgeHome:
+    """Where the tests' judge server listens and keeps its models (tests/judge_server.py):
+    fixed when the side stack's environments are written, served only when a test needs it."""
+
+    port: int
+    models: Path
+    logs: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+
 @pytest.fixture(scope="session")
-def side(stack: Stack, stacks: Stacks, tmp_path_factory: pytest.TempPathFactory) -> Stack:
+def judge_home(tmp_path_factory: pytest.TempPathFactory) -> JudgeHome:
+    root = tmp_path_factory.mktemp("judge")
+    return JudgeHome(port=free_port(), models=root / "models", logs=root)
+
+
+@pytest.fixture(scope="session")
+def judge(judge_home: JudgeHome) -> Iterator[JudgeServer]:
+    """The judge server of the side stack's judged environments, serving."""
+    server = JudgeServer(judge_home.port, judge_home.models, judge_home.logs)
+    server.build_models()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def side(
+    stack: Stack, stacks: Stacks, tmp_path_factory: pytest.TempPathFactory, judge_home: JudgeHome
+) -> Stack:
     """The shared side deployment, with beat (the reaper every second): one stack for the
     tests that differ from the main stack only by the environments they run (the E2B API,
-    Harbor, the agent-caused table, the reaper's tests), on its own Redis keys and API
-    port, sharing the main stack's codebase."""
+    Harbor, the agent-caused table, the reaper's tests, the judge's), on its own Redis keys
+    and API port, sharing the main stack's codebase."""
     root = tmp_path_factory.mktemp("side")
     return stacks.borrow(
         "side",
         codebase=stack.codebase,
-        environments_file=side_environments_yaml(root / "environments.yaml"),
+        environments_file=side_environments_yaml(root / "environments.yaml", judge_home),
+        env={"OPENAI_API_KEY": JUDGE_KEY},
         reaper_interval_s=1.0,
         worker_metrics_port=free_port(),
     )

@@ -110,7 +110,7 @@ else a new random one (lookup is empty under `helm template`, so each render dif
 {{- end -}}
 
 {{/* Environment of every orchestrator process: settings from the ConfigMap, secrets by
-reference. The API token only goes to the API. */}}
+reference. The API token and the graders' secrets only go to the API. */}}
 {{- define "orchestrator.env" -}}
 - name: ORCH_REDIS_URL
   valueFrom:
@@ -129,6 +129,13 @@ reference. The API token only goes to the API. */}}
     secretKeyRef:
       name: {{ default (include "orchestrator.secretName" .ctx) .ctx.Values.graderUrlSecret.existingSecret }}
       key: {{ .ctx.Values.graderUrlSecret.existingSecretKey }}
+{{- end }}
+{{- range .ctx.Values.graderSecretEnv }}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .secret }}
+      key: {{ .key }}
 {{- end }}
 {{- end }}
 {{- end -}}
