@@ -6,10 +6,12 @@ through ``multi`` as itself; and its verdict cache and deployment-wide slots on 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
 import pytest
@@ -241,3 +243,85 @@ def test_slots_bound_holders_across_the_deployment_and_lapse_if_a_holder_dies(
         assert not held
     with services.slot("judge:y", 1, wait_s=5, hold_s=5) as held:
         assert held
+
+
+class _Server:
+    """A stand-in OpenAI-compatible server on loopback for what the real one in
+    tests/e2e/test_judge.py cannot be made to do: refuse ``response_format``, answer 429
+    with a Retry-After. It answers from ``script`` in order, and records each request."""
+
+    def __init__(self, script: list[tuple[int, dict[str, str], dict[str, Any]]]) -> None:
+        self.script = script
+        self.requests: list[dict[str, Any]] = []
+        self.times: list[float] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                outer.requests.append(body)
+                outer.times.append(time.monotonic())
+                status, headers, reply = outer.script.pop(0)
+                data = json.dumps(reply).encode()
+                self.send_response(status)
+                for name, value in {**headers, "content-type": "application/json"}.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.base_url = f"http://127.0.0.1:{self.http.server_address[1]}/v1"
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def _completion(text: str) -> dict[str, Any]:
+    return {
+        "id": "c1",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "m",
+        "choices": [
+            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": text}}
+        ],
+    }
+
+
+def test_a_server_refusing_structured_output_is_asked_again_without_it_from_then_on() -> None:
+    refused = {"error": {"message": "response_format is not supported", "type": "invalid"}}
+    server = _Server(
+        [(400, {}, refused), (200, {}, _completion("Score: 1")), (200, {}, _completion("score: 0"))]
+    )
+    try:
+        grader = get_grader("score_model", {**OPTIONS, "base_url": server.base_url})
+        context = GradeContext(answer="42", item={"question": "q"}, trajectory=[])
+        first = grade_context(grader, context)
+        second = grade_context(grader, context)
+    finally:
+        server.close()
+    assert (first.score, second.score) == (1.0, 0.0)
+    assert [a.get("status") for a in first.details["attempts"]] == [400, None]
+    assert ["response_format" in r for r in server.requests] == [True, False, False]
+
+
+def test_a_429_is_asked_again_no_sooner_than_its_retry_after() -> None:
+    busy = {"error": {"message": "slow down", "type": "rate_limit"}}
+    server = _Server([(429, {"retry-after": "1"}, busy), (200, {}, _completion("Score: 0.5"))])
+    try:
+        grader = get_grader(
+            "score_model", {**OPTIONS, "base_url": server.base_url, "backoff_s": 0.01}
+        )
+        result = grade_context(
+            grader, GradeContext(answer="42", item={"question": "q"}, trajectory=[])
+        )
+    finally:
+        server.close()
+    assert result.score == 0.5
+    assert server.times[1] - server.times[0] >= 1.0
