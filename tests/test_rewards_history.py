@@ -1,6 +1,6 @@
-"""Exports and regrades read the whole history, against a real Redis: past the listing
-index's newest 10,000 (state/records.INDEX_MAX), and never a run ticket or an E2B process
-table (hashes below a record's key) taken for a rollout; the filters select by creation
+"""Exports, regrades and the listing read the whole history, against a real Redis: past
+10,000 rollouts, and never a run ticket or an E2B process table (hashes below a record's
+key) taken for a rollout; the filters select by creation
 time, environment, outcome and grade; the export's files keep one schema whatever the rows
 hold (views/rewards.py)."""
 
@@ -21,7 +21,7 @@ from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
 from orchestrator.state.forget import forget_deployment
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
-from orchestrator.state.records import INDEX_MAX, GradeInputs, Rollout, RolloutStore
+from orchestrator.state.records import GradeInputs, ListingCursor, Rollout, RolloutStore
 from orchestrator.views.rewards import (
     ExportFormat,
     ExportWriter,
@@ -30,6 +30,7 @@ from orchestrator.views.rewards import (
     matching_ids,
     stored,
 )
+from orchestrator.views.rollouts import cursor_of, list_rollouts
 
 pytestmark = pytest.mark.anyio
 START = 1_700_000_000.0
@@ -72,17 +73,48 @@ def _record(n: int, *, environment: str = "a", score: float | None = 1.0) -> Rol
     )
 
 
-async def test_every_id_reads_past_the_listing_index(store: RolloutStore) -> None:
-    count = INDEX_MAX + 25
-    records = [_record(n) for n in range(count)]
+async def test_the_whole_history_is_read_and_listed_past_10000(store: RolloutStore) -> None:
+    """Exports and regrades read every record; the listing pages through every one, newest
+    first, none lost or repeated where a page ends inside rollouts created at one time (3
+    at each here); a deployment whose index lost its oldest gets them back by reindex."""
+    count = 10_025
+    records = [_record(n).model_copy(update={"created_at": START + n // 3}) for n in range(count)]
     for start in range(0, count, 50):  # within the store's connection pool
         assert all(await asyncio.gather(*(store.create(r) for r in records[start : start + 50])))
     # Hashes below a record's key (a run ticket, an E2B process table) are not rollouts.
     await store.redis.hset(store.keys.rollout("r000001") + ":run:call_1", mapping={"x": "1"})
     await store.redis.hset(store.keys.rollout("r000002") + ":e2b:processes", mapping={"1": "{}"})
-    assert len(await store.indexed_ids(0, count)) == INDEX_MAX
     ids = await matching_ids(store)
     assert sorted(ids) == sorted(r.rollout_id for r in records)
+
+    async def every_page(limit: int, state: str | None = None) -> list[str]:
+        listed: list[str] = []
+        cursor = None
+        while page := await list_rollouts(store, limit=limit, state=state, before=cursor):
+            listed += [summary.rollout_id for summary in page]
+            cursor = cursor_of(page[-1])
+        return listed
+
+    newest_first = [
+        r.rollout_id
+        for r in sorted(records, key=lambda r: (r.created_at, r.rollout_id), reverse=True)
+    ]
+    assert await every_page(997) == newest_first
+    failed = [i for i in newest_first if int(i[1:]) % 7 == 0]
+    for n in range(0, count, 7):
+        await store.update(f"r{n:06d}", state=RolloutState.INFRA_FAILED)
+    assert await every_page(400, state="infra_failed") == failed
+    # A time as the cursor: every rollout created before it.
+    before = await list_rollouts(
+        store, limit=5, before=ListingCursor(created_at=START + 10, rollout_id="")
+    )
+    assert [s.rollout_id for s in before] == [f"r{n:06d}" for n in (29, 28, 27, 26, 25)]
+
+    # An index cut to its newest 10,000, as releases before this one kept it.
+    await store.redis.zremrangebyrank(store.keys.index, 0, count - 10_001)
+    assert len(await every_page(5000)) == 10_000
+    assert await store.reindex() == count
+    assert await every_page(5000) == newest_first
 
 
 async def test_the_filters_select_by_time_environment_outcome_and_grade(

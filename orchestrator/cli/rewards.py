@@ -5,8 +5,6 @@ grades, as files a dataset library reads, and scored again by another environmen
 from __future__ import annotations
 
 import asyncio
-import datetime
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
@@ -16,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from orchestrator.cli.times import when
 from orchestrator.config import get_settings
 from orchestrator.environments.loader import (
     EnvironmentConfigError,
@@ -38,9 +37,6 @@ from orchestrator.views.rewards import (
     stored,
 )
 
-_AGO = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
 Since = Annotated[
     str | None,
     typer.Option(help="Created at or after: an ISO 8601 time, Unix seconds, or an age (2h, 7d)."),
@@ -50,29 +46,6 @@ Until = Annotated[
 ]
 Environment = Annotated[str | None, typer.Option(help="Only rollouts of this environment.")]
 OutcomeOption = Annotated[Outcome | None, typer.Option(help="Only rollouts with this outcome.")]
-
-
-def when(text: str | None, option: str) -> float | None:
-    """A time given as ISO 8601, Unix seconds, or an age before now (``2h``), in Unix
-    seconds."""
-    if text is None:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    if match := _AGO.match(text.strip()):
-        return datetime.datetime.now(datetime.UTC).timestamp() - float(match[1]) * _UNIT_S[match[2]]
-    try:
-        parsed = datetime.datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise typer.BadParameter(
-            f"{text!r} is not an ISO 8601 time, Unix seconds or an age such as 2h",
-            param_hint=option,
-        ) from None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=datetime.UTC)
-    return parsed.timestamp()
 
 
 def _selection(

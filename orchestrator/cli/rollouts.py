@@ -17,13 +17,14 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator.cli.times import when
 from orchestrator.config import get_settings
 from orchestrator.outcomes import Outcome
 from orchestrator.state.models import RolloutState, TrajectoryStep
-from orchestrator.state.records import RolloutStore
+from orchestrator.state.records import ListingCursor, RolloutStore
 from orchestrator.views.format import age, arguments_text, console, head, ms
 from orchestrator.views.models import RolloutDetail, RolloutSummary
-from orchestrator.views.rollouts import list_rollouts, rollout_detail
+from orchestrator.views.rollouts import cursor_of, list_rollouts, rollout_detail
 
 app = typer.Typer(help="The deployment's rollouts.", no_args_is_help=True)
 
@@ -63,21 +64,34 @@ def ls(
         Outcome | None, typer.Option(help="Only rollouts with this outcome.")
     ] = None,
     limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 50,
+    before: Annotated[
+        str | None,
+        typer.Option(
+            help="Only rollouts older than this: the cursor a full page prints "
+            "(CREATED_AT/ROLLOUT_ID), or a time (ISO 8601, Unix seconds, or an age: 2h).",
+        ),
+    ] = None,
     json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """The newest rollouts: trace id, rollout id, environment, state, outcome, calls,
-    score, age."""
+    score, age. The whole history, a page at a time: a full page ends with the
+    ``--before`` of the next (on stderr with ``--json``)."""
+    cursor = _cursor(before)
     rollouts = _with_store(
         lambda store: list_rollouts(
             store,
             state=state.value if state else None,
             outcome=outcome.value if outcome else None,
             limit=limit,
+            before=cursor,
         )
     )
+    more = f"older: --before {cursor_of(rollouts[-1])}" if len(rollouts) == limit else ""
     if json_:
         adapter = TypeAdapter(list[RolloutSummary])
         typer.echo(adapter.dump_json(rollouts, indent=2).decode())
+        if more:
+            typer.echo(more, err=True)
         return
     table = Table(title=f"rollouts ({len(rollouts)}, newest first)", title_justify="left")
     for column in ("trace id", "rollout id", "environment", "state", "outcome"):
@@ -96,6 +110,28 @@ def ls(
             age(r.age_s),
         )
     console().print(table)
+    if more:
+        typer.echo(more)
+
+
+def _cursor(before: str | None) -> ListingCursor | None:
+    if before is None:
+        return None
+    if "/" in before:
+        try:
+            return ListingCursor.parse(before)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--before") from None
+    # A time: every rollout created before it (no id sorts below the empty one).
+    return ListingCursor(created_at=when(before, "--before") or 0.0, rollout_id="")
+
+
+@app.command("reindex")
+def reindex() -> None:
+    """Put every stored rollout in the listing index: for a deployment upgraded from a
+    release whose index kept only the newest 10,000 (the records were all kept)."""
+    count = _with_store(lambda store: store.reindex())
+    typer.echo(f"indexed {count} rollouts")
 
 
 @app.command("show")

@@ -91,7 +91,7 @@ class Keys:
 
     @cached_property
     def index(self) -> str:
-        """Sorted set: every rollout, newest last, capped (state/records.INDEX_MAX)."""
+        """Sorted set: every rollout (score: its creation time), the listing's index."""
         return f"{self.prefix}rollouts:index"
 
     @cached_property

@@ -3,8 +3,9 @@
 The keys are state/keys.py's: the record ``rollout:{id}`` (a hash, see :class:`Rollout`),
 its trajectory, its call counter (budget and trajectory order), each call's stored reply
 (returned to retries) and lock (a racing retry waits), the live set (id -> last activity;
-the reaper walks it), the listing index (id -> creation time, the newest INDEX_MAX) and the
-newest RECENT_FAILURES_MAX infrastructure failures.
+the reaper walks it), the listing index (id -> creation time, every rollout: an entry is a
+hundredth of what its record and trajectory keep, and records are never expired either) and
+the newest RECENT_FAILURES_MAX infrastructure failures.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, cast
 
 import redis
 import redis.asyncio as aioredis
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -32,8 +33,6 @@ from orchestrator.state.models import RolloutSource, RolloutState, TrajectorySte
 from orchestrator.state.resp import AsyncConnection, BlockingPool, Script
 from orchestrator.state.tickets import TICKET_TTL_S, ApiTickets
 
-INDEX_MAX = 10_000
-"""Rollouts kept in the listing index (records themselves are never expired)."""
 RECENT_FAILURES_MAX = 100
 """Entries kept in the list of recent infrastructure failures."""
 
@@ -139,17 +138,16 @@ def _decode(raw: dict[str, str]) -> Rollout:
 
 
 # KEYS: record, live set, index. ARGV: id, last activity, creation token, creation time,
-# index bound, field/value pairs. A record with our own token is ours already (the command
+# field/value pairs. A record with our own token is ours already (the command
 # was retried after a dropped connection), not a rival's.
 _CREATE = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   if redis.call('HGET', KEYS[1], 'creation') == ARGV[3] then return 1 end
   return 0
 end
-redis.call('HSET', KEYS[1], 'creation', ARGV[3], unpack(ARGV, 6))
+redis.call('HSET', KEYS[1], 'creation', ARGV[3], unpack(ARGV, 5))
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
-redis.call('ZREMRANGEBYRANK', KEYS[3], 0, -tonumber(ARGV[5]) - 1)
 return 1
 """
 
@@ -292,6 +290,26 @@ return 1
 """
 
 
+class ListingCursor(BaseModel):
+    """Where a page of the listing ended: its last rollout's creation time and id."""
+
+    model_config = ConfigDict(frozen=True)
+
+    created_at: float
+    rollout_id: str
+
+    def __str__(self) -> str:
+        return f"{self.created_at!r}/{self.rollout_id}"
+
+    @classmethod
+    def parse(cls, text: str) -> ListingCursor:
+        """The cursor :meth:`__str__` printed; ValueError for anything else."""
+        created_at, sep, rollout_id = text.partition("/")
+        if not sep or not rollout_id:
+            raise ValueError(f"{text!r} is not a listing cursor (CREATED_AT/ROLLOUT_ID)")
+        return cls(created_at=float(created_at), rollout_id=rollout_id)
+
+
 class CallStartStatus(StrEnum):
     """What :meth:`RolloutStore.begin_call` found."""
 
@@ -404,7 +422,6 @@ class RolloutStore:
                 rollout.last_activity,
                 uuid.uuid4().hex,
                 rollout.created_at,
-                INDEX_MAX,
                 *pairs,
             ],
         )
@@ -483,6 +500,55 @@ class RolloutStore:
         ids = await self.redis.zrevrange(self.keys.index, start, start + count - 1)
         return [str(i) for i in ids]
 
+    async def indexed_before(
+        self, cursor: ListingCursor | None, count: int
+    ) -> list[tuple[str, float]]:
+        """Up to ``count`` (rollout id, creation time) from the listing index, newest
+        first, all older than ``cursor`` (None: from the newest). The index orders
+        rollouts created at the same time by id, descending, so a page that ends inside
+        such a tie goes on after it with none lost or repeated."""
+        if cursor is None:
+            rows = cast(
+                list[tuple[str, float]],
+                await self.redis.zrevrange(self.keys.index, 0, count - 1, withscores=True),
+            )
+            return [(str(i), float(t)) for i, t in rows]
+        # The rollouts created at the cursor's time that the page before showed are the
+        # ones at or above its id: fetch past as many as there are ties, then drop them.
+        ties = int(await self.redis.zcount(self.keys.index, cursor.created_at, cursor.created_at))
+        rows = cast(
+            list[tuple[str, float]],
+            await self.redis.zrevrangebyscore(
+                self.keys.index,
+                cursor.created_at,
+                "-inf",
+                start=0,
+                num=count + ties,
+                withscores=True,
+            ),
+        )
+        older = [
+            (str(i), float(t))
+            for i, t in rows
+            if float(t) < cursor.created_at or str(i) < cursor.rollout_id
+        ]
+        return older[:count]
+
+    async def reindex(self, batch: int = 1000) -> int:
+        """Put every record in the listing index (for a deployment whose index kept only
+        its newest 10,000, as before this release did); returns how many records."""
+        count = 0
+        async for ids in self.every_id(batch):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for rollout_id in ids:
+                    pipe.hget(self.keys.rollout(rollout_id), "created_at")
+                times = await pipe.execute()
+            entries = {i: float(t) for i, t in zip(ids, times, strict=True) if t}
+            if entries:
+                await self.redis.zadd(self.keys.index, entries)
+            count += len(entries)
+        return count
+
     async def mark_reaper_pass(self, at: float) -> None:
         """Beat's reaper finished a pass at ``at`` (state/keys.Keys.reaper_pass)."""
         await self.redis.set(self.keys.reaper_pass, repr(at))
@@ -522,7 +588,7 @@ class RolloutStore:
 
     async def every_id(self, batch: int = 1000) -> AsyncIterator[list[str]]:
         """Every rollout id with a record, in batches, in no order: the whole history,
-        past the listing index's newest INDEX_MAX (an export or a regrade reads it; a
+        whether or not the listing index holds it (an export or a regrade reads it; a
         SCAN, so a long history takes a round trip per ``batch`` keys of the deployment's
         rollout hashes)."""
         prefix = self.keys.rollout("")

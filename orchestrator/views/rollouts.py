@@ -2,7 +2,8 @@
 
 A rollout is found by its id; an Agent RFT rollout's id is its ``trace_id``
 (api/agent_rft.py), so a trace id finds it too. The listing walks the store's index of
-rollouts by creation time, plus live rollouts the index does not hold (made before it).
+rollouts by creation time (every rollout, paged by a cursor: the last one's creation time
+and id), plus, on the first page, live rollouts the index does not hold (made before it).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import time
 
 from orchestrator.state.models import RolloutSource
-from orchestrator.state.records import Rollout, RolloutStore
+from orchestrator.state.records import ListingCursor, Rollout, RolloutStore
 from orchestrator.views.models import RolloutDetail, RolloutSummary
 
 _PAGE = 500
@@ -52,25 +53,40 @@ def _matches(summary: RolloutSummary, state: str | None, outcome: str | None) ->
 
 
 async def list_rollouts(
-    store: RolloutStore, *, state: str | None = None, outcome: str | None = None, limit: int = 50
+    store: RolloutStore,
+    *,
+    state: str | None = None,
+    outcome: str | None = None,
+    limit: int = 50,
+    before: ListingCursor | None = None,
 ) -> list[RolloutSummary]:
-    """The newest ``limit`` rollouts in ``state`` with ``outcome`` (None: any)."""
+    """The newest ``limit`` rollouts in ``state`` with ``outcome`` (None: any), older than
+    ``before`` (the cursor of the previous page's last one, :func:`cursor_of`), over the
+    whole history."""
     found: dict[str, RolloutSummary] = {}
-    start = 0
+    cursor = before
     while len(found) < limit:
-        ids = await store.indexed_ids(start, _PAGE)
-        if not ids:
+        page = await store.indexed_before(cursor, _PAGE)
+        if not page:
             break
-        for summary in await summaries(store, ids):
+        for summary in await summaries(store, [rollout_id for rollout_id, _ in page]):
+            if _matches(summary, state, outcome) and len(found) < limit:
+                found[summary.rollout_id] = summary
+        last_id, last_time = page[-1]
+        cursor = ListingCursor(created_at=last_time, rollout_id=last_id)
+    if before is None:
+        # Live rollouts the index may not hold (made before it kept every rollout).
+        live = [i for i in await store.live_ids() if i not in found]
+        for summary in await summaries(store, live):
             if _matches(summary, state, outcome):
                 found[summary.rollout_id] = summary
-        start += _PAGE
-    live = [i for i in await store.live_ids() if i not in found]
-    for summary in await summaries(store, live):
-        if _matches(summary, state, outcome):
-            found[summary.rollout_id] = summary
-    newest = sorted(found.values(), key=lambda s: s.created_at, reverse=True)
+    newest = sorted(found.values(), key=lambda s: (s.created_at, s.rollout_id), reverse=True)
     return newest[:limit]
+
+
+def cursor_of(summary: RolloutSummary) -> ListingCursor:
+    """Where the next page starts, after ``summary``."""
+    return ListingCursor(created_at=summary.created_at, rollout_id=summary.rollout_id)
 
 
 async def rollout_detail(store: RolloutStore, rollout_id: str) -> RolloutDetail | None:

@@ -174,6 +174,15 @@ def test_rollouts_ls_lists_and_filters(stack: Stack, rollouts: Rollouts) -> None
     refused = cli(stack, "rollouts", "ls", "--state", "nonsense", check=False)
     assert refused.returncode == 2
 
+    # A page at a time: a full page ends with the next one's --before.
+    first = cli(stack, "rollouts", "ls", "--json", "--limit", "1")
+    (newest,) = [RolloutSummary.model_validate(r) for r in json.loads(first.stdout)]
+    (more,) = [line for line in first.stderr.splitlines() if line.startswith("older: --before ")]
+    (older,) = _ls(stack, "--limit", "1", "--before", more.removeprefix("older: --before "))
+    assert (older.created_at, older.rollout_id) < (newest.created_at, newest.rollout_id)
+    bad = cli(stack, "rollouts", "ls", "--before", "yesterday/", check=False)
+    assert bad.returncode == 2 and "--before" in bad.stderr
+
 
 def test_rollouts_show_a_graded_trajectory(stack: Stack, rollouts: Rollouts) -> None:
     detail = RolloutDetail.model_validate_json(
