@@ -53,6 +53,14 @@ class Settings(BaseSettings):
     )
     max_request_bytes: int = Field(1024 * 1024, description="Larger bodies get 413.")
     worker_concurrency: int = Field(64, ge=1, description="Threads per worker process.")
+    grade_threads: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Grades one API process runs at once (graders run in threads of their "
+        "own: a judge's or a sandbox's tests' wait never holds up the threads a rollout's "
+        "start needs). More grades wait for a thread.",
+    )
     queue_wait_s: float = Field(
         30.0, gt=0, description="How long a call waits for a worker beyond its own timeout."
     )

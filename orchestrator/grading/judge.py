@@ -36,9 +36,10 @@ configuration, so it is not retried, and is a 503 too. A row lacking a field the
 names is the row's fault (422).
 
 A verdict is kept (:class:`~orchestrator.grading.base.GradeServices`) under the digest of
-the rollout, the server, the model and the rendered messages: a retried grade, or a regrade
-with the same rubric, neither pays for another verdict nor gets a different one. Calls to
-one server and model are bounded across the deployment by ``max_concurrent``.
+the rollout, the server, the model and the rendered messages: a retried grade, or one racing
+it, neither pays for another verdict nor gets a different one. Calls to one server and model
+are bounded across the deployment by ``max_concurrent``. ``orchestrator regrade`` runs
+offline, without either: it asks the judge again, at most ``max_concurrent`` at once.
 """
 
 from __future__ import annotations

@@ -12,9 +12,12 @@ stored, it ends the rollout).
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from enum import StrEnum
 from typing import Any
@@ -75,6 +78,10 @@ class Grading:
         self.store = store
         self.starter = starter
         self.closer = closer
+        # Graders wait (on a judge, on a sandbox's tests) for as long as their bounds: in
+        # the loop's default pool, 8 threads on 2 cores, a burst of grades would take every
+        # thread a rollout's start needs (Starter.aresolve).
+        self.threads = ThreadPoolExecutor(settings.grade_threads, thread_name_prefix="grade")
 
     @in_rollout_context
     async def grade(
@@ -268,7 +275,9 @@ class Grading:
         context: GradeContext,
     ) -> GradeReply:
         try:
-            graded = await asyncio.to_thread(grade_context, grader, context)
+            # In the grades' own threads, with the request's context (the log's ids).
+            call = functools.partial(contextvars.copy_context().run, grade_context, grader, context)
+            graded = await asyncio.get_running_loop().run_in_executor(self.threads, call)
         except ItemError as exc:
             raise Rejected(
                 422, f"the dataset row cannot be graded: {exc}", code="invalid_item"
@@ -302,7 +311,7 @@ class Grading:
 
 class QueuedSandbox:
     """A rollout's sandbox for a grader that needs it (grading.SandboxAccess), reached
-    through its host's worker. The grader runs in a thread (asyncio.to_thread), the queue
+    through its host's worker. The grader runs in a thread (Grading.threads), the queue
     on the event loop: each operation is handed to the loop and waited for."""
 
     def __init__(
@@ -339,7 +348,7 @@ class QueuedSandbox:
 
 class StoreServices:
     """The deployment's verdict cache and grader slots (grading.GradeServices), kept in
-    the rollout store. The grader runs in a thread (asyncio.to_thread), the store on the
+    the rollout store. The grader runs in a thread (Grading.threads), the store on the
     event loop: each operation is handed to the loop and waited for."""
 
     POLL_S = 0.05

@@ -171,13 +171,13 @@ def judge_environments(data: dict[str, Any], judge: JudgeHome) -> dict[str, Any]
             "base_url": judge.base_url,
             "input": JUDGE_INPUT,
             "request_timeout_s": 4,
-            "timeout_s": 10,
+            "timeout_s": 6,
             "backoff_s": 0.2,
             **options,
         }
         return {**planning, "name": name, "grader": {"name": "score_model", "options": grader}}
 
-    added = [judged(JUDGED, "fair", max_concurrent=1, timeout_s=6)]
+    added = [judged(JUDGED, "fair", max_concurrent=1)]
     added += [judged(env, model) for env, model in JUDGED_MODELS.items()]
     # A wait between attempts the test can act in: it makes the model after the first 500.
     added.append(judged(JUDGED_LATE, "late", backoff_s=3.0, max_attempts=2))

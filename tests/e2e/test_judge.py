@@ -269,6 +269,57 @@ def test_racing_grades_of_one_rollout_ask_the_judge_once(side: Stack, judge: Jud
     assert judge.requests() == asked_before + 1
 
 
+def _waiting_on(port: int) -> int:
+    """Connections to ``port`` on loopback the kernel has taken (a paused server's too)."""
+    table = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    # Columns: sl, local address (hex ip:port), remote address, state (01: established).
+    return sum(
+        1 for row in table if row.split()[1].endswith(f":{port:04X}") and row.split()[3] == "01"
+    )
+
+
+def test_grades_waiting_on_a_judge_hold_up_no_other_request(
+    side: Stack, judge: JudgeServer
+) -> None:
+    """Graders run in threads of their own: ten grades waiting on a paused judge (for its
+    timeout_s, 6 s) leave a rollout's start its threads, so another grade (file_f1, on a
+    row it must resolve) is answered before any of them. In the loop's default pool (6
+    threads here) it waited for the first of them to give up."""
+    environment = next(e for e, m in JUDGED_MODELS.items() if m == "lined")
+    ended: dict[str, tuple[float, int]] = {}
+    lock = threading.Lock()
+
+    def grade(trace: str, item: dict[str, Any]) -> None:
+        with side.client() as client:
+            reply = _grade(client, trace, item)
+        with lock:
+            ended[trace] = (time.monotonic(), reply.status_code)
+
+    waiting = [new_trace() for _ in range(10)]
+    judge.pause()
+    try:
+        graders = [
+            threading.Thread(target=grade, args=(trace, _item(side, environment)))
+            for trace in waiting
+        ]
+        for grader in graders:
+            grader.start()
+        wait_for(
+            lambda: _waiting_on(judge.port) >= 6,
+            timeout_s=30,
+            what="the grades' requests reaching the paused judge",
+        )
+        other = new_trace()
+        grade(other, _item(side, "codebase-planning"))
+        for grader in graders:
+            grader.join(60)
+    finally:
+        judge.resume()
+    assert ended[other][1] == 200
+    assert all(ended[trace][1] == 503 for trace in waiting), ended
+    assert ended[other][0] < min(ended[trace][0] for trace in waiting), ended
+
+
 def test_the_judges_key_is_written_nowhere(
     side: Stack, judge: JudgeServer, judge_home: JudgeHome
 ) -> None:
