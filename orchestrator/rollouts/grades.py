@@ -79,7 +79,7 @@ class Grading:
         self.starter = starter
         self.closer = closer
         # Graders wait (on a judge, on a sandbox's tests) for as long as their bounds: in
-        # the loop's default pool, 8 threads on 2 cores, a burst of grades would take every
+        # the loop's default pool, 6 threads on 2 cores, a burst of grades would take every
         # thread a rollout's start needs (Starter.aresolve).
         self.threads = ThreadPoolExecutor(settings.grade_threads, thread_name_prefix="grade")
 
@@ -351,8 +351,9 @@ class StoreServices:
     the rollout store. The grader runs in a thread (Grading.threads), the store on the
     event loop: each operation is handed to the loop and waited for."""
 
-    POLL_S = 0.05
-    """How often a grade waiting for a slot asks again."""
+    POLL_S = (0.05, 0.5)
+    """How soon a grade waiting for a slot asks again: at first, and at most (the wait
+    grows by half each time, so a burst's waiters do not flood the loop and Redis)."""
 
     def __init__(self, store: RolloutStore, loop: asyncio.AbstractEventLoop) -> None:
         self.store = store
@@ -377,9 +378,11 @@ class StoreServices:
         holder = uuid.uuid4().hex
         until = time.monotonic() + wait_s
         held = bool(self._run(self.store.take_grader_slot(name, limit, holder, hold_s)))
-        while not held and time.monotonic() + self.POLL_S <= until:
-            time.sleep(self.POLL_S)
+        delay, most = self.POLL_S
+        while not held and time.monotonic() < until:
+            time.sleep(min(delay, max(0.0, until - time.monotonic())))
             held = bool(self._run(self.store.take_grader_slot(name, limit, holder, hold_s)))
+            delay = min(delay * 1.5, most)
         try:
             yield held
         finally:
