@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -325,3 +327,16 @@ def test_a_429_is_asked_again_no_sooner_than_its_retry_after() -> None:
         server.close()
     assert result.score == 0.5
     assert server.times[1] - server.times[0] >= 1.0
+
+
+def test_no_process_imports_the_judges_sdk_before_a_judge_is_asked() -> None:
+    """The openai SDK takes 1-2 s to import here: every API, worker and beat start paid it,
+    and the suite restarts them often, until the judge imported it only when it asks."""
+    probe = (
+        "import sys, orchestrator.celery_main, orchestrator.api.app, orchestrator.grading; "
+        "print('openai' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False", done.stderr

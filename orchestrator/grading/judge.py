@@ -54,9 +54,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from enum import StrEnum
-from typing import Any, ClassVar, Literal, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
-import openai
 from pydantic import BaseModel, Field, HttpUrl, field_validator, model_validator
 
 from orchestrator.grading.base import (
@@ -70,6 +69,9 @@ from orchestrator.grading.base import (
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import get_logger
 from orchestrator.state.models import TrajectoryStep
+
+if TYPE_CHECKING:
+    import openai
 
 log = get_logger(__name__)
 
@@ -253,6 +255,8 @@ class ScoreModelGrader(Grader):
     ) -> dict[str, Any]:
         """The verdict, after as many attempts as fit; GraderUnavailable with every
         attempt's evidence when none gives one."""
+        import openai  # here, not at the top: 1-2 s of import in every API and worker start
+
         opts = self.options
         api_key = os.environ.get(opts.api_key_env) or ""
         client = _client(str(opts.base_url), api_key)
@@ -444,6 +448,8 @@ def _client(base_url: str, api_key: str) -> openai.OpenAI:
     """One client per server and key, for the process: its connections (and the TLS
     context it builds) are reused. The SDK's own retries are off: ours bound the whole
     verdict's time, and retry an unreadable reply too."""
+    import openai
+
     with _clients_lock:
         client = _clients.get((base_url, api_key))
         if client is None:
