@@ -36,8 +36,9 @@ configuration, so it is not retried, and is a 503 too. A row lacking a field the
 names is the row's fault (422).
 
 A verdict is kept (:class:`~orchestrator.grading.base.GradeServices`) under the digest of
-the rollout, the server, the model and the rendered messages: a retried grade, or one racing
-it, neither pays for another verdict nor gets a different one. Calls to one server and model
+the rollout, the server, the model and the rendered messages: a retried grade neither pays
+for another verdict nor gets a different one (grades racing each other ask once only when
+they wait for the same slot, as with ``max_concurrent: 1``). Calls to one server and model
 are bounded across the deployment by ``max_concurrent``. ``orchestrator regrade`` runs
 offline, without either: it asks the judge again, at most ``max_concurrent`` at once.
 """
