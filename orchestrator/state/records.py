@@ -495,11 +495,6 @@ class RolloutStore:
         ids = await self.redis.zrangebyscore(self.keys.index, since, "+inf")
         return [str(i) for i in ids]
 
-    async def indexed_ids(self, start: int, count: int) -> list[str]:
-        """Rollout ids from the listing index, newest first."""
-        ids = await self.redis.zrevrange(self.keys.index, start, start + count - 1)
-        return [str(i) for i in ids]
-
     async def indexed_before(
         self, cursor: ListingCursor | None, count: int
     ) -> list[tuple[str, float]]:
