@@ -228,6 +228,19 @@ class Settings(BaseSettings):
         "are looked up here instead of in the Docker daemon (Kubernetes: the API has no "
         "daemon); `orchestrator codebase publish` prints the entry to add.",
     )
+    repo_allowed_urls: str = Field(
+        "",
+        description="Comma-separated URL prefixes a repository may be registered from "
+        "(`orchestrator repo add`), e.g. 'https://github.com/psf/,https://git.example.com/'. "
+        "Empty: local paths only. Checked again by every host that fetches one.",
+    )
+    repo_layers_mb: int = Field(
+        20480,
+        ge=1,
+        description="Disk each repository's materialised commits may take on a host (their "
+        "overlay layers, not its object store); past it the least recently used commits go "
+        "(docs/datasets.md).",
+    )
 
     sandbox_backend: Literal["docker", "kubernetes"] = Field(
         "docker",
@@ -368,6 +381,16 @@ class Settings(BaseSettings):
                 "e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
             )
         return value
+
+    @property
+    def repos_dir(self) -> Path:
+        """This deployment's repositories on this host: object stores and commit layers
+        (sandbox/repos.py); a name means one source in one deployment only."""
+        return self.state_dir / "repos" / self.deployment
+
+    @property
+    def repo_url_prefixes(self) -> list[str]:
+        return [u.strip() for u in self.repo_allowed_urls.split(",") if u.strip()]
 
     @property
     def tokens(self) -> list[str]:

@@ -31,6 +31,9 @@ class Cause(StrEnum):
     """An earlier attempt of the call still runs when the request's time is up. Fails
     nothing: a retry gets its result."""
     SANDBOX_CREATE_FAILED = "sandbox_create_failed"
+    REPO_UNAVAILABLE = "repo_unavailable"
+    """No host could tell whether a row's commit is in its repository (the source or a
+    host's store failed, or no worker answered). Fails nothing: nothing is recorded."""
     TOOL_CALL_FAILED = "tool_call_failed"
     WORKER_STOPPED = "worker_stopped"
     """The worker stopped (shutdown, scale-down) before a running call finished."""

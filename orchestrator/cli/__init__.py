@@ -19,6 +19,8 @@ from typer.models import CommandInfo
 COMMANDS: dict[str, tuple[str, str]] = {
     "image": ("orchestrator.cli.image", "app"),
     "codebase": ("orchestrator.cli.codebase", "app"),
+    "repo": ("orchestrator.cli.repo", "app"),
+    "dataset": ("orchestrator.cli.repo", "dataset_app"),
     "sandbox": ("orchestrator.cli.sandbox", "app"),
     "up": ("orchestrator.cli.serve", "up"),
     "serve": ("orchestrator.cli.serve", "serve"),

@@ -48,7 +48,13 @@ from orchestrator.images.codebases import (
     codebase_image,
     validate_name,
 )
-from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle, SandboxSpec
+from orchestrator.sandbox.backend import (
+    CommitWorkspace,
+    SandboxBackend,
+    SandboxHandle,
+    SandboxSpec,
+)
+from orchestrator.sandbox.repos import REPO_NAME_RE, check_commit
 from orchestrator.tools.base import Tool, ToolResult, agent_error
 from orchestrator.tools.command import CLIENT_TOOLS
 from orchestrator.tools.registry import function_tool_schema, get_tool
@@ -84,6 +90,11 @@ class UnknownEnvironment(LookupError):
 
     def __str__(self) -> str:
         return self.message
+
+
+class UnknownRepository(LookupError):
+    """The row names a repository that is not registered, or a commit it does not have
+    (the caller looks both up: state/repos.py)."""
 
 
 class DatasetRowError(ValueError):
@@ -202,11 +213,14 @@ class ResolvedEnvironment:
     environment: EnvironmentConfig
     image: str
     codebase: str | None
-    """The codebase's name; None for an environment with a fixed image."""
+    """The codebase's name (``<repo>@<commit>`` for a repository at a commit); None for
+    an environment with a fixed image."""
     tools: Mapping[str, Tool[Any]] = field(repr=False)
     """Tool objects by name, in the order they are offered."""
     settings: Settings | None = field(default=None, repr=False, compare=False)
     """The settings the registry was loaded with: the default for :meth:`tool_schemas`."""
+    workspace: CommitWorkspace | None = None
+    """/workspace from a repository at a commit (the row's ``repo`` and ``commit``)."""
 
     def sandbox_spec(self, settings: Settings, rollout_id: str) -> SandboxSpec:
         """The spec of this rollout's sandbox: the environment's image, runtime, limits and
@@ -219,6 +233,7 @@ class ResolvedEnvironment:
             rollout_id=rollout_id,
             lifetime_s=env.effective_lifetime_s(settings),
             scratch_dirs=env.scratch_dirs,
+            workspace=self.workspace,
         )
 
     def tool_settings(self, settings: Settings) -> Settings:
@@ -318,11 +333,16 @@ class EnvironmentRegistry:
         self.get(name)
         return self._tools[name]
 
-    def resolve(self, item: Mapping[str, Any]) -> ResolvedEnvironment:
+    def resolve(
+        self, item: Mapping[str, Any], *, workspace: CommitWorkspace | None = None
+    ) -> ResolvedEnvironment:
         """What a rollout on dataset row ``item`` runs.
 
         The environment is ``item["environment"]``, else ``settings.default_environment``.
-        The codebase:
+        A row naming a repository and a commit (:func:`row_commit`) runs on ``workspace``,
+        which the caller found registered: its /workspace is that commit, its image the
+        environment's ``image`` or else the base image; an environment with a fixed
+        ``codebase`` refuses such a row. Otherwise, the codebase:
 
         - environment with a fixed ``image``: the row must not name a codebase;
         - environment with a fixed ``codebase``: the row may name it too, but only the same
@@ -349,6 +369,11 @@ class EnvironmentRegistry:
             raise UnknownEnvironment(name, self.names(), origin=origin)
         env = self._environments[name]
         row_codebase = _row_codebase(item)
+        wanted = row_commit(item)
+        if wanted is not None:
+            return self._at_commit(env, item, wanted, row_codebase, workspace)
+        if workspace is not None:
+            raise DatasetRowError("repo", "the row names no repository and commit")
 
         if env.image is not None:
             if row_codebase is not None:
@@ -392,6 +417,32 @@ class EnvironmentRegistry:
             ) from exc
         return ResolvedEnvironment(env, image, codebase, self._tools[name], self.settings)
 
+    def _at_commit(
+        self,
+        env: EnvironmentConfig,
+        item: Mapping[str, Any],
+        wanted: tuple[str, str],
+        row_codebase: str | None,
+        workspace: CommitWorkspace | None,
+    ) -> ResolvedEnvironment:
+        repo, commit = wanted
+        if row_codebase is not None:
+            raise DatasetRowError(
+                "codebase", "the row names a codebase and a repository; name one of them"
+            )
+        if env.codebase is not None:
+            raise DatasetRowError(
+                "repo",
+                f"environment {env.name!r} always runs codebase {env.codebase!r}; the row "
+                f"must not name a repository (it names {repo!r})",
+            )
+        if workspace is None or (workspace.repo, workspace.commit) != (repo, commit):
+            raise UnknownRepository(f"repository {repo!r} at {commit} was not looked up")
+        image = env.image or self.settings.base_image
+        return ResolvedEnvironment(
+            env, image, workspace.label, self._tools[env.name], self.settings, workspace
+        )
+
     def _codebase_image(self, codebase: str) -> str:
         """``codebase_image`` with positive answers remembered for a short while: the
         lookup asks the Docker daemon, and a burst of new rollouts must not ask it once
@@ -404,16 +455,28 @@ class EnvironmentRegistry:
         self._known_codebases[codebase] = (image, now)
         return image
 
-    def for_rollout(self, name: str, image: str, codebase: str | None) -> ResolvedEnvironment:
+    def for_rollout(
+        self,
+        name: str,
+        image: str,
+        codebase: str | None,
+        workspace: CommitWorkspace | None = None,
+    ) -> ResolvedEnvironment:
         """Environment ``name`` as configured now, on ``image``: no lookups at all."""
         if name not in self._environments:
             raise UnknownEnvironment(name, self.names(), origin="the rollout's record")
         return ResolvedEnvironment(
-            self._environments[name], image, codebase, self._tools[name], self.settings
+            self._environments[name], image, codebase, self._tools[name], self.settings, workspace
         )
 
     def pinned(
-        self, digest: str, snapshot: Callable[[], str], *, image: str, codebase: str | None
+        self,
+        digest: str,
+        snapshot: Callable[[], str],
+        *,
+        image: str,
+        codebase: str | None,
+        workspace: CommitWorkspace | None = None,
     ) -> ResolvedEnvironment:
         """A rollout's environment as it was when the rollout started (its
         :attr:`~EnvironmentConfig.digest`, and ``snapshot`` giving its
@@ -430,7 +493,28 @@ class EnvironmentRegistry:
                 self._snapshots.pop(next(iter(self._snapshots)))
             self._snapshots[digest] = found
         config, tools = found
-        return ResolvedEnvironment(config, image, codebase, tools, self.settings)
+        return ResolvedEnvironment(config, image, codebase, tools, self.settings, workspace)
+
+
+def row_commit(item: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The repository and commit a row names (``"repo"`` and ``"commit"``), checked for
+    form only; None when it names neither. :class:`DatasetRowError` when it names one
+    without the other, or either is malformed."""
+    repo, commit = item.get("repo"), item.get("commit")
+    if repo is None and commit is None:
+        return None
+    if repo is None or commit is None:
+        missing = "repo" if repo is None else "commit"
+        raise DatasetRowError(missing, "a row naming a repository names its commit too")
+    if not isinstance(repo, str) or not REPO_NAME_RE.fullmatch(repo):
+        raise DatasetRowError(
+            "repo",
+            f"the row's repo field must be a registered repository's name, got {repo!r}",
+        )
+    try:
+        return repo, check_commit(commit)
+    except ValueError as exc:
+        raise DatasetRowError("commit", f"the row's commit field: {exc}") from None
 
 
 def _row_codebase(item: Mapping[str, Any]) -> str | None:

@@ -9,7 +9,6 @@ through other branches, tags, reflogs, remotes or unreachable objects.
 from __future__ import annotations
 
 import io
-import os
 import shutil
 import subprocess
 import tarfile
@@ -35,6 +34,7 @@ from orchestrator.images.base import (
 )
 from orchestrator.images.catalog import NAME_RE, CatalogError, read_catalog
 from orchestrator.observability.logging import get_logger
+from orchestrator.sandbox.repos import git_environment
 
 log = get_logger(__name__)
 
@@ -55,20 +55,6 @@ FROM ${{BASE_IMAGE}}
 COPY --chown={AGENT_UID}:{AGENT_GID} workspace/ /workspace/
 WORKDIR /workspace
 """
-
-# Fixed identity and isolation from the host user's git config: a global config could add
-# hooks, templates, or fetch settings that leak refs into the new repository.
-_GIT_ENV = {
-    "GIT_CONFIG_NOSYSTEM": "1",
-    "GIT_AUTHOR_NAME": "orchestrator",
-    "GIT_AUTHOR_EMAIL": "orchestrator@localhost",
-    "GIT_COMMITTER_NAME": "orchestrator",
-    "GIT_COMMITTER_EMAIL": "orchestrator@localhost",
-    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
-    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z",
-    "GIT_TERMINAL_PROMPT": "0",
-    "LC_ALL": "C",
-}
 
 
 class CodebaseError(RuntimeError):
@@ -302,13 +288,7 @@ def _git(
 
 
 def _git_env(global_config: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
-    env.update(_GIT_ENV)
-    # A private "global" config: it trusts the source repository even when another user owns
-    # it (safe.directory is only honoured there, and the upload-pack git runs for a local
-    # fetch does not see `-c` options), and keeps the host user's own config out.
-    env["GIT_CONFIG_GLOBAL"] = str(global_config)
-    return env
+    return git_environment(global_config)
 
 
 def _is_git_source(source: Path, env: dict[str, str]) -> bool:

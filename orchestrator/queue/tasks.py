@@ -30,9 +30,12 @@ from orchestrator.queue.sweep import sweep_orphans
 from orchestrator.sandbox import testrun
 from orchestrator.sandbox.backend import FileError, ProbeResult, SandboxError, SandboxHandle
 from orchestrator.sandbox.gc import collect_expired
+from orchestrator.sandbox.repos import RepoError
 from orchestrator.state.broker import celery_app, task
 from orchestrator.state.pools import POOL_LABEL, PoolTarget, same_spec, targets
 from orchestrator.state.tasks import (
+    CheckCommit,
+    CommitChecked,
     CreateSandbox,
     DestroySandbox,
     FileOpReply,
@@ -464,6 +467,28 @@ def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
         for pool in targets(worker.environments(), settings, filler.demand())
     )
     return swept
+
+
+@task(TaskName.CHECK_COMMIT)
+@replies
+def check_commit(payload: dict[str, Any]) -> dict[str, Any]:
+    """Whether a repository has a commit, fetching it on this host when the store lacks
+    it; with ``materialise``, the commit's layer built here too (sandbox/repos.py). A
+    commit the source lacks is an answer; a source or store that fails is an error."""
+    request = CheckCommit.model_validate(payload)
+    wanted = request.workspace
+    repos = worker.host_repos()
+    host = get_settings().host_id
+    try:
+        if not repos.has_commit(wanted.repo, wanted.source, wanted.commit):
+            return CommitChecked(found=False, host=host).model_dump(mode="json")
+        built = False
+        if request.materialise:
+            built = repos.materialise(wanted.repo, wanted.source, wanted.commit).built
+    except (RepoError, OSError) as exc:
+        log.warning("repo.check_failed", repo=wanted.repo, commit=wanted.commit, error=str(exc))
+        return CommitChecked(host=host, error=str(exc)).model_dump(mode="json")
+    return CommitChecked(found=True, built=built, host=host).model_dump(mode="json")
 
 
 @task(TaskName.REFILL_POOLS)

@@ -22,6 +22,7 @@ from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Cause
 from orchestrator.queue.lane import GroupedLane
 from orchestrator.sandbox.factory import HostBackend, make_backend
+from orchestrator.sandbox.repos import HostRepos
 from orchestrator.state import admission, replies
 from orchestrator.state.connection import SyncRedis, call_path_connection, worker_client
 from orchestrator.state.heartbeat import Heartbeat, HeartbeatWriter, HostFinding
@@ -37,6 +38,12 @@ log = get_logger(__name__)
 @lru_cache(maxsize=1)
 def backend() -> HostBackend:
     return make_backend(get_settings())
+
+
+@lru_cache(maxsize=1)
+def host_repos() -> HostRepos:
+    """This host's repositories (sandbox/repos.py), as the Docker backend keeps them."""
+    return HostRepos.of(get_settings())
 
 
 @lru_cache(maxsize=1)

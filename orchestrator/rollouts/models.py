@@ -46,6 +46,7 @@ def new_record(
         environment=resolved.environment.name,
         codebase=resolved.codebase,
         image=resolved.image,
+        workspace=resolved.workspace,
         environment_digest=resolved.environment.digest,
         environment_config=resolved.environment.snapshot,
         state=state,

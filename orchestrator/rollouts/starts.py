@@ -14,7 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.config import Settings
-from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
+from orchestrator.environments.loader import (
+    EnvironmentRegistry,
+    ResolvedEnvironment,
+    UnknownRepository,
+    row_commit,
+)
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import bind_sandbox, get_logger, in_rollout_context
 from orchestrator.outcomes import Cause
@@ -24,14 +29,17 @@ from orchestrator.rollouts.errors import InfraError, Rejected, StillStarting
 from orchestrator.rollouts.lookup import present
 from orchestrator.rollouts.models import new_record, rollout_group
 from orchestrator.sandbox.agent.client import PROBE_MAX_S
-from orchestrator.sandbox.backend import ProbeResult, SandboxHandle
+from orchestrator.sandbox.backend import CommitWorkspace, ProbeResult, SandboxHandle
 from orchestrator.state.admission import Admission
 from orchestrator.state.errors import outlasting_an_outage
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueClient, QueueTimeout
+from orchestrator.state.repos import RepoRegistry
 from orchestrator.state.tasks import (
+    CheckCommit,
+    CommitChecked,
     CreateSandbox,
     DestroySandbox,
     ProbeSandbox,
@@ -71,20 +79,26 @@ class Starter:
         self.admission = admission
         self.pools = pools
         self.closer = closer
+        self.repos = RepoRegistry(store.redis, store.keys)
+        self._checking: dict[tuple[str, str], asyncio.Future[CommitChecked]] = {}
 
     # -- resolving ---------------------------------------------------------------------------
 
     def resolve(
-        self, item: dict[str, Any], *, environment: str | None = None, codebase: str | None = None
+        self,
+        item: dict[str, Any],
+        *,
+        environment: str | None = None,
+        codebase: str | None = None,
+        workspace: CommitWorkspace | None = None,
     ) -> ResolvedEnvironment:
-        """The environment and codebase a rollout runs on; 422 naming what is unknown."""
-        row = dict(item)
-        if environment is not None:
-            row["environment"] = environment
-        if codebase is not None:
-            row["codebase"] = codebase
+        """The environment and codebase a rollout runs on; 422 naming what is unknown. A
+        row naming a repository at a commit needs ``workspace`` (:meth:`aresolve` finds it)."""
+        row = _with_overrides(item, environment, codebase)
         try:
-            return self.environments.resolve(row)
+            return self.environments.resolve(row, workspace=workspace)
+        except UnknownRepository as exc:
+            raise Rejected(422, _message(exc), code="unknown_repository") from exc
         except LookupError as exc:
             raise Rejected(422, _message(exc), code="unknown_environment_or_codebase") from exc
         except ValueError as exc:
@@ -93,10 +107,73 @@ class Starter:
     async def aresolve(
         self, item: dict[str, Any], *, environment: str | None = None, codebase: str | None = None
     ) -> ResolvedEnvironment:
-        """:meth:`resolve` off the event loop: a codebase lookup may ask the daemon."""
+        """:meth:`resolve` off the event loop (a codebase lookup may ask the daemon), with
+        the row's repository and commit looked up first (:meth:`workspace_of`)."""
+        workspace = await self.workspace_of(_with_overrides(item, environment, codebase))
         return await asyncio.to_thread(
-            self.resolve, item, environment=environment, codebase=codebase
+            self.resolve, item, environment=environment, codebase=codebase, workspace=workspace
         )
+
+    async def workspace_of(self, row: dict[str, Any]) -> CommitWorkspace | None:
+        """The repository at a commit ``row`` names (None: it names none): 422 when the
+        repository is not registered (``unknown_repository``) or has no such commit
+        (``unknown_commit``), 503 ``repo_unavailable`` when no host can tell. A commit is
+        asked of a host (which fetches its repository when it lacks it) once per
+        deployment: then it is known (state/repos.py)."""
+        try:
+            wanted = row_commit(row)
+        except ValueError as exc:
+            raise Rejected(422, _message(exc), code="invalid_item") from exc
+        if wanted is None:
+            return None
+        name, commit = wanted
+        record = await self.repos.get(name)
+        if record is None:
+            raise Rejected(
+                422,
+                f"unknown repository {name!r}: the row's repo field names no registered "
+                f"repository (register it with `orchestrator repo add {name} SOURCE`)",
+                code="unknown_repository",
+            )
+        workspace = record.at(commit)
+        if await self.repos.known(name, commit):
+            return workspace
+        key = (record.source, commit)
+        checking = self._checking.get(key)
+        if checking is None:  # one question per commit at a time, however many rows ask
+            checking = asyncio.ensure_future(self._check_commit(workspace))
+            self._checking[key] = checking
+            checking.add_done_callback(lambda _: self._checking.pop(key, None))
+        checked = await asyncio.shield(checking)
+        if checked.error is not None:
+            raise InfraError(
+                f"could not find out whether {name!r} has commit {commit}: {checked.error}",
+                rollout_id="",
+                evidence={"host": checked.host, "repo": name, "commit": commit},
+                code=Cause.REPO_UNAVAILABLE,
+            )
+        if not checked.found:
+            raise Rejected(
+                422,
+                f"repository {name!r} has no commit {commit} (its source: {record.source})",
+                code="unknown_commit",
+            )
+        return workspace
+
+    async def _check_commit(self, workspace: CommitWorkspace) -> CommitChecked:
+        try:
+            raw = await self.queue.call(
+                TaskName.CHECK_COMMIT,
+                CheckCommit(workspace=workspace).model_dump(mode="json"),
+                queue=self.keys.shared_queue,
+                timeout_s=self.settings.sandbox_create_timeout_s,
+            )
+        except QueueTimeout as exc:
+            return CommitChecked(error=f"no worker answered: {exc}")
+        checked = CommitChecked.model_validate(raw)
+        if checked.found:
+            await self.repos.remember(workspace.repo, [workspace.commit])
+        return checked
 
     def environment_of(self, rollout: Rollout) -> ResolvedEnvironment:
         """The rollout's environment, tools and image as pinned when it started, whatever
@@ -104,7 +181,7 @@ class Starter:
         if rollout.environment_digest is None:  # written before rollouts were pinned
             try:
                 return self.environments.for_rollout(
-                    rollout.environment, rollout.image, rollout.codebase
+                    rollout.environment, rollout.image, rollout.codebase, rollout.workspace
                 )
             except LookupError as exc:
                 raise InfraError(
@@ -118,6 +195,7 @@ class Starter:
             lambda: snapshot,
             image=rollout.image,
             codebase=rollout.codebase,
+            workspace=rollout.workspace,
         )
 
     # -- start -------------------------------------------------------------------------------
@@ -402,6 +480,17 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
     """Consume a shielded task's exception: its request may have stopped waiting."""
     if not task.cancelled():
         task.exception()
+
+
+def _with_overrides(
+    item: dict[str, Any], environment: str | None, codebase: str | None
+) -> dict[str, Any]:
+    row = dict(item)
+    if environment is not None:
+        row["environment"] = environment
+    if codebase is not None:
+        row["codebase"] = codebase
+    return row
 
 
 def _message(exc: Exception) -> str:

@@ -8,7 +8,9 @@ whose fault a failure is: :class:`SandboxError` and its subclasses are infrastru
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
@@ -105,6 +107,23 @@ ScratchDirs = Annotated[tuple[ScratchDir, ...], AfterValidator(_distinct)]
 the first)."""
 
 
+class CommitWorkspace(BaseModel):
+    """A /workspace that is a repository at a commit (sandbox/repos.py), not the image's."""
+
+    model_config = ConfigDict(frozen=True)
+
+    repo: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$", description="Its registered name.")
+    commit: str = Field(pattern=r"^[0-9a-f]{40}$")
+    source: str = Field(
+        min_length=1, description="Where hosts fetch it from (each checks it is allowed)."
+    )
+
+    @property
+    def label(self) -> str:
+        """``<repo>@<commit>``: the rollout's codebase, as records, pools and listings name it."""
+        return f"{self.repo}@{self.commit}"
+
+
 class SandboxSpec(BaseModel):
     """Everything needed to create one sandbox."""
 
@@ -117,6 +136,9 @@ class SandboxSpec(BaseModel):
     lifetime_s: int = Field(3600, ge=10, description="Expiry stamped on the sandbox's labels.")
     scratch_dirs: ScratchDirs = Field(
         (), description="Extra writable directories (tmpfs owned by the sandbox user)."
+    )
+    workspace: CommitWorkspace | None = Field(
+        None, description="/workspace from a repository at a commit; None: the image's."
     )
 
     @classmethod
@@ -482,11 +504,13 @@ class SandboxBackend(ABC):
         recycled. Empty when none, or when the backend keeps no such record."""
         return []
 
-    def pristine_workspace(self, handle: SandboxHandle) -> Path | None:
-        """The image's own /workspace on this host, as no sandbox can have changed it (read
+    @contextlib.contextmanager
+    def pristine_workspace(self, handle: SandboxHandle) -> Iterator[Path | None]:
+        """The sandbox's /workspace as it was made on this host (its image's, or its
+        commit's), as no sandbox can have changed it, for the length of the block (read
         only: a grader restores from it what decides a verdict); None when this backend
         keeps none."""
-        return None
+        yield None
 
     def stage(
         self,

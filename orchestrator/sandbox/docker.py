@@ -9,6 +9,7 @@ directory that is mounted into that sandbox only, so a call costs ~1 ms instead 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ import shutil
 import signal
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ from orchestrator.sandbox.backend import (
     SandboxSpec,
     SandboxUnavailable,
 )
+from orchestrator.sandbox.repos import HostRepos, RepoError
 from orchestrator.sandbox.run_as import extract_run_as
 from orchestrator.sandbox.workspace import Workspaces
 
@@ -95,6 +98,7 @@ class DockerBackend(agent.AgentBackend):
             )
         self.sockets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.workspaces = Workspaces(self.client, settings.state_dir, settings.deployment)
+        self.repos = HostRepos.of(settings)
         self._oci_runtimes: dict[str, str] = {}
         # A fresh sandbox's manifest per spec (:func:`_spec_key`), taken at the first create
         # of that spec in this process: what a reset sandbox is audited against.
@@ -215,13 +219,14 @@ class DockerBackend(agent.AgentBackend):
         disk_mb = spec.limits.disk_mb_in(self.settings)
         sandbox_id = stamp[labels.SANDBOX]
         host_mounted = self._host_mounts_workspace(spec.runtime)
+        lowers = self._lowers(spec)
         if host_mounted:
-            point = self.workspaces.mount_point(spec.image, sandbox_id, disk_mb)
+            point = self.workspaces.mount_point(lowers, sandbox_id, disk_mb)
             workspace = Mount("/workspace", str(point), type="bind", propagation="rslave")
         else:
             # An overlay of the image's /workspace (see workspace.py): writable though the
             # root filesystem is not, made in constant time, gone with the sandbox.
-            options = self.workspaces.volume_options(spec.image, sandbox_id, disk_mb)
+            options = self.workspaces.volume_options(lowers, sandbox_id, disk_mb)
             workspace = Mount(
                 "/workspace",
                 name,
@@ -440,10 +445,26 @@ class DockerBackend(agent.AgentBackend):
             bound.warning("sandbox.reset_audit_failed", differences=differences[:20])
         return report
 
-    def pristine_workspace(self, handle: SandboxHandle) -> Path | None:
-        """The image's /workspace as extracted for the overlay's lower layer (workspace.py):
-        what every sandbox of the image starts from, written by none."""
-        return self.workspaces.lower(handle.image)
+    def _lowers(self, spec: SandboxSpec) -> list[Path]:
+        """The lower layers of a new sandbox's /workspace: the image's, or its commit's
+        (materialised on this host first when it is not: sandbox/repos.py)."""
+        if spec.workspace is None:
+            return [self.workspaces.lower(spec.image)]
+        wanted = spec.workspace
+        try:
+            done = self.repos.materialise(
+                wanted.repo, wanted.source, wanted.commit, in_use=self.workspaces.in_use
+            )
+        except (RepoError, OSError) as exc:
+            raise SandboxError(f"cannot bring {wanted.label} up on this host: {exc}") from exc
+        return done.lowers
+
+    @contextlib.contextmanager
+    def pristine_workspace(self, handle: SandboxHandle) -> Iterator[Path | None]:
+        """The sandbox's /workspace as it was made, which no sandbox can change (its
+        overlay's lower layers: workspace.py)."""
+        with self.workspaces.pristine(handle.sandbox_id) as tree:
+            yield tree
 
     def _scrub(self, handle: SandboxHandle, fresh: dict[str, Any]) -> None:
         """The agent's half of an in-place reset: it ends the agent's user's processes and
@@ -478,7 +499,7 @@ class DockerBackend(agent.AgentBackend):
                 raise _docker_fault("stop the sandbox for its reset", exc) from exc
         except DOCKER_FAILURES as exc:
             raise _docker_fault("stop the sandbox for its reset", exc) from exc
-        self.workspaces.remake(spec.image, handle.sandbox_id, spec.limits.disk_mb_in(self.settings))
+        self.workspaces.remake(handle.sandbox_id, spec.limits.disk_mb_in(self.settings))
         self._socket_path(handle.sandbox_id).unlink(missing_ok=True)
         try:
             api.start(name)

@@ -49,9 +49,23 @@ def mount(source: str, target: Path, fstype: str | None, flags: int, data: str =
     _check(result, f"mount {fstype or 'a bind'} at", target)
 
 
-def mount_overlay(target: Path, lower: Path, upper: Path, work: Path) -> None:
-    """An overlay of ``lower`` (read-only) and ``upper`` at ``target``."""
-    mount("overlay", target, "overlay", 0, f"lowerdir={lower},upperdir={upper},workdir={work}")
+MS_RDONLY = 1
+
+
+def overlay_options(lowers: list[Path], upper: Path | None, work: Path | None) -> str:
+    """An overlay's options: ``lowers`` read-only, top first; without ``upper`` the whole
+    overlay is read-only (two lower layers at least)."""
+    options = "lowerdir=" + ":".join(str(lower) for lower in lowers)
+    if upper is not None and work is not None:
+        options += f",upperdir={upper},workdir={work}"
+    return options
+
+
+def mount_overlay(target: Path, lowers: list[Path], upper: Path | None, work: Path | None) -> None:
+    """An overlay of ``lowers`` (read-only, top first) and ``upper`` at ``target``; with no
+    ``upper``, read-only."""
+    flags = MS_RDONLY if upper is None else 0
+    mount("overlay", target, "overlay", flags, overlay_options(lowers, upper, work))
 
 
 def bind_shared(path: Path) -> None:

@@ -131,14 +131,14 @@ class TestPatchError(ValueError):
 def run_tests(backend: SandboxBackend, handle: SandboxHandle, run: TestRun) -> TestRunResult:
     """Run ``run`` in ``handle`` as the module docstring says. Raises :class:`SandboxError`
     when the sandbox or the backend fails."""
-    pristine = backend.pristine_workspace(handle)
-    if pristine is None:
-        raise SandboxError(f"the {backend.name} backend cannot show an image's pristine tree")
-    try:
-        files, deleted = patched_files(pristine, run.test_patch)
-    except TestPatchError as exc:
-        return TestRunResult(patch_error=str(exc))
-    config = pristine_config(pristine)
+    with backend.pristine_workspace(handle) as pristine:
+        if pristine is None:
+            raise SandboxError(f"the {backend.name} backend cannot show an image's pristine tree")
+        try:
+            files, deleted = patched_files(pristine, run.test_patch)
+        except TestPatchError as exc:
+            return TestRunResult(patch_error=str(exc))
+        config = pristine_config(pristine)
     write = {**config, **files}
     staged = backend.stage(
         handle,

@@ -14,6 +14,10 @@ Two ways to mount it, by runtime:
   later one, so Docker mounts the overlay itself, as a ``local`` volume with overlay
   options, when the container starts, and a reset restarts the container.
 
+The lower layer is the image's /workspace, or a stack of layers of a repository at a
+commit (sandbox/repos.py); either way a sandbox's lower layers are written in its own
+directory (``lowers``) when it is made and kept for its life: a reset mounts the same ones.
+
 Either way, compared with a plain volume (which Docker seeds by copying the image's
 /workspace on first mount), creating a sandbox costs no copy of the codebase in time and
 disk.
@@ -28,12 +32,14 @@ only what the sandbox wrote (about 1 MB of metadata when empty).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
 import tarfile
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import docker
@@ -55,10 +61,10 @@ MKFS = ["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "nodisca
 # zeros already, and zeroing would write tens of MB per sandbox to the host's disk.
 MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,noinit_itable"
 TOOL_TIMEOUT_S = 30.0
-# The host-mounted way (Workspaces.mount_point): the directory the container binds, and a
-# link to the lower layer the overlay is mounted with again at a reset.
+# The host-mounted way (Workspaces.mount_point): the directory the container binds.
 MERGED = "merged"
-LOWER_LINK = "lower"
+# A sandbox's lower layers, one path a line, top first: what a reset mounts again.
+LOWERS = "lowers"
 
 
 class Workspaces:
@@ -73,27 +79,27 @@ class Workspaces:
         self.layers.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.uppers.mkdir(parents=True, exist_ok=True, mode=0o700)
 
-    def volume_options(self, image: str, sandbox_id: str, disk_mb: int = 0) -> dict[str, str]:
-        """Driver options of the sandbox's /workspace volume (makes its upper layer, on a
-        filesystem of ``disk_mb`` MB of its own unless that is 0): Docker mounts it."""
-        lower = self.lower(image)
-        upper, work = self._make_layers(lower, sandbox_id, disk_mb)
+    def volume_options(
+        self, lowers: list[Path], sandbox_id: str, disk_mb: int = 0
+    ) -> dict[str, str]:
+        """Driver options of the sandbox's /workspace volume over ``lowers`` (top first;
+        makes its upper layer, on a filesystem of ``disk_mb`` MB of its own unless that is
+        0): Docker mounts it."""
+        upper, work = self._make_layers(lowers, sandbox_id, disk_mb)
         return {
             "type": "overlay",
             "device": "overlay",
-            "o": f"lowerdir={lower},upperdir={upper},workdir={work}",
+            "o": mounts.overlay_options(lowers, upper, work),
         }
 
-    def mount_point(self, image: str, sandbox_id: str, disk_mb: int = 0) -> Path:
+    def mount_point(self, lowers: list[Path], sandbox_id: str, disk_mb: int = 0) -> Path:
         """The host-mounted way: make the sandbox's layers and the directory its container
         binds at /workspace (``rslave``), bound onto itself as a shared mount, so that the
         overlay :meth:`mount` puts on it once the container runs (and puts anew at each
         :meth:`renew`) propagates into the container. Docker is not asked to mount
         anything, and a reset needs no restart of the container."""
-        lower = self.lower(image)
-        self._make_layers(lower, sandbox_id, disk_mb)
+        self._make_layers(lowers, sandbox_id, disk_mb)
         top = self.uppers / sandbox_id
-        (top / LOWER_LINK).symlink_to(lower)
         point = top / MERGED
         point.mkdir()
         try:
@@ -106,9 +112,8 @@ class Workspaces:
         """Mount the sandbox's overlay on its mount point (:meth:`mount_point`)."""
         top = self.uppers / sandbox_id
         try:
-            mounts.mount_overlay(
-                top / MERGED, (top / LOWER_LINK).readlink(), top / "upper", top / "work"
-            )
+            lowers = self.lowers_of(sandbox_id)
+            mounts.mount_overlay(top / MERGED, lowers, top / "upper", top / "work")
         except OSError as exc:
             raise SandboxError(f"cannot mount /workspace of {sandbox_id}: {exc}") from exc
 
@@ -124,42 +129,81 @@ class Workspaces:
             mounts.unmount(point, detach_if_busy=False)
         except mounts.MountError as exc:
             raise SandboxError(f"cannot unmount /workspace of {sandbox_id}: {exc}") from exc
-        lower = (top / LOWER_LINK).readlink()
         for layer in ("upper", "work"):
             shutil.rmtree(top / layer)
-        self._layers_in(lower, top)
+        self._layers_in(self.lowers_of(sandbox_id), top)
         self.mount(sandbox_id)
 
     def host_mounted(self, sandbox_id: str) -> bool:
         """Whether the sandbox's /workspace was made by :meth:`mount_point`."""
         return (self.uppers / sandbox_id / MERGED).is_dir()
 
-    def _make_layers(self, lower: Path, sandbox_id: str, disk_mb: int) -> tuple[Path, Path]:
+    def lowers_of(self, sandbox_id: str) -> list[Path]:
+        """The sandbox's lower layers, top first, as written when it was made."""
+        try:
+            listed = (self.uppers / sandbox_id / LOWERS).read_text().splitlines()
+        except OSError as exc:
+            raise SandboxError(f"the /workspace layers of {sandbox_id} are unknown: {exc}") from exc
+        return [Path(line) for line in listed if line]
+
+    def _make_layers(self, lowers: list[Path], sandbox_id: str, disk_mb: int) -> tuple[Path, Path]:
         top = self.uppers / sandbox_id
         top.mkdir(mode=0o700)
         if disk_mb:
             self._mount_disk(sandbox_id, top, disk_mb)
-        return self._layers_in(lower, top)
+        (top / LOWERS).write_text("".join(f"{lower}\n" for lower in lowers))
+        return self._layers_in(lowers, top)
 
     @staticmethod
-    def _layers_in(lower: Path, top: Path) -> tuple[Path, Path]:
+    def _layers_in(lowers: list[Path], top: Path) -> tuple[Path, Path]:
         upper, work = top / "upper", top / "work"
         upper.mkdir()
         work.mkdir()
         # The merged root takes its owner and mode from the upper layer's root.
-        info = lower.stat()
+        info = lowers[0].stat()
         os.chown(upper, info.st_uid, info.st_gid)
         upper.chmod(info.st_mode & 0o7777)
         return upper, work
 
-    def remake(self, image: str, sandbox_id: str, disk_mb: int = 0) -> None:
+    def remake(self, sandbox_id: str, disk_mb: int = 0) -> None:
         """Discard the sandbox's upper layer and make a new, empty one at the same paths
-        (the volume's options name them): a reset sandbox's /workspace is the image's again.
-        Docker must have unmounted the overlay first (the container stopped)."""
+        over the same lower layers (the volume's options name them): a reset sandbox's
+        /workspace is as it was made again. Docker must have unmounted the overlay first
+        (the container stopped)."""
+        lowers = self.lowers_of(sandbox_id)
         self.remove(sandbox_id)
         if (self.uppers / sandbox_id).exists():
             raise SandboxError(f"the /workspace upper layer of {sandbox_id} is still in use")
-        self.volume_options(image, sandbox_id, disk_mb)
+        self.volume_options(lowers, sandbox_id, disk_mb)
+
+    @contextlib.contextmanager
+    def pristine(self, sandbox_id: str) -> Iterator[Path]:
+        """The sandbox's /workspace as it was made, which no sandbox can change: its one
+        lower layer, or its stack of them mounted read-only for the length of the block."""
+        lowers = self.lowers_of(sandbox_id)
+        if len(lowers) == 1:
+            yield lowers[0]
+            return
+        view = Path(tempfile.mkdtemp(prefix=".view-", dir=self.uppers))
+        try:
+            try:
+                mounts.mount_overlay(view, lowers, None, None)
+            except OSError as exc:
+                raise SandboxError(f"cannot show the pristine /workspace: {exc}") from exc
+            try:
+                yield view
+            finally:
+                mounts.unmount(view)
+        finally:
+            view.rmdir()
+
+    def in_use(self) -> set[Path]:
+        """Lower layers some sandbox of any deployment on this host was made over."""
+        used: set[Path] = set()
+        for listed in self.uppers.parent.glob(f"*/*/{LOWERS}"):
+            with contextlib.suppress(OSError):
+                used.update(Path(line) for line in listed.read_text().splitlines() if line)
+        return used
 
     def upper_entries(self, sandbox_id: str) -> list[str]:
         """What the sandbox has written to /workspace (its upper layer's top entries)."""

@@ -202,6 +202,19 @@ class Keys:
         judge model), each scored by when its hold lapses (Redis's clock, ms)."""
         return f"{self.prefix}grader-slots:{name}"
 
+    # Repositories (state/repos.py).
+
+    @cached_property
+    def repos(self) -> str:
+        """Hash: registered repository name -> its record (JSON), written by `orchestrator
+        repo add` and read when a row names a repository."""
+        return f"{self.prefix}repos"
+
+    def repo_commits(self, name: str) -> str:
+        """Set: commits of repository ``name`` a host has found in it (no host need be
+        asked again whether a row's commit exists)."""
+        return f"{self.prefix}repo-commits:{name}"
+
     # Queues.
 
     def reply(self, token: str) -> str:

@@ -27,7 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
-from orchestrator.sandbox.backend import SandboxHandle
+from orchestrator.sandbox.backend import CommitWorkspace, SandboxHandle
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
 from orchestrator.state.resp import AsyncConnection, BlockingPool, Script
@@ -58,6 +58,9 @@ class Rollout(BaseModel):
     environment: str
     codebase: str | None = None
     image: str
+    workspace: CommitWorkspace | None = Field(
+        None, description="The repository at a commit its /workspace is (the row's)."
+    )
     state: RolloutState
     host: str | None = None
     sandbox: SandboxHandle | None = None
@@ -116,6 +119,7 @@ _JSON_FIELDS = {
     "infra_failure",
     "ended_by",
     "e2b",
+    "workspace",
 }
 
 

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.outcomes import Cause
 from orchestrator.sandbox.backend import (
+    CommitWorkspace,
     FileAction,
     FileErrorKind,
     FileOpResult,
@@ -34,6 +35,7 @@ class TaskName(StrEnum):
     RECYCLE_SANDBOX = "orchestrator.recycle_sandbox"
     SWEEP_HOST = "orchestrator.sweep_host"
     REFILL_POOLS = "orchestrator.refill_pools"
+    CHECK_COMMIT = "orchestrator.check_commit"
     REAP = "orchestrator.reap"
 
 
@@ -48,6 +50,23 @@ class CreateSandbox(BaseModel):
         description="The rollout's group (a digest of its dataset item: a GRPO group), "
         "seated together by the creation lane (queue/lane.py); None: on its own.",
     )
+
+
+class CheckCommit(BaseModel):
+    """Is this commit in this repository? Asked of any host (the shared queue), which
+    fetches the repository when its store lacks the commit (sandbox/repos.py)."""
+
+    workspace: CommitWorkspace
+    materialise: bool = Field(
+        False, description="Also build the commit's layer on that host (dataset prepare)."
+    )
+
+
+class CommitChecked(BaseModel):
+    found: bool = False
+    built: bool = Field(False, description="This call built the commit's layer on the host.")
+    host: str = ""
+    error: str | None = Field(None, description="The host could not tell: an infra fault.")
 
 
 class SandboxCreated(BaseModel):

@@ -147,3 +147,17 @@ def make_job(stack: Stack, tmp_path: Path, *extra: str) -> tuple[Path, Path]:
     assert made.returncode == 0, made.stderr
     job.write_text(made.stdout)
     return job, rows
+
+
+def cli(stack: Stack, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``orchestrator ARGS`` with the stack's settings, on a wide terminal."""
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", *args],
+        env={**stack.env, "COLUMNS": "300", "TERM": "dumb"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if check:
+        assert done.returncode == 0, done.stderr
+    return done

@@ -6,8 +6,6 @@ the stack's environment, the way an operator runs it next to a deployment."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +18,7 @@ from orchestrator.state.keys import Keys
 from orchestrator.state.models import TrajectoryStep
 from orchestrator.views.models import RolloutDetail, RolloutSummary, StatusSnapshot
 from orchestrator.views.scrape import call_stats, fetch
-from tests.e2e.helpers import file_f1, function_call, new_trace
+from tests.e2e.helpers import cli, file_f1, function_call, new_trace
 from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
@@ -72,20 +70,6 @@ def rollouts(stack: Stack, client: docker.DockerClient) -> Iterator[Rollouts]:
         finally:
             for trace in (graded, failed):
                 api.delete(f"/v1/rollouts/{trace}")
-
-
-def cli(stack: Stack, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``orchestrator ARGS`` with the stack's settings, on a wide terminal."""
-    done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *args],
-        env={**stack.env, "COLUMNS": "300", "TERM": "dumb"},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    if check:
-        assert done.returncode == 0, done.stderr
-    return done
 
 
 def test_status_json_shows_hosts_sandboxes_queues_and_failures(
