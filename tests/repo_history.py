@@ -58,6 +58,9 @@ def build(root: Path) -> History:
     (repo / "data").mkdir()
     (repo / "scripts").mkdir()
     (repo / "README.md").write_text("# history\n")
+    (repo / ".config").mkdir()
+    (repo / ".config" / "old.toml").write_text("old = true\n")
+    (repo / ".config" / "kept.toml").write_text("kept = true\n")
     (repo / "src" / "app.py").write_text("print('v1')\n")
     (repo / "src" / "util.py").write_text("def util():\n    return 1\n")
     (repo / "docs" / "a.md").write_text("a\n")
@@ -72,6 +75,7 @@ def build(root: Path) -> History:
 
     (repo / "src" / "app.py").write_text("print('v2')\n")
     (repo / "docs" / "b.md").unlink()
+    (repo / ".config" / "old.toml").unlink()  # under a dot directory: its whiteout too
     (repo / "data" / "y.txt").write_text("y\n")
     second = _commit(repo, "second: app v2, docs/b gone, data/y")
 

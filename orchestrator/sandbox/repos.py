@@ -593,7 +593,7 @@ def _write_tree(store: Path, env: dict[str, str], tree: Path, commit: str, base:
     for path, entry in before.items():
         if path in wanted and (wanted[path].mode == MODE_TREE) == (entry.mode == MODE_TREE):
             continue
-        parent = str(Path(path).parent).removeprefix(".")
+        parent = path.rpartition("/")[0]
         # Under a directory that is gone too (its whiteout hides this) or that became a
         # file (which hides it): nothing to write.
         if parent and (parent not in wanted or wanted[parent].mode != MODE_TREE):
