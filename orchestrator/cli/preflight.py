@@ -1,7 +1,10 @@
-"""``orchestrator preflight``: before an Agent RFT job is paid for, what the platform's own
-preflight endpoints do, against the deployed URLs of the job: one call per tool and one
-grade on a row of the dataset, checking shape, auth and time (orchestrator.rft.preflight).
-Exit status 1 when any check fails."""
+"""``orchestrator preflight``: before a job is paid for. With ``--job``, what an Agent RFT
+platform's own preflight endpoints do, against the deployed URLs of the job: one call per
+tool and one grade on a row of the dataset, checking shape, auth and time
+(orchestrator.rft.preflight). With ``--rows``, every row of the dataset checked through
+this deployment's rollout API: it starts, its gold files exist at its commit, a SWE-style
+row's tests fail before its gold patch and pass after it (orchestrator.rft.rows). Exit
+status 1 when any check fails."""
 
 from __future__ import annotations
 
@@ -12,23 +15,35 @@ from typing import Annotated, Any
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from orchestrator.cli.status import default_api_url
+from orchestrator.client import RolloutClient
+from orchestrator.config import get_settings
 from orchestrator.rft.job import JobBody
 from orchestrator.rft.preflight import run_preflight
+from orchestrator.rft.rows import check_rows
 
 console = Console(width=160)
 
 
 def preflight(
-    job: Annotated[
-        Path,
-        typer.Option(exists=True, dir_okay=False, help="The job body (rft-config's output)."),
-    ],
     dataset: Annotated[
         Path,
         typer.Option(exists=True, dir_okay=False, help="The dataset (rft-config --out's rows)."),
     ],
+    job: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="The job body (rft-config's output)."),
+    ] = None,
+    rows: Annotated[
+        bool, typer.Option("--rows", help="Check every row of the dataset in sandboxes.")
+    ] = False,
+    base_url: Annotated[
+        str | None, typer.Option(help="With --rows: the API (default: this deployment's).")
+    ] = None,
+    parallel: Annotated[int, typer.Option(min=1, max=64, help="With --rows: rows at once.")] = 4,
     line: Annotated[int, typer.Option(min=1, help="Which row of the dataset to try.")] = 1,
     arguments: Annotated[
         list[str] | None,
@@ -38,7 +53,21 @@ def preflight(
     ] = None,
     timeout_s: Annotated[float, typer.Option(help="Per request.")] = 600.0,
 ) -> None:
-    """Try each tool and the grader of a job on one of its rows, as the platform will."""
+    """Try each tool and the grader of a job on one of its rows, as the platform will
+    (--job); check every row of the dataset in sandboxes (--rows)."""
+    if job is None and not rows:
+        typer.echo("error: give --job (the platform's checks), --rows, or both", err=True)
+        raise typer.Exit(2)
+    failed = _row_checks(dataset, base_url, parallel) if rows else False
+    if job is not None:
+        failed |= _job_checks(job, dataset, line, arguments, timeout_s)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _job_checks(
+    job: Path, dataset: Path, line: int, arguments: list[str] | None, timeout_s: float
+) -> bool:
     try:
         body = JobBody.model_validate_json(job.read_text())
     except ValidationError as exc:
@@ -65,8 +94,46 @@ def preflight(
             check.detail,
         )
     console.print(table)
-    if not all(c.ok for c in checks):
-        raise typer.Exit(1)
+    return not all(c.ok for c in checks)
+
+
+def _row_checks(dataset: Path, base_url: str | None, parallel: int) -> bool:
+    settings = get_settings()
+    numbered = [
+        (number, _row(dataset, number))
+        for number, text in enumerate(dataset.read_text(encoding="utf-8").splitlines(), start=1)
+        if text.strip()
+    ]
+    token = settings.tokens[0] if settings.tokens else None
+    columns = (
+        TextColumn("checking rows"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+    )
+    with (
+        RolloutClient(base_url or default_api_url(settings), token) as client,
+        Progress(*columns, console=console, transient=True) as progress,
+    ):
+        task = progress.add_task("rows", total=len(numbered))
+        reports = check_rows(
+            client, numbered, parallel=parallel, progress=lambda: progress.advance(task)
+        )
+    table = Table(title=f"row checks of {dataset}")
+    for column in ("line", "check", "result", "detail"):
+        table.add_column(column)
+    for report in reports:
+        for check in report.checks:
+            table.add_row(
+                str(check.line),
+                check.what,
+                "[green]ok[/green]" if check.ok else "[red]FAILED[/red]",
+                check.detail,
+            )
+    console.print(table)
+    bad = [r.line for r in reports if not r.ok]
+    console.print(f"{len(reports)} rows: {len(reports) - len(bad)} ready, {len(bad)} failed")
+    return bool(bad)
 
 
 def _row(dataset: Path, line: int) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
-from orchestrator.sandbox.backend import BackendUnavailable
+from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment, row_commit
+from orchestrator.sandbox.backend import BackendUnavailable, CommitWorkspace
 
 RESERVED = ("messages", "tools")
 """The row keys the platform keeps for itself; the rest is the ``item``."""
@@ -125,7 +125,7 @@ def rewrite_dataset(
             if environment is not None and row.get("environment") is None:
                 row["environment"] = environment
             try:
-                resolved = registry.resolve(row)
+                resolved = registry.resolve(row, workspace=_unchecked_workspace(row))
             except BackendUnavailable as exc:
                 raise DatasetError(
                     f"{where}: cannot check the row's codebase, the Docker daemon is "
@@ -140,6 +140,16 @@ def rewrite_dataset(
     if not rows:
         raise DatasetError(f"{source}: no rows")
     return rows
+
+
+def _unchecked_workspace(row: dict[str, Any]) -> CommitWorkspace | None:
+    """A row's repository at its commit, its form checked but not its existence: this
+    rewrite runs without the deployment (`orchestrator preflight --rows` and `orchestrator
+    dataset prepare` check that both exist)."""
+    wanted = row_commit(row)
+    if wanted is None:
+        return None
+    return CommitWorkspace(repo=wanted[0], commit=wanted[1], source="(not looked up)")
 
 
 def write_jsonl(rows: list[dict[str, Any]], out: Path) -> None:

@@ -132,7 +132,8 @@ def _transport(source: str) -> str | None:
 
 
 def check_source(source: str, allowed_urls: list[str]) -> str:
-    """``source`` as it is stored: an absolute local path that exists, or a URL that
+    """``source`` as it is stored: an absolute local path that exists (a repository, or a
+    git bundle: ``*.bundle``), or a URL that
     starts with one of ``allowed_urls`` (none are allowed unless the operator lists
     them: ORCH_REPO_ALLOWED_URLS). :class:`RepoSourceError` says which and why."""
     source = source.strip()
@@ -152,12 +153,12 @@ def check_source(source: str, allowed_urls: list[str]) -> str:
                 f"in ORCH_REPO_ALLOWED_URLS (allowed now: {listed})"
             )
         return source
-    path = Path(source).expanduser()
-    if not path.is_absolute():
-        path = path.resolve()
-    if not path.is_dir():
-        raise RepoSourceError(f"the source {source!r} is not a directory")
-    return str(path.resolve())
+    path = Path(source).expanduser().resolve()
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".bundle")):
+        raise RepoSourceError(
+            f"the source {source!r} is not a directory (a git repository) or a .bundle file"
+        )
+    return str(path)
 
 
 def check_commit(commit: str) -> str:

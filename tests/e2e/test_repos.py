@@ -240,3 +240,67 @@ def test_the_swe_style_grader_scores_a_row_at_a_commit(side: Stack, tmp_path: Pa
             finally:
                 client.delete(f"/v1/rollouts/{trace}")
     assert scores == [1.0, pytest.approx(0.4)]
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "repo_tasks"
+
+
+@pytest.fixture(scope="module")
+def six(side: Stack) -> str:
+    """The example repository (examples/repo_tasks/six.bundle: six's real history) under the
+    name its rows use."""
+    cli(side, "repo", "add", "six", str(EXAMPLES / "six.bundle"), "--replace")
+    return "six"
+
+
+def test_the_example_rows_are_ready_and_pass_their_preflight(side: Stack, six: str) -> None:
+    """Every planning row's gold files exist at its commit; every SWE row's tests fail
+    untouched and pass with its gold patch, in the sandboxes (examples/repo_tasks/build.py
+    found them so in the base image)."""
+    for name in ("planning.jsonl", "swe.jsonl"):
+        prepared = cli(side, "dataset", "prepare", str(EXAMPLES / name))
+        assert " 0 failed" in prepared.stdout, prepared.stdout
+        checked = cli(
+            side,
+            "preflight",
+            "--dataset",
+            str(EXAMPLES / name),
+            "--rows",
+            "--base-url",
+            side.base_url,
+            "--parallel",
+            "6",
+        )
+        rows = len((EXAMPLES / name).read_text().splitlines())
+        assert f"{rows} rows: {rows} ready, 0 failed" in checked.stdout, checked.stdout
+
+
+def test_preflight_names_each_row_that_cannot_work(side: Stack, six: str, tmp_path: Path) -> None:
+    planning = json.loads((EXAMPLES / "planning.jsonl").read_text().splitlines()[0])
+    swe = json.loads((EXAMPLES / "swe.jsonl").read_text().splitlines()[0])
+    rows = [
+        {**planning, "gold_files": ["six.py", "no/such/file.py"]},
+        {**planning, "commit": "e" * 40},
+        # A test that passes before the fix listed as failing before it.
+        {**swe, "FAIL_TO_PASS": swe["PASS_TO_PASS"][:1]},
+        {**swe, "gold_patch": swe["test_patch"]},  # applies nothing that fixes it
+        swe,
+    ]
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    checked = cli(
+        side,
+        "preflight",
+        "--dataset",
+        str(dataset),
+        "--rows",
+        "--base-url",
+        side.base_url,
+        check=False,
+    )
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    out = checked.stdout
+    assert "missing: no/such/file.py" in out
+    assert f"has no commit {'e' * 40}" in out
+    assert "FAIL_TO_PASS passing already" in out
+    assert "5 rows: 1 ready, 4 failed" in out, out
