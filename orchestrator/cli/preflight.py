@@ -3,7 +3,7 @@ platform's own preflight endpoints do, against the deployed URLs of the job: one
 tool and one grade on a row of the dataset, checking shape, auth and time
 (orchestrator.rft.preflight). With ``--rows``, every row of the dataset checked through
 this deployment's rollout API: it starts, its gold files exist at its commit, a SWE-style
-row's tests fail before its gold patch and pass after it (orchestrator.rft.rows). Exit
+row's tests fail before its gold patch and pass after it (orchestrator.client.row_checks). Exit
 status 1 when any check fails."""
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from rich.table import Table
 
 from orchestrator.cli.status import default_api_url
 from orchestrator.client import RolloutClient
+from orchestrator.client.row_checks import check_rows
 from orchestrator.config import get_settings
 from orchestrator.rft.job import JobBody
 from orchestrator.rft.preflight import run_preflight
-from orchestrator.rft.rows import check_rows
 
 console = Console(width=160)
 

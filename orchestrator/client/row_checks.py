@@ -23,8 +23,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from orchestrator.client import OrchestratorError, RolloutClient
-from orchestrator.client.sync import Rollout
+from orchestrator.client.errors import OrchestratorError
+from orchestrator.client.sync import Rollout, RolloutClient
 
 
 class RowCheck(BaseModel):
