@@ -45,7 +45,7 @@ def git(repo: Path, *args: str) -> str:
     return done.stdout
 
 
-def _commit(repo: Path, message: str) -> str:
+def commit_all(repo: Path, message: str) -> str:
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", message)
     return git(repo, "rev-parse", "HEAD").strip()
@@ -71,13 +71,13 @@ def build(root: Path) -> History:
     run.chmod(0o755)
     (repo / "readme-link").symlink_to("README.md")
     git(repo, "init", "-q", "-b", "main")
-    first = _commit(repo, "first")
+    first = commit_all(repo, "first")
 
     (repo / "src" / "app.py").write_text("print('v2')\n")
     (repo / "docs" / "b.md").unlink()
     (repo / ".config" / "old.toml").unlink()  # under a dot directory: its whiteout too
     (repo / "data" / "y.txt").write_text("y\n")
-    second = _commit(repo, "second: app v2, docs/b gone, data/y")
+    second = commit_all(repo, "second: app v2, docs/b gone, data/y")
 
     for path in (repo / "docs").iterdir():
         path.unlink()
@@ -87,25 +87,25 @@ def build(root: Path) -> History:
     (repo / "data").rmdir()
     (repo / "data").write_text("data is a file now\n")
     run.chmod(0o644)
-    third = _commit(repo, "third: docs gone, data a file, run.sh not executable")
+    third = commit_all(repo, "third: docs gone, data a file, run.sh not executable")
 
     (repo / "src" / "new.py").write_text("NEW = True\n")
     (repo / "README.md").write_text("# history\n\nfour commits\n")
     (repo / "readme-link").unlink()
     (repo / "readme-link").symlink_to("src/new.py")
-    fourth = _commit(repo, "fourth: src/new.py, README, the link moved")
+    fourth = commit_all(repo, "fourth: src/new.py, README, the link moved")
 
     git(repo, "checkout", "-qb", "future")
     (repo / "ANSWER.txt").write_text(f"{SECRET} (branch)\n")
-    branch = _commit(repo, "a branch after them")
+    branch = commit_all(repo, "a branch after them")
     git(repo, "tag", "v-secret")
     git(repo, "checkout", "-q", "main")
     (repo / "src" / "app.py").write_text(f"print('{SECRET}')\n")
-    later = _commit(repo, "later on main")
+    later = commit_all(repo, "later on main")
     return History(repo=repo, commits=[first, second, third, fourth], later=later, branch=branch)
 
 
 def add_commit(history: History, path: str, text: str) -> str:
     """A new commit on main (the source moved on after a host fetched it)."""
     (history.repo / path).write_text(text)
-    return _commit(history.repo, f"add {path}")
+    return commit_all(history.repo, f"add {path}")

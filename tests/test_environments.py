@@ -178,7 +178,7 @@ FAKE_HANDLE = SandboxHandle(
 
 def test_default_yaml_loads() -> None:
     registry = load_environments(unit_settings())
-    assert registry.names() == ["codebase-planning", "swe-tests", "finqa-demo", "base", "harbor"]
+    assert registry.names() == ["codebase-planning", "finqa-demo", "base", "harbor"]
     # E2B's default template: the bare image, nothing to take from a row.
     base = registry.get("base")
     assert base.image == unit_settings().base_image and not base.codebase_from_row

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Annotated, TypeVar
 
 import typer
+from pydantic import ValidationError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from orchestrator.config import Settings, get_settings
 from orchestrator.environments.loader import row_commit
+from orchestrator.sandbox.backend import RepoSetup
 from orchestrator.sandbox.repos import HostRepos, RepoError, check_source
 from orchestrator.state.broker import celery_app
 from orchestrator.state.records import RolloutStore
@@ -56,10 +58,41 @@ def add(
         typer.Argument(help="A local git repository, or a URL ORCH_REPO_ALLOWED_URLS allows."),
     ],
     replace: Annotated[bool, typer.Option(help="Register it again (another source).")] = False,
+    setup_command: Annotated[
+        list[str] | None,
+        typer.Option(help="A set-up command (repeat for more), run as root in /opt/setup."),
+    ] = None,
+    dockerfile: Annotated[
+        Path | None,
+        typer.Option(exists=True, dir_okay=False, help="A set-up Dockerfile instead."),
+    ] = None,
+    deps: Annotated[
+        list[str] | None,
+        typer.Option(help="A file whose contents decide the set-up (repeat for more)."),
+    ] = None,
+    wheelhouse: Annotated[
+        Path | None,
+        typer.Option(file_okay=False, help="A directory of wheels, the same on every host."),
+    ] = None,
 ) -> None:
     """Register a repository: fetched once on this host to check it, then by every host
-    the first time a row names one of its commits (or at `orchestrator dataset prepare`)."""
+    the first time a row names one of its commits (or at `orchestrator dataset prepare`).
+    With a set-up (--setup-command or --dockerfile, --deps, --wheelhouse), its
+    dependencies are installed once per fingerprint into the image its sandboxes run."""
     settings = get_settings()
+    setup = None
+    if setup_command or dockerfile or deps or wheelhouse:
+        if wheelhouse is not None and not wheelhouse.is_dir():
+            raise _fail(f"the wheelhouse {wheelhouse} is not a directory")
+        try:
+            setup = RepoSetup(
+                commands=setup_command or [],
+                dockerfile=dockerfile.read_text() if dockerfile else "",
+                deps=deps or [],
+                wheelhouse=str(wheelhouse.resolve()) if wheelhouse else "",
+            )
+        except ValidationError as exc:
+            raise _fail(f"the set-up: {exc.errors()[0]['msg']}") from exc
     try:
         checked = check_source(source, settings.repo_url_prefixes)
         repos = HostRepos.of(settings)
@@ -67,7 +100,7 @@ def add(
         head, commits = repos.fetch(name, checked)
     except RepoError as exc:
         raise _fail(str(exc)) from exc
-    record = RepoRecord(name=name, source=checked, commits=commits, head=head)
+    record = RepoRecord(name=name, source=checked, commits=commits, head=head, setup=setup)
     if not _with_registry(settings, lambda r: r.add(record, replace=replace)):
         raise _fail(f"repository {name!r} is registered already; --replace to change its source")
     typer.echo(
@@ -163,7 +196,7 @@ async def _prepare(
             jobs += [(host, record, commit, lines) for host in hosts]
         task = progress.add_task("materialising", total=len(jobs))
         gate = asyncio.Semaphore(parallel * len(hosts))
-        found: set[tuple[str, str]] = set()
+        found: dict[tuple[str, str], str] = {}
         built = 0
 
         async def one(host: str, record: RepoRecord, commit: str, lines: list[int]) -> None:
@@ -188,14 +221,18 @@ async def _prepare(
                 why = f"host {host}: {checked.error}"
             elif not checked.found:
                 why = f"repository {record.name!r} has no commit {commit}"
+            elif checked.setup_error is not None:
+                why = f"host {host}: {checked.setup_error[-1000:]}"
             else:
-                found.add((record.name, commit))
+                found[(record.name, commit)] = checked.setup_image
                 return
             problems.extend(RowProblem(n, why) for n in lines)
 
         await asyncio.gather(*(one(*job) for job in jobs))
         for name in {n for n, _ in found}:
-            await registry.remember(name, [c for n, c in found if n == name])
+            await registry.remember(
+                name, {c: image for (n, c), image in found.items() if n == name}
+            )
     finally:
         await store.close()
     return problems, built

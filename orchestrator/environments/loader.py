@@ -438,7 +438,13 @@ class EnvironmentRegistry:
             )
         if workspace is None or (workspace.repo, workspace.commit) != (repo, commit):
             raise UnknownRepository(f"repository {repo!r} at {commit} was not looked up")
-        image = env.image or self.settings.base_image
+        if workspace.setup is not None and env.image is not None:
+            raise DatasetRowError(
+                "repo",
+                f"environment {env.name!r} runs the fixed image {env.image}, and repository "
+                f"{repo!r} brings its own set-up image: name an environment without an image",
+            )
+        image = workspace.setup_image or env.image or self.settings.base_image
         return ResolvedEnvironment(
             env, image, workspace.label, self._tools[env.name], self.settings, workspace
         )

@@ -16,6 +16,7 @@ from typing import Any
 from celery.signals import setup_logging, worker_ready, worker_shutdown, worker_shutting_down
 
 from orchestrator.config import get_settings
+from orchestrator.images.repo_setup import SetupFailed, ensure_setup_image
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import (
     bind_sandbox,
@@ -28,7 +29,14 @@ from orchestrator.observability.metrics import serve_worker_metrics
 from orchestrator.queue import worker
 from orchestrator.queue.sweep import sweep_orphans
 from orchestrator.sandbox import testrun
-from orchestrator.sandbox.backend import FileError, ProbeResult, SandboxError, SandboxHandle
+from orchestrator.sandbox.backend import (
+    BackendUnavailable,
+    FileError,
+    ProbeResult,
+    SandboxError,
+    SandboxHandle,
+    SandboxSpec,
+)
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.repos import RepoError
 from orchestrator.state.broker import celery_app, task
@@ -143,6 +151,7 @@ def create_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
 def _create_and_reply(payload: dict[str, Any], request: CreateSandbox) -> None:
     with rollout_context(request.rollout_id, trace_id=request.trace_id):
         try:
+            _set_up(request.spec)
             handle = worker.backend().create(request.spec)
             bind_sandbox(handle.sandbox_id)
             created = SandboxCreated(handle=handle)
@@ -153,6 +162,21 @@ def _create_and_reply(payload: dict[str, Any], request: CreateSandbox) -> None:
             log.exception("sandbox.create_crashed", rollout_id=request.rollout_id)
             created = SandboxCreated(error=f"{type(exc).__name__}: {exc}")
         worker.reply(payload, created.model_dump(mode="json"))
+
+
+def _set_up(spec: SandboxSpec) -> None:
+    """A repository's set-up image on this host before its sandbox is made there (built
+    when another host built it first: images/repo_setup.py)."""
+    wanted = spec.workspace
+    if wanted is None or wanted.setup is None:
+        return
+    repos = worker.host_repos()
+    try:
+        if not repos.has_commit(wanted.repo, wanted.source, wanted.commit):
+            raise SandboxError(f"{wanted.label} is not in its source any more")
+        ensure_setup_image(get_settings(), repos, wanted)
+    except (RepoError, SetupFailed) as exc:
+        raise SandboxError(f"cannot set {wanted.label} up on this host: {exc}") from exc
 
 
 @task(TaskName.RUN_TOOL)
@@ -473,22 +497,32 @@ def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
 @replies
 def check_commit(payload: dict[str, Any]) -> dict[str, Any]:
     """Whether a repository has a commit, fetching it on this host when the store lacks
-    it; with ``materialise``, the commit's layer built here too (sandbox/repos.py). A
-    commit the source lacks is an answer; a source or store that fails is an error."""
+    it, and the commit's set-up image (built here when missing); with ``materialise``, the
+    commit's layer built here too (sandbox/repos.py). A commit the source lacks, and a
+    set-up that does not build, are answers; a source or store that fails is an error."""
     request = CheckCommit.model_validate(payload)
     wanted = request.workspace
     repos = worker.host_repos()
-    host = get_settings().host_id
+    settings = get_settings()
+    host = settings.host_id
     try:
         if not repos.has_commit(wanted.repo, wanted.source, wanted.commit):
             return CommitChecked(found=False, host=host).model_dump(mode="json")
+        image = ""
+        if wanted.setup is not None:
+            image, _ = ensure_setup_image(settings, repos, wanted)
         built = False
         if request.materialise:
             built = repos.materialise(wanted.repo, wanted.source, wanted.commit).built
-    except (RepoError, OSError) as exc:
+    except SetupFailed as exc:
+        log.warning("repo.setup_failed", repo=wanted.repo, commit=wanted.commit, error=str(exc))
+        checked = CommitChecked(found=True, host=host, setup_error=str(exc))
+        return checked.model_dump(mode="json")
+    except (RepoError, BackendUnavailable, OSError) as exc:
         log.warning("repo.check_failed", repo=wanted.repo, commit=wanted.commit, error=str(exc))
         return CommitChecked(host=host, error=str(exc)).model_dump(mode="json")
-    return CommitChecked(found=True, built=built, host=host).model_dump(mode="json")
+    checked = CommitChecked(found=True, built=built, host=host, setup_image=image)
+    return checked.model_dump(mode="json")
 
 
 @task(TaskName.REFILL_POOLS)

@@ -116,10 +116,11 @@ class Starter:
 
     async def workspace_of(self, row: dict[str, Any]) -> CommitWorkspace | None:
         """The repository at a commit ``row`` names (None: it names none): 422 when the
-        repository is not registered (``unknown_repository``) or has no such commit
-        (``unknown_commit``), 503 ``repo_unavailable`` when no host can tell. A commit is
-        asked of a host (which fetches its repository when it lacks it) once per
-        deployment: then it is known (state/repos.py)."""
+        repository is not registered (``unknown_repository``), has no such commit
+        (``unknown_commit``) or its set-up does not build for it (``setup_failed``), 503
+        ``repo_unavailable`` when no host can tell. A commit is asked of a host (which
+        fetches its repository when it lacks it, and builds its set-up image) once per
+        deployment: then it is known, with its set-up image (state/repos.py)."""
         try:
             wanted = row_commit(row)
         except ValueError as exc:
@@ -135,9 +136,10 @@ class Starter:
                 f"repository (register it with `orchestrator repo add {name} SOURCE`)",
                 code="unknown_repository",
             )
+        known = await self.repos.known(name, commit)
+        if known is not None:
+            return record.at(commit, known)
         workspace = record.at(commit)
-        if await self.repos.known(name, commit):
-            return workspace
         key = (record.source, commit)
         checking = self._checking.get(key)
         if checking is None:  # one question per commit at a time, however many rows ask
@@ -158,7 +160,9 @@ class Starter:
                 f"repository {name!r} has no commit {commit} (its source: {record.source})",
                 code="unknown_commit",
             )
-        return workspace
+        if checked.setup_error is not None:
+            raise Rejected(422, checked.setup_error[-2000:], code="setup_failed")
+        return record.at(commit, checked.setup_image)
 
     async def _check_commit(self, workspace: CommitWorkspace) -> CommitChecked:
         try:
@@ -171,8 +175,8 @@ class Starter:
         except QueueTimeout as exc:
             return CommitChecked(error=f"no worker answered: {exc}")
         checked = CommitChecked.model_validate(raw)
-        if checked.found:
-            await self.repos.remember(workspace.repo, [workspace.commit])
+        if checked.found and checked.setup_error is None:
+            await self.repos.remember(workspace.repo, {workspace.commit: checked.setup_image})
         return checked
 
     def environment_of(self, rollout: Rollout) -> ResolvedEnvironment:

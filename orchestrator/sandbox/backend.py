@@ -107,6 +107,41 @@ ScratchDirs = Annotated[tuple[ScratchDir, ...], AfterValidator(_distinct)]
 the first)."""
 
 
+class RepoSetup(BaseModel):
+    """How a repository's dependencies are installed: once per dependency fingerprint (the
+    set-up and the contents of ``deps`` at a commit), into an image its rows' sandboxes
+    run (images/repo_setup.py; docs/datasets.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    commands: list[str] = Field(
+        default_factory=list,
+        description="Shell commands run as root in the base image, in /opt/setup (the "
+        "``deps`` files at their paths), with the wheelhouse at /opt/wheelhouse.",
+    )
+    dockerfile: str = Field(
+        "",
+        description="A whole Dockerfile instead (its FROM is ${BASE_IMAGE}; the context has "
+        "deps/ and wheelhouse/).",
+    )
+    deps: list[str] = Field(
+        default_factory=list,
+        description="Paths in the repository whose contents decide the set-up "
+        "(requirements.txt, setup.py, ...): commits that agree on them share one image.",
+    )
+    wheelhouse: str = Field(
+        "",
+        description="A directory of wheels on every host (Python dependencies come from it, "
+        "not from an index).",
+    )
+
+    @model_validator(mode="after")
+    def _one_way(self) -> RepoSetup:
+        if bool(self.commands) == bool(self.dockerfile):
+            raise ValueError("a set-up has commands or a dockerfile, exactly one")
+        return self
+
+
 class CommitWorkspace(BaseModel):
     """A /workspace that is a repository at a commit (sandbox/repos.py), not the image's."""
 
@@ -116,6 +151,13 @@ class CommitWorkspace(BaseModel):
     commit: str = Field(pattern=r"^[0-9a-f]{40}$")
     source: str = Field(
         min_length=1, description="Where hosts fetch it from (each checks it is allowed)."
+    )
+
+    setup: RepoSetup | None = Field(
+        None, description="The repository's set-up; its image is the sandbox's."
+    )
+    setup_image: str = Field(
+        "", description="The set-up image of this commit's dependency fingerprint ('' none)."
     )
 
     @property

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import json
 import os
 import re
 import shutil
@@ -46,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.config import Settings
 from orchestrator.observability.logging import get_logger
+from orchestrator.sandbox.backend import RepoSetup
 
 log = get_logger(__name__)
 
@@ -237,7 +240,9 @@ class HostRepos:
         return self._dir(name) / "commits" / f"{check_commit(commit)}.json"
 
     @contextlib.contextmanager
-    def _lock(self, name: str, what: str) -> Iterator[None]:
+    def lock(self, name: str, what: str) -> Iterator[None]:
+        """Exclusive, across this host's threads and processes: ``what`` of repository
+        ``name`` (a commit's build, the store's fetches, a set-up image's build)."""
         locks = self._dir(name) / "locks"
         locks.mkdir(parents=True, exist_ok=True, mode=0o700)
         with (locks / f"{what}.lock").open("a") as handle:
@@ -261,7 +266,7 @@ class HostRepos:
         """Bring the store of ``name`` up to date with ``source`` (made on first use);
         returns the commit the source's HEAD is and how many commits the store holds."""
         source = check_source(source, self.allowed_urls)
-        with self._lock(name, "store"), self._git_env(name) as env:
+        with self.lock(name, "store"), self._git_env(name) as env:
             self._fetch(name, source, env)
             store = self.store(name)
             head = _git(["rev-parse", "--verify", "--quiet", SOURCE_HEAD], store, env, check=False)
@@ -302,7 +307,7 @@ class HostRepos:
         source = check_source(source, self.allowed_urls)
         if self._stored(name, source, commit):
             return True
-        with self._lock(name, "store"), self._git_env(name) as env:
+        with self.lock(name, "store"), self._git_env(name) as env:
             if self._stored(name, source, commit):
                 return True
             self._fetch(name, source, env)
@@ -320,6 +325,45 @@ class HostRepos:
         with self._git_env(name) as env:
             proc = _git(["cat-file", "-t", commit], store, env, check=False)
         return proc.returncode == 0 and proc.stdout.strip() == "commit"
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def fingerprint(self, name: str, commit: str, setup: RepoSetup) -> str:
+        """What decides the set-up image of ``commit`` (in the store already): the set-up
+        itself, the object id of each of its ``deps`` at the commit, and the wheelhouse's
+        file names and sizes. Commits that agree on them share an image."""
+        with self._git_env(name) as env:
+            listed = _git(
+                ["ls-tree", "-r", "--full-tree", commit, "--", *setup.deps],
+                self.store(name),
+                env,
+                what=f"list the set-up files of {commit[:12]}",
+            ).stdout
+        blobs = sorted(line.split(None, 3)[2:] for line in listed.splitlines() if line.strip())
+        wheels: list[tuple[str, int]] = []
+        if setup.wheelhouse:
+            house = Path(setup.wheelhouse)
+            if not house.is_dir():
+                raise RepoError(f"the wheelhouse {house} is not a directory on this host")
+            wheels = sorted((p.name, p.stat().st_size) for p in house.iterdir() if p.is_file())
+        canonical = json.dumps(
+            {"setup": setup.model_dump(mode="json"), "deps": blobs, "wheels": wheels},
+            sort_keys=True,
+        )
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def export_files(self, name: str, commit: str, paths: list[str], dest: Path) -> list[str]:
+        """Write each of ``paths`` that ``commit`` has under ``dest`` (at its path);
+        returns those written."""
+        with self._git_env(name) as env:
+            entries = _tree_entries(self.store(name), env, commit)
+            wanted = [
+                (p, entries[p]) for p in paths if p in entries and entries[p].mode != MODE_TREE
+            ]
+            for path, _ in wanted:
+                (dest / path).parent.mkdir(parents=True, exist_ok=True)
+            _write_blobs(self.store(name), env, dest, wanted)
+        return [p for p, _ in wanted]
 
     # -- commits ---------------------------------------------------------------------------
 
@@ -341,7 +385,7 @@ class HostRepos:
             return self._use(name, record, built=False)
         if not self.has_commit(name, source, commit):
             raise UnknownCommit(f"repository {name!r} has no commit {commit}")
-        with self._lock(name, commit):
+        with self.lock(name, commit):
             record = self.layer_record(name, commit)
             built = record is None
             if record is None:
@@ -488,7 +532,7 @@ class HostRepos:
         stands on, until its layers fit the budget; never one used in the last
         ``IN_USE_GRACE_S`` or whose layer is in ``in_use()``. Returns the evicted commits."""
         evicted: list[str] = []
-        with self._lock(name, "evict"):
+        with self.lock(name, "evict"):
             records = {r.commit: r for r in self.usage(name).get(name, [])}
             total = sum(r.bytes for r in records.values())
             now = time.time()
@@ -510,7 +554,7 @@ class HostRepos:
                 if not candidates:
                     break
                 _, victim = min(candidates)
-                with self._lock(name, victim):
+                with self.lock(name, victim):
                     self._record_path(name, victim).unlink(missing_ok=True)
                     shutil.rmtree(self.layer_dir(name, victim), ignore_errors=True)
                 total -= records.pop(victim).bytes

@@ -211,8 +211,8 @@ class Keys:
         return f"{self.prefix}repos"
 
     def repo_commits(self, name: str) -> str:
-        """Set: commits of repository ``name`` a host has found in it (no host need be
-        asked again whether a row's commit exists)."""
+        """Hash: commit -> its set-up image ('' none), for each commit of repository
+        ``name`` a host has found in it (no host need be asked again)."""
         return f"{self.prefix}repo-commits:{name}"
 
     # Queues.

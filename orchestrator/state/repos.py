@@ -1,6 +1,7 @@
 """Registered repositories (docs/datasets.md): a row names one by its name and a commit,
 and every host fetches it from the source registered here (sandbox/repos.py). Also the
-commits found to exist, so a burst of rows on one commit asks a host about it once."""
+commits found to exist, with their set-up images, so a burst of rows on one commit asks a
+host about it once."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field
 
-from orchestrator.sandbox.backend import CommitWorkspace
+from orchestrator.sandbox.backend import CommitWorkspace, RepoSetup
 from orchestrator.state.keys import Keys
 
 
@@ -23,10 +24,18 @@ class RepoRecord(BaseModel):
     added_at: float = Field(default_factory=time.time)
     commits: int = Field(0, description="Commits its source had when it was added.")
     head: str = Field("", description="The commit its source's HEAD was when it was added.")
+    setup: RepoSetup | None = Field(None, description="How its dependencies are installed.")
 
-    def at(self, commit: str) -> CommitWorkspace:
-        """This repository at ``commit``, as a sandbox's spec names it."""
-        return CommitWorkspace(repo=self.name, commit=commit, source=self.source)
+    def at(self, commit: str, setup_image: str = "") -> CommitWorkspace:
+        """This repository at ``commit`` (on ``setup_image``, its set-up's image for the
+        commit), as a sandbox's spec names it."""
+        return CommitWorkspace(
+            repo=self.name,
+            commit=commit,
+            source=self.source,
+            setup=self.setup,
+            setup_image=setup_image,
+        )
 
 
 class RepoRegistry:
@@ -66,11 +75,16 @@ class RepoRegistry:
             removed, _ = await pipe.execute()
         return bool(removed)
 
-    async def known(self, name: str, commit: str) -> bool:
-        """Whether a host has found ``commit`` in ``name`` (:meth:`remember`)."""
-        return bool(await self._redis.sismember(self._keys.repo_commits(name), commit))
+    async def known(self, name: str, commit: str) -> str | None:
+        """The set-up image of ``commit`` of ``name`` ('' when the repository has no set-up)
+        once a host has found the commit (:meth:`remember`); None before."""
+        raw = await self._redis.hget(self._keys.repo_commits(name), commit)
+        return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
 
-    async def remember(self, name: str, commits: list[str]) -> None:
-        """Note that ``commits`` exist in ``name``."""
+    async def remember(self, name: str, commits: dict[str, str]) -> None:
+        """Note that ``commits`` exist in ``name``, each with its set-up image ('' none)."""
         if commits:
-            await self._redis.sadd(self._keys.repo_commits(name), *commits)
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for commit, image in commits.items():
+                    pipe.hset(self._keys.repo_commits(name), commit, image)
+                await pipe.execute()

@@ -65,6 +65,10 @@ class CheckCommit(BaseModel):
 class CommitChecked(BaseModel):
     found: bool = False
     built: bool = Field(False, description="This call built the commit's layer on the host.")
+    setup_image: str = Field("", description="The commit's set-up image ('' no set-up).")
+    setup_error: str | None = Field(
+        None, description="The repository's set-up does not build for this commit: its fault."
+    )
     host: str = ""
     error: str | None = Field(None, description="The host could not tell: an infra fault.")
 

@@ -96,8 +96,7 @@ REGRADER = "rewards-files-only"
 """codebase-planning scored by file_f1 alone, in ``multi``: what test_rewards.py regrades by."""
 
 SWE_TESTS = "swe-tests"
-"""The default environments' SWE-style one: rows name their codebase or repository, scored
-by sandbox_tests (tests/e2e/test_sandbox_tests.py)."""
+"""Rows name their codebase; scored by sandbox_tests (tests/e2e/test_sandbox_tests.py)."""
 
 JUDGED = "judged"
 """codebase-planning scored by ``score_model``, the steered judge "fair" (0.75, as JSON), one
@@ -124,7 +123,7 @@ def reaper_environments(data: dict[str, Any]) -> dict[str, Any]:
 
 def reward_environments(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` with :data:`REWARDED` and :data:`REGRADER` (made from its codebase-planning)
-    added; :data:`SWE_TESTS` is the packaged default's."""
+    and :data:`SWE_TESTS` added."""
     planning = next(e for e in data["environments"] if e["name"] == "codebase-planning")
     files = {"files": {"name": "file_f1"}}
     rewarded = {
@@ -140,7 +139,12 @@ def reward_environments(data: dict[str, Any]) -> dict[str, Any]:
         "name": REGRADER,
         "grader": {"name": "multi", "options": {"graders": files, "formula": "files"}},
     }
-    return {**data, "environments": [*data["environments"], rewarded, regrader]}
+    swe = {
+        "name": SWE_TESTS,
+        "tools": ["shell", "read_file"],
+        "grader": {"name": "sandbox_tests", "options": {"timeout_s": 60}},
+    }
+    return {**data, "environments": [*data["environments"], rewarded, regrader, swe]}
 
 
 JUDGE_INPUT = [

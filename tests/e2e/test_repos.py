@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import docker
 import httpx
 import pytest
 
@@ -304,3 +305,91 @@ def test_preflight_names_each_row_that_cannot_work(side: Stack, six: str, tmp_pa
     assert f"has no commit {'e' * 40}" in out
     assert "FAIL_TO_PASS passing already" in out
     assert "5 rows: 1 ready, 4 failed" in out, out
+
+
+def _wheel(house: Path, version: str) -> None:
+    """A pure-Python wheel of ``tinydep`` made by hand (a wheel is a zip): no index, no pip."""
+    import zipfile
+
+    house.mkdir(exist_ok=True)
+    with zipfile.ZipFile(house / f"tinydep-{version}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("tinydep/__init__.py", f"VALUE = 'from the wheelhouse {version}'\n")
+        info = f"tinydep-{version}.dist-info"
+        wheel.writestr(
+            f"{info}/METADATA", f"Metadata-Version: 2.1\nName: tinydep\nVersion: {version}\n"
+        )
+        wheel.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        wheel.writestr(f"{info}/RECORD", "")
+
+
+INSTALL = (
+    "cp requirements.txt /opt/installed-requirements && for w in /opt/wheelhouse/*.whl; "
+    'do python3 -m zipfile -e "$w" /usr/local/lib/python3.11/dist-packages/; done'
+)
+
+
+def test_a_repository_s_set_up_runs_once_per_dependency_fingerprint(
+    side: Stack, tmp_path: Path
+) -> None:
+    source = tmp_path / "withdeps"
+    source.mkdir()
+    (source / "requirements.txt").write_text("tinydep==1.0\n")
+    (source / "app.py").write_text("import tinydep\n")
+    repo_history.git(source, "init", "-q", "-b", "main")
+    first = repo_history.commit_all(source, "first")
+    (source / "app.py").write_text("import tinydep\nprint(tinydep.VALUE)\n")
+    same_deps = repo_history.commit_all(source, "app only")
+    (source / "requirements.txt").write_text("tinydep==1.0\n# pinned again\n")
+    new_deps = repo_history.commit_all(source, "requirements changed")
+    house = tmp_path / "house"
+    _wheel(house, "1.0")
+    name = f"deps-{uuid.uuid4().hex[:6]}"
+    cli(
+        side,
+        "repo",
+        "add",
+        name,
+        str(source),
+        "--setup-command",
+        INSTALL,
+        "--deps",
+        "requirements.txt",
+        "--wheelhouse",
+        str(house),
+    )
+    broken = f"broken-{uuid.uuid4().hex[:6]}"
+    cli(side, "repo", "add", broken, str(source), "--setup-command", "echo no luck >&2; exit 3")
+    client = docker.from_env()
+    images: dict[str, int] = {}
+    try:
+        with side.client() as api:
+            for commit in (first, same_deps, new_deps):
+                rollout_id = f"ro-repo-{uuid.uuid4().hex}"
+                created = _create(api, {"repo": name, "commit": commit}, rollout_id)
+                assert created.status_code == 201, created.text
+                try:
+                    ran = _shell(
+                        api, rollout_id, "python3 -c 'import tinydep; print(tinydep.VALUE)'"
+                    )
+                    assert ran.strip() == "from the wheelhouse 1.0"
+                    installed = _shell(api, rollout_id, "cat /opt/installed-requirements")
+                    wanted = repo_history.git(source, "show", f"{commit}:requirements.txt")
+                    assert installed == wanted.rstrip("\n")
+                finally:
+                    api.delete(f"/v1/rollouts/{rollout_id}")
+                made = client.images.list(filters={"label": f"orchestrator.repo={name}"})
+                images[commit] = len(made)
+            # The set-up failing is the repository's fault: a 422 naming it, nothing made.
+            rollout_id = f"ro-repo-{uuid.uuid4().hex}"
+            refused = _create(api, {"repo": broken, "commit": first}, rollout_id)
+            assert refused.status_code == 422, refused.text
+            assert error_code(refused) == "setup_failed"
+            assert "no luck" in refused.json()["error"]["message"]
+            assert_no_rollout(api, side.settings, rollout_id)
+        # One image for the two commits that agree on requirements.txt, one more after.
+        assert images == {first: 1, same_deps: 1, new_deps: 2}
+    finally:
+        for image in client.images.list(filters={"label": f"orchestrator.repo={name}"}):
+            client.images.remove(str(image.id), force=True)
