@@ -28,15 +28,18 @@ from orchestrator.environments import (
     parse_environments,
     render_value,
 )
+from orchestrator.environments.loader import UnknownRepository
 from orchestrator.environments.models import E2BRootUser, EnvironmentConfig
 from orchestrator.images.codebases import UnknownCodebase
 from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.backend import (
+    CommitWorkspace,
     ExecResult,
     FileAction,
     FileOpResult,
     ProbeResult,
     ReadFileResult,
+    RepoSetup,
     SandboxBackend,
     SandboxHandle,
     SandboxSpec,
@@ -889,3 +892,56 @@ def test_timeout_and_cwd(
     assert "timeout_s" not in result.output
     where = custom_tool(name="where", parameters={"type": "object"}, argv=["pwd"], cwd="/tmp")
     assert where.run(backend, handle, None, settings).output == "/tmp"
+
+
+SHA = "a" * 40
+
+
+def _at(repo: str = "requests", commit: str = SHA, **fields: Any) -> CommitWorkspace:
+    return CommitWorkspace(repo=repo, commit=commit, source="/srv/requests", **fields)
+
+
+def test_a_row_at_a_commit_runs_its_workspace_on_the_base_or_set_up_image() -> None:
+    settings = unit_settings()
+    registry = parse(FIXED_IMAGE, settings)
+    row = {"environment": "planning", "repo": "requests", "commit": SHA}
+    resolved = registry.resolve(row, workspace=_at())
+    assert resolved.codebase == f"requests@{SHA}" and resolved.image == settings.base_image
+    spec = resolved.sandbox_spec(settings, "ro-1")
+    assert spec.workspace == _at() and spec.image == settings.base_image
+    setup = RepoSetup(commands=["true"])
+    on_setup = registry.resolve(row, workspace=_at(setup=setup, setup_image="img:1"))
+    assert on_setup.image == "img:1"
+    # An environment's fixed image, for a repository without a set-up only.
+    imaged = {**row, "environment": "imaged"}
+    assert registry.resolve(imaged, workspace=_at()).image == "orchestrator/sandbox-base:latest"
+    with pytest.raises(DatasetRowError, match="brings its own set-up image"):
+        registry.resolve(imaged, workspace=_at(setup=setup, setup_image="img:1"))
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "message"),
+    [
+        ({"repo": "requests"}, "commit", "names its commit too"),
+        ({"commit": SHA}, "repo", "names its commit too"),
+        ({"repo": "requests", "commit": "HEAD"}, "commit", "40-character"),
+        ({"repo": "requests", "commit": SHA[:12]}, "commit", "40-character"),
+        ({"repo": "Not A Name", "commit": SHA}, "repo", "registered repository's name"),
+        ({"repo": "requests", "commit": SHA, "codebase": "x"}, "codebase", "name one of them"),
+    ],
+)
+def test_a_malformed_row_at_a_commit_names_its_field(
+    row: dict[str, Any], field: str, message: str
+) -> None:
+    with pytest.raises(DatasetRowError, match=message) as info:
+        parse(FIXED_IMAGE).resolve({"environment": "planning", **row}, workspace=_at())
+    assert info.value.field == field
+
+
+def test_a_row_at_a_commit_is_refused_where_it_cannot_run() -> None:
+    row = {"environment": "planning", "repo": "requests", "commit": SHA}
+    with pytest.raises(UnknownRepository, match="not looked up"):
+        parse(FIXED_IMAGE).resolve(row)
+    kube = unit_settings(sandbox_backend="kubernetes")
+    with pytest.raises(DatasetRowError, match="need the Docker backend"):
+        parse(FIXED_IMAGE, kube).resolve(row, workspace=_at())

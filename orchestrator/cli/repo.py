@@ -187,52 +187,83 @@ async def _prepare(
         for name, _ in plan.pairs:
             if name not in records:
                 records[name] = await registry.get(name)
-        jobs = []
+        pairs: list[tuple[RepoRecord, str, list[int]]] = []
         for (name, commit), lines in plan.pairs.items():
             record = records[name]
             if record is None:
                 problems += [RowProblem(n, f"unknown repository {name!r}") for n in lines]
                 continue
-            jobs += [(host, record, commit, lines) for host in hosts]
-        task = progress.add_task("materialising", total=len(jobs))
-        gate = asyncio.Semaphore(parallel * len(hosts))
-        found: dict[tuple[str, str], str] = {}
+            pairs.append((record, commit, lines))
+        found: dict[tuple[str, str], CommitChecked] = {}
         built = 0
 
-        async def one(host: str, record: RepoRecord, commit: str, lines: list[int]) -> None:
-            async with gate:
-                try:
-                    raw = await queue.call(
-                        TaskName.CHECK_COMMIT,
-                        CheckCommit(workspace=record.at(commit), materialise=True).model_dump(
-                            mode="json"
-                        ),
-                        queue=store.keys.host_queue(host),
-                        timeout_s=settings.sandbox_create_timeout_s * 10,
-                        host_id=host,
-                    )
-                    checked = CommitChecked.model_validate(raw)
-                except QueueTimeout as exc:
-                    checked = CommitChecked(host=host, error=f"no answer: {exc}")
-            progress.advance(task)
-            nonlocal built
-            built += checked.built
-            if checked.error is not None:
-                why = f"host {host}: {checked.error}"
-            elif not checked.found:
-                why = f"repository {record.name!r} has no commit {commit}"
-            elif checked.setup_error is not None:
-                why = f"host {host}: {checked.setup_error[-1000:]}"
-            else:
-                found[(record.name, commit)] = checked.setup_image
-                return
-            problems.extend(RowProblem(n, why) for n in lines)
+        async def ask(host: str, record: RepoRecord, commit: str, build: bool) -> CommitChecked:
+            request = CheckCommit(workspace=record.at(commit), materialise=build)
+            try:
+                raw = await queue.call(
+                    TaskName.CHECK_COMMIT,
+                    request.model_dump(mode="json"),
+                    queue=store.keys.host_queue(host),
+                    timeout_s=settings.sandbox_create_timeout_s * 10,
+                    host_id=host,
+                )
+            except QueueTimeout as exc:
+                return CommitChecked(host=host, error=f"no answer: {exc}")
+            return CommitChecked.model_validate(raw)
 
-        await asyncio.gather(*(one(*job) for job in jobs))
+        def problem(checked: CommitChecked, record: RepoRecord, commit: str) -> str | None:
+            if checked.error is not None:
+                return f"host {checked.host}: {checked.error}"
+            if not checked.found:
+                return f"repository {record.name!r} has no commit {commit}"
+            if checked.setup_error is not None:
+                return f"host {checked.host}: {checked.setup_error[-1000:]}"
+            return None
+
+        # First each commit looked up once (its set-up image built there), then built on
+        # every host oldest first: a commit built after its ancestors is a small layer on
+        # them, one built before them a base of its own (sandbox/repos.py).
+        looking = progress.add_task("looking commits up", total=len(pairs))
+        gate = asyncio.Semaphore(parallel * len(hosts))
+
+        async def look(record: RepoRecord, commit: str, lines: list[int]) -> None:
+            async with gate:
+                checked = await ask(hosts[0], record, commit, build=False)
+            progress.advance(looking)
+            why = problem(checked, record, commit)
+            if why is None:
+                found[(record.name, commit)] = checked
+            else:
+                problems.extend(RowProblem(n, why) for n in lines)
+
+        await asyncio.gather(*(look(*pair) for pair in pairs))
+        ready = sorted(
+            (p for p in pairs if (p[0].name, p[1]) in found),
+            key=lambda p: found[(p[0].name, p[1])].committed_at,
+        )
+        building = progress.add_task("materialising", total=len(ready) * len(hosts))
+        gates = {host: asyncio.Semaphore(parallel) for host in hosts}
+        failed: set[tuple[str, str]] = set()
+
+        async def build(host: str, record: RepoRecord, commit: str, lines: list[int]) -> None:
+            nonlocal built
+            async with gates[host]:
+                checked = await ask(host, record, commit, build=True)
+            progress.advance(building)
+            built += checked.built
+            why = problem(checked, record, commit)
+            if why is not None:
+                failed.add((record.name, commit))
+                problems.extend(RowProblem(n, why) for n in lines)
+
+        await asyncio.gather(*(build(host, *pair) for pair in ready for host in hosts))
         for name in {n for n, _ in found}:
-            await registry.remember(
-                name, {c: image for (n, c), image in found.items() if n == name}
-            )
+            images = {
+                c: checked.setup_image
+                for (n, c), checked in found.items()
+                if n == name and (n, c) not in failed
+            }
+            await registry.remember(name, images)
     finally:
         await store.close()
     return problems, built
@@ -262,7 +293,8 @@ def prepare(
             problems, built = asyncio.run(_prepare(settings, plan, parallel, progress))
         except RepoError as exc:
             raise _fail(str(exc)) from exc
-    problems = sorted([*plan.problems, *problems], key=lambda p: p.line)
+    unique = {(p.line, p.reason): p for p in [*plan.problems, *problems]}
+    problems = sorted(unique.values(), key=lambda p: p.line)
     for problem in problems:
         typer.echo(f"{dataset}:{problem.line}: {problem.reason}", err=True)
     bad = {p.line for p in problems}

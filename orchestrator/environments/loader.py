@@ -426,6 +426,14 @@ class EnvironmentRegistry:
         workspace: CommitWorkspace | None,
     ) -> ResolvedEnvironment:
         repo, commit = wanted
+        if self.settings.sandbox_backend != "docker":
+            # A pod cannot mount the commit's overlay, and no per-node cache of commits
+            # exists yet for one to copy from (docs/datasets.md, "Not yet").
+            raise DatasetRowError(
+                "repo",
+                "rows at a repository's commit need the Docker backend; this deployment "
+                f"runs {self.settings.sandbox_backend} (docs/datasets.md)",
+            )
         if row_codebase is not None:
             raise DatasetRowError(
                 "codebase", "the row names a codebase and a repository; name one of them"

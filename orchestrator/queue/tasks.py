@@ -521,7 +521,13 @@ def check_commit(payload: dict[str, Any]) -> dict[str, Any]:
     except (RepoError, BackendUnavailable, OSError) as exc:
         log.warning("repo.check_failed", repo=wanted.repo, commit=wanted.commit, error=str(exc))
         return CommitChecked(host=host, error=str(exc)).model_dump(mode="json")
-    checked = CommitChecked(found=True, built=built, host=host, setup_image=image)
+    checked = CommitChecked(
+        found=True,
+        built=built,
+        host=host,
+        setup_image=image,
+        committed_at=repos.committed_at(wanted.repo, wanted.commit),
+    )
     return checked.model_dump(mode="json")
 
 

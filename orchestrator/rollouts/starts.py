@@ -125,8 +125,8 @@ class Starter:
             wanted = row_commit(row)
         except ValueError as exc:
             raise Rejected(422, _message(exc), code="invalid_item") from exc
-        if wanted is None:
-            return None
+        if wanted is None or self.settings.sandbox_backend != "docker":
+            return None  # (resolving refuses a row at a commit on other backends)
         name, commit = wanted
         record = await self.repos.get(name)
         if record is None:

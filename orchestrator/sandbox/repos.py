@@ -326,6 +326,15 @@ class HostRepos:
             proc = _git(["cat-file", "-t", commit], store, env, check=False)
         return proc.returncode == 0 and proc.stdout.strip() == "commit"
 
+    def committed_at(self, name: str, commit: str) -> float:
+        """The commit's committer time (Unix seconds); 0 when the store cannot tell."""
+        with self._git_env(name) as env:
+            shown = _git(["show", "-s", "--format=%ct", commit], self.store(name), env, check=False)
+        try:
+            return float(shown.stdout.strip())
+        except ValueError:
+            return 0.0
+
     # -- set-up ----------------------------------------------------------------------------
 
     def fingerprint(self, name: str, commit: str, setup: RepoSetup) -> str:

@@ -66,6 +66,7 @@ class CommitChecked(BaseModel):
     found: bool = False
     built: bool = Field(False, description="This call built the commit's layer on the host.")
     setup_image: str = Field("", description="The commit's set-up image ('' no set-up).")
+    committed_at: float = Field(0.0, description="The commit's committer time (Unix).")
     setup_error: str | None = Field(
         None, description="The repository's set-up does not build for this commit: its fault."
     )
