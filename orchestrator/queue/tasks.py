@@ -580,6 +580,7 @@ def _fill_one(pool: PoolTarget) -> bool:
         filler.deliver(pool, None)
         return False
     try:
+        _set_up(pool.spec)
         handle = worker.backend().create(pool.spec)
     except SandboxError as exc:
         log.warning("pool.create_failed", pool=pool.name, error=str(exc))

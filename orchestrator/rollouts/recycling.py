@@ -39,9 +39,7 @@ class RecyclePolicy:
         """The recycle task for ``rollout``'s sandbox (its ``transit`` still to be filled
         in by the caller), or None: destroy it."""
         handle = rollout.sandbox
-        # A repository at a commit has no pool to go back to (pools are by codebase
-        # image): its sandbox goes with its rollout.
-        if handle is None or rollout.e2b or rollout.workspace is not None:
+        if handle is None or rollout.e2b:
             return None
         failed = rollout.state == RolloutState.INFRA_FAILED or rollout.infra_failure
         if failed or rollout.outcome == Outcome.INFRA_ERROR:

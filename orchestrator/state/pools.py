@@ -37,13 +37,13 @@ from enum import StrEnum
 from typing import Any
 
 import redis
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry, ResolvedEnvironment
 from orchestrator.environments.models import EnvironmentConfig
 from orchestrator.observability import metrics
-from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
+from orchestrator.sandbox.backend import CommitWorkspace, SandboxHandle, SandboxSpec
 from orchestrator.state.admission import TAKE_SLOT, TRANSIT_MAX_S, transit_member
 from orchestrator.state.keys import Keys
 from orchestrator.state.records import Rollout
@@ -196,6 +196,9 @@ class PoolDemand(BaseModel):
     codebase: str | None = None
     peak: int = 0
     at: float = 0.0
+    workspace: CommitWorkspace | None = Field(
+        None, description="The repository at a commit the pool's sandboxes are (its rows')."
+    )
 
 
 def next_demand(previous: PoolDemand | None, seen: PoolDemand, window_s: float) -> PoolDemand:
@@ -276,6 +279,10 @@ def pool_name(environment: str, codebase: str | None) -> str:
     return f"{environment}:{codebase or '-'}"
 
 
+def _known_workspace(demand: PoolDemand | None) -> CommitWorkspace | None:
+    return demand.workspace if demand is not None else None
+
+
 def pooled_codebases(
     env: EnvironmentConfig,
     settings: Settings | None = None,
@@ -292,7 +299,8 @@ def pooled_codebases(
         own = env.codebase or env.image
         for seen in (demand or {}).values():
             if seen.environment == env.name:
-                codebases.append(fixed[0] if own else seen.codebase)
+                at_commit = seen.workspace is not None
+                codebases.append(seen.codebase if at_commit or not own else fixed[0])
     return list(dict.fromkeys(codebases))
 
 
@@ -308,9 +316,15 @@ def targets(
     for name in registry.names():
         env = registry.get(name)
         for codebase in pooled_codebases(env, settings, demand):
-            row = {"environment": name} | ({"codebase": codebase} if codebase else {})
+            row: dict[str, Any] = {"environment": name}
+            seen = demand.get(pool_name(name, codebase))
+            workspace = seen.workspace if seen is not None else None
+            if workspace is not None:  # a repository at a commit, as its rows named it
+                row |= {"repo": workspace.repo, "commit": workspace.commit}
+            elif codebase:
+                row["codebase"] = codebase
             try:
-                resolved = registry.resolve(row)
+                resolved = registry.resolve(row, workspace=workspace)
             except (LookupError, ValueError):
                 continue  # a codebase not built (yet): nothing to pool
             pool = pool_name(name, resolved.codebase)
@@ -643,11 +657,19 @@ class PoolClaims:
                 for r in recent or []
             ]
         )
+        workspaces = {
+            pool_name(r.environment, r.codebase): r.workspace
+            for r in recent or []
+            if r.workspace is not None
+        }
         seen: dict[str, PoolDemand] = {}
         for env, codebase in [*live, *((r.environment, r.codebase) for r in recent or [])]:
             name = pool_name(env, codebase)
             peak = max(counts[name], peaks.get(name, 0))
-            seen[name] = PoolDemand(environment=env, codebase=codebase, peak=peak, at=now)
+            workspace = workspaces.get(name) or _known_workspace(known.get(name))
+            seen[name] = PoolDemand(
+                environment=env, codebase=codebase, peak=peak, at=now, workspace=workspace
+            )
         for name, previous in known.items():
             seen.setdefault(name, previous.model_copy(update={"peak": 0, "at": now}))
         window = self.settings.pool_demand_window_s

@@ -7,7 +7,9 @@ worker, beat (the reaper records demand every second), Redis, sandboxes."""
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,8 +18,9 @@ import yaml
 
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import parse_demand, pool_name
+from tests import repo_history
 from tests.e2e.conftest import side_stack
-from tests.e2e.helpers import wait_for
+from tests.e2e.helpers import cli, wait_for
 from tests.stacks import Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
@@ -43,6 +46,7 @@ def auto_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                     {"name": "demand", **common},
                     {"name": "expected", "expected_concurrency": 2, **common},
                     {"name": "fixed", "pool_autosize": False, **common},
+                    {"name": "rows", **{k: v for k, v in common.items() if k != "codebase"}},
                 ]
             }
         )
@@ -59,10 +63,10 @@ def auto_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield side
 
 
-def _ready(stack: Stack, environment: str) -> int:
+def _ready(stack: Stack, environment: str, codebase: str | None = None) -> int:
     client = redis.Redis.from_url(stack.settings.redis_url)
     try:
-        name = pool_name(environment, stack.codebase)
+        name = pool_name(environment, codebase or stack.codebase)
         return int(client.llen(Keys.of(stack.settings.deployment).pool(name, "ready")))
     finally:
         client.close()
@@ -134,3 +138,43 @@ def test_a_pool_that_does_not_autosize_stays_off(auto_stack: Stack) -> None:
         finally:
             for rollout in held:
                 client.delete(f"/v1/rollouts/{rollout['rollout_id']}")
+
+
+def test_a_commit_s_pool_follows_its_peak_as_a_codebase_s_does(
+    auto_stack: Stack, tmp_path: Path
+) -> None:
+    """Rows at a repository's commit (docs/datasets.md) get a pool of that commit's
+    sandboxes by demand too: the next step's rollouts of the commit start warm, each on
+    its commit."""
+    history = repo_history.build(tmp_path)
+    repo = f"pooled-{uuid.uuid4().hex[:6]}"
+    cli(auto_stack, "repo", "add", repo, str(history.repo))
+    commit = history.commits[1]
+    row = {"repo": repo, "commit": commit, "prompt": "p", "gold_files": ["README.md"]}
+    at_commit = f"{repo}@{commit}"
+    with auto_stack.client() as client:
+
+        def start() -> str:
+            created = client.post("/v1/rollouts", json={"environment": "rows", "item": row})
+            assert created.status_code == 201, created.text
+            rollout_id: str = created.json()["rollout_id"]
+            return rollout_id
+
+        first = [start() for _ in range(PEAK)]
+        wait_for(
+            lambda: _ready(auto_stack, "rows", at_commit) == PEAK, timeout_s=60, what="3 ready"
+        )
+        for rollout_id in first:
+            assert client.delete(f"/v1/rollouts/{rollout_id}").status_code == 200
+        again = [start() for _ in range(PEAK)]
+        try:
+            assert all(_pool_hit(client, r) for r in again), again
+            for rollout_id in again:
+                ran = client.post(
+                    f"/v1/rollouts/{rollout_id}/tools/shell",
+                    json={"arguments": {"command": "git rev-parse HEAD; cat src/app.py"}},
+                )
+                assert ran.json()["output"] == f"{commit}\nprint('v2')", ran.json()
+        finally:
+            for rollout_id in again:
+                client.delete(f"/v1/rollouts/{rollout_id}")
