@@ -8,9 +8,11 @@ repository of thousands of commits, in one run on one stack:
    (its tree, and its tree with its ancestors-only history);
 2. today's path on the same commits: one codebase image per commit
    (``orchestrator codebase add NAME REPO --rev COMMIT``): wall, host CPU, disk;
-3. the first burst after preparing: the N rows' rollouts started within one second through
-   ``/v1/rollouts`` (each checks its HEAD, then ends), rows at commits and rows on the
-   images alternating, ``--rounds`` of each: acquisition p50/p99/max;
+3. the first burst after preparing and the ones after it (``--rounds``): the N rows'
+   rollouts started within one second through ``/v1/rollouts`` (each checks its HEAD,
+   then ends; warm pools and recycling as the product's defaults have them), rows at
+   commits on one stack, then rows on the images on another (together their pools would
+   not fit one host's slots): acquisition p50/p99/max;
 4. an unseen commit of the prepared repository: ``--unseen`` first rollouts of commits no
    host has, one at a time, each beside a rollout of a prepared commit: the extra wall
    time p50/p99 and the worker's CPU seconds for it.
@@ -190,6 +192,90 @@ def single(base: str, token: str, row: dict[str, Any]) -> float:
     return took
 
 
+def prepare_phase(
+    settings: Settings, repo: Path, rows: list[dict[str, Any]], report: dict[str, Any]
+) -> None:
+    took, _ = cli(settings, "repo", "add", REPO, str(repo))
+    report["repo_add_s"] = round(took, 2)
+    dataset = settings.state_dir / "rows.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cpu0, busy0 = cpu_by_role(), host_busy_s()
+    took, out = cli(settings, "dataset", "prepare", str(dataset))
+    host_repos = HostRepos.of(settings)
+    records = host_repos.usage(REPO)[REPO]
+    per_extra = summary([float(r.bytes) for r in records if r.base is not None])
+    tree = report["checkout"]["tree_disk"]
+    report["prepare"] = {
+        "wall_s": round(took, 2),
+        "host_cpu_s": round(host_busy_s() - busy0, 2),
+        "cpu_s": delta(cpu_by_role(), cpu0),
+        "output": out.strip().splitlines()[-1],
+        "layers_disk": sum(r.bytes for r in records),
+        "store_disk": disk_blocks(host_repos.store(REPO)),
+        "bases": sum(1 for r in records if r.base is None),
+        "max_depth": max(r.depth for r in records),
+        "per_extra_commit": per_extra,
+        "per_extra_vs_tree": per_extra["mean"] / tree,
+        "per_extra_vs_checkout": per_extra["mean"] / (tree + report["checkout"]["history_pack"]),
+        "build_ms": summary([r.ms for r in records]),
+    }
+    print(json.dumps(report["prepare"], indent=1), flush=True)
+
+
+def unseen_phase(
+    settings: Settings,
+    base: str,
+    token: str,
+    commits: list[str],
+    between: list[str],
+    count: int,
+) -> dict[str, Any]:
+    host_repos = HostRepos.of(settings)
+    unseen, prepared, extra, worker_cpu, build_ms = [], [], [], [], []
+    for index, commit in enumerate(between[:count]):
+        cpu0 = cpu_by_role()
+        took_unseen = single(base, token, {"repo": REPO, "commit": commit})
+        cpu1 = cpu_by_role()
+        took_prepared = single(base, token, {"repo": REPO, "commit": commits[index]})
+        unseen.append(took_unseen)
+        prepared.append(took_prepared)
+        extra.append(took_unseen - took_prepared)
+        worker_cpu.append(cpu1.get("worker", 0.0) - cpu0.get("worker", 0.0))
+        record = host_repos.layer_record(REPO, commit)
+        build_ms.append(record.ms if record else float("nan"))
+    return {
+        "n": len(unseen),
+        "unseen_s": summary(unseen),
+        "prepared_s": summary(prepared),
+        "extra_s": summary(extra),
+        "worker_cpu_s": summary(worker_cpu),
+        "build_ms": summary(build_ms),
+    }
+
+
+def images_phase(
+    settings: Settings,
+    client: docker.DockerClient,
+    repo: Path,
+    commits: list[str],
+    images: list[str],
+) -> dict[str, Any]:
+    base_size = client.images.get(settings.base_image).attrs["Size"]
+    busy0, started = host_busy_s(), time.monotonic()
+    for index, commit in enumerate(commits):
+        name = f"bench-ds-{index}-{commit[:8]}"
+        add_codebase(settings, name, repo, rev=commit, replace=True)
+        images.append(name)
+    sizes = [client.images.get(f"{settings.codebase_image_repo}:{n}").attrs["Size"] for n in images]
+    result = {
+        "wall_s": round(time.monotonic() - started, 2),
+        "host_cpu_s": round(host_busy_s() - busy0, 2),
+        "layer_bytes": sum(s - base_size for s in sizes),
+    }
+    print(json.dumps(result), flush=True)
+    return result
+
+
 def markdown(report: dict[str, Any]) -> str:
     p = report["prepare"]
     i = report.get("images")
@@ -274,91 +360,32 @@ def main() -> None:
     }
     client = docker.from_env()
     images: list[str] = []
+    report["bursts"] = []
+
+    def bursts(base: str, mode: str, burst_rows: list[dict[str, Any]]) -> None:
+        for number in range(1, args.rounds + 1):
+            result = asyncio.run(burst(base, token, burst_rows, args.window))
+            report["bursts"].append({"mode": mode, "round": number, **result})
+            print(mode, number, result["acquire_s"], result["failed"], flush=True)
+
     try:
+        # Each kind on a stack of its own, one after the other: the warm pools each kind's
+        # first burst sizes (64 pools of ~5 sandboxes) do not fit one host's 512 slots
+        # together, and a rollout with no pool waits for a slot no idle pool gives up.
         with local_stack(settings, log=state / "stack.log", forget=True) as base:
-            took, out = cli(settings, "repo", "add", REPO, str(repo))
-            report["repo_add_s"] = round(took, 2)
-            dataset = state / "rows.jsonl"
-            dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            cpu0, busy0 = cpu_by_role(), host_busy_s()
-            took, out = cli(settings, "dataset", "prepare", str(dataset))
-            host_repos = HostRepos.of(settings)
-            records = host_repos.usage(REPO)[REPO]
-            extras = [r.bytes for r in records if r.base is not None]
-            per_extra = summary([float(x) for x in extras])
-            report["prepare"] = {
-                "wall_s": round(took, 2),
-                "host_cpu_s": round(host_busy_s() - busy0, 2),
-                "cpu_s": delta(cpu_by_role(), cpu0),
-                "output": out.strip().splitlines()[-1],
-                "layers_disk": sum(r.bytes for r in records),
-                "store_disk": disk_blocks(host_repos.store(REPO)),
-                "bases": sum(1 for r in records if r.base is None),
-                "max_depth": max(r.depth for r in records),
-                "per_extra_commit": per_extra,
-                "per_extra_vs_tree": per_extra["mean"] / report["checkout"]["tree_disk"],
-                "per_extra_vs_checkout": per_extra["mean"]
-                / (report["checkout"]["tree_disk"] + report["checkout"]["history_pack"]),
-                "build_ms": summary([r.ms for r in records]),
-            }
-            print(json.dumps(report["prepare"], indent=1), flush=True)
-            if not args.skip_images:
-                base_size = client.images.get(settings.base_image).attrs["Size"]
-                busy0, started = host_busy_s(), time.monotonic()
-                for index, commit in enumerate(commits):
-                    name = f"bench-ds-{index}-{commit[:8]}"
-                    add_codebase(settings, name, repo, rev=commit, replace=True)
-                    images.append(name)
-                sizes = [
-                    client.images.get(f"{settings.codebase_image_repo}:{n}").attrs["Size"]
-                    for n in images
-                ]
-                report["images"] = {
-                    "wall_s": round(time.monotonic() - started, 2),
-                    "host_cpu_s": round(host_busy_s() - busy0, 2),
-                    "layer_bytes": sum(s - base_size for s in sizes),
-                }
-                print(json.dumps(report["images"]), flush=True)
-            modes: list[tuple[str, list[dict[str, Any]]]] = [("rows at a commit", rows)]
-            if images:
-                modes.append(
-                    (
-                        "one image per commit",
-                        [
-                            {
-                                "codebase": images[i % len(images)],
-                                "expect": commits[i % len(commits)],
-                            }
-                            for i in range(args.rows)
-                        ],
-                    )
-                )
-            report["bursts"] = []
-            for number in range(1, args.rounds + 1):
-                for mode, burst_rows in modes:
-                    result = asyncio.run(burst(base, token, burst_rows, args.window))
-                    report["bursts"].append({"mode": mode, "round": number, **result})
-                    print(mode, number, result["acquire_s"], result["failed"], flush=True)
-            unseen, prepared, extra, worker_cpu, build_ms = [], [], [], [], []
-            for index, commit in enumerate(between[: args.unseen]):
-                cpu0 = cpu_by_role()
-                took_unseen = single(base, token, {"repo": REPO, "commit": commit})
-                cpu1 = cpu_by_role()
-                took_prepared = single(base, token, {"repo": REPO, "commit": commits[index]})
-                unseen.append(took_unseen)
-                prepared.append(took_prepared)
-                extra.append(took_unseen - took_prepared)
-                worker_cpu.append(cpu1.get("worker", 0.0) - cpu0.get("worker", 0.0))
-                record = host_repos.layer_record(REPO, commit)
-                build_ms.append(record.ms if record else float("nan"))
-            report["unseen"] = {
-                "n": len(unseen),
-                "unseen_s": summary(unseen),
-                "prepared_s": summary(prepared),
-                "extra_s": summary(extra),
-                "worker_cpu_s": summary(worker_cpu),
-                "build_ms": summary(build_ms),
-            }
+            prepare_phase(settings, repo, rows, report)
+            bursts(base, "rows at a commit", rows)
+            report["unseen"] = unseen_phase(settings, base, token, commits, between, args.unseen)
+        if not args.skip_images:
+            report["images"] = images_phase(settings, client, repo, commits, images)
+            other = throwaway_stack_settings(f"bench-im-{uuid.uuid4().hex[:6]}", ENVIRONMENTS)
+            other = other.model_copy(update={"admission_wait_s": 600.0, "api_tokens": token})
+            image_rows = [
+                {"codebase": images[i % len(images)], "expect": commits[i % len(commits)]}
+                for i in range(args.rows)
+            ]
+            with local_stack(other, log=other.state_dir / "stack.log", forget=True) as base:
+                bursts(base, "one image per commit", image_rows)
     finally:
         for name in images:
             try:

@@ -70,3 +70,42 @@ def test_without_bytecode_of_its_version_the_agent_compiles_its_source(
     out, err = _start(client, backend, base_image, "runc", tmp_path)
     assert "usage: exec_agent.py" in out
     assert FROM_CACHE not in err
+
+
+def test_the_threads_of_a_first_burst_compile_the_agent_without_tripping_on_each_other(
+    tmp_path: Path,
+) -> None:
+    """A worker's creation threads reach a fresh state_dir's agent cache at once: each
+    writes its own partial file (one name per process let one thread rename another's away:
+    FileNotFoundError, a sandbox of a first burst not made). Sixteen threads, five rounds:
+    before the fix the first round failed."""
+    import threading
+
+    for round_ in range(5):
+        root = tmp_path / f"round-{round_}"
+        start = threading.Barrier(16)
+        errors: list[BaseException] = []
+        found: list[Path] = []
+
+        def compile_once(
+            root: Path = root,
+            start: threading.Barrier = start,
+            found: list[Path] = found,
+            errors: list[BaseException] = errors,
+        ) -> None:
+            start.wait()
+            try:
+                found.append(compiled_agent(EXEC_AGENT_PATH, root))
+            except BaseException as exc:  # noqa: BLE001 (the test reports it)
+                errors.append(exc)
+
+        threads = [threading.Thread(target=compile_once) for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        assert len(set(found)) == 1
+        assert [p.name for p in found[0].iterdir()] == [
+            f"exec_agent.{__import__('sys').implementation.cache_tag}.pyc"
+        ]

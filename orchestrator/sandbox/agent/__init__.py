@@ -6,6 +6,7 @@ import hashlib
 import os
 import py_compile
 import sys
+import uuid
 from pathlib import Path
 
 EXEC_AGENT_PATH = Path(__file__).with_name("exec_agent.py")
@@ -34,7 +35,10 @@ def compiled_agent(source: Path, cache_root: Path) -> Path:
     if not target.exists():
         directory.mkdir(parents=True, exist_ok=True)
         # Written under another name, then renamed: a sandbox never mounts half a file.
-        partial = directory / f".{target.name}.{os.getpid()}"
+        # The name is this call's own: the creations of one worker's threads race here at
+        # a fresh state_dir, and a name per process let one rename the other's file away
+        # (FileNotFoundError: a first burst's sandbox failed to create, bench/datasets.py).
+        partial = directory / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}"
         py_compile.compile(str(source), cfile=str(partial), doraise=True)
         partial.replace(target)
     return directory
