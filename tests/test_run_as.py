@@ -30,6 +30,7 @@ from orchestrator.images.base import image_store_lock, run_build
 from orchestrator.sandbox.agent import EXEC_AGENT_PATH
 from orchestrator.sandbox.agent.exec_agent import RUN_AS, trusted_run_as
 from orchestrator.sandbox.docker import AGENT_CAPABILITIES, DockerBackend
+from orchestrator.sandbox.run_as import extract_run_as
 
 # Runs inside the container as root: what the agent does at its start (the inheritable
 # set, then the bounding set emptied), then commands through run-as. Prints one JSON line.
@@ -245,3 +246,36 @@ def test_a_sandbox_of_an_image_without_run_as_gets_the_base_images(
     assert f"through {RUN_AS}" in logs, logs
     result = backend.exec(handle, "id -u; id -G", timeout_s=10, output_budget_bytes=4096)
     assert result.stdout.head == "1000\n1000\n", result
+
+
+def test_run_as_once_published_is_never_replaced(
+    docker_client: docker.DockerClient, base_image: str, tmp_path: Path
+) -> None:
+    """The first creations of a fresh state_dir extract run-as at once, while sandboxes
+    already mount the first copy: a later copy must not replace it (runc refused a mount
+    whose source changed under it: "mount ... run-as ...: no such file or directory", a
+    sandbox of tests/e2e/test_overloaded_host.py's loaded burst). Eight threads; the file
+    the first one published keeps its inode."""
+    import threading
+
+    cache = tmp_path / "agent"
+    first = extract_run_as(docker_client, base_image, cache, "t")
+    assert first is not None
+    first.unlink()  # a fresh state_dir again
+    start = threading.Barrier(8)
+    seen: list[int] = []
+
+    def extract() -> None:
+        start.wait()
+        found = extract_run_as(docker_client, base_image, cache, "t")
+        assert found is not None
+        seen.append(found.stat().st_ino)
+
+    threads = [threading.Thread(target=extract) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(seen) == 8
+    assert len(set(seen)) == 1, "a later extraction replaced the file sandboxes mount"
+    assert [p.name for p in cache.iterdir()] == [first.name], "no partial file left"

@@ -27,6 +27,7 @@ from requests.exceptions import RequestException
 
 from orchestrator.observability.logging import get_logger
 from orchestrator.sandbox import labels
+from orchestrator.sandbox.agent import publish
 from orchestrator.sandbox.agent.exec_agent import RUN_AS
 
 log = get_logger(__name__)
@@ -75,12 +76,13 @@ def extract_run_as(
             return None
         data = source.read()
     cache_root.mkdir(parents=True, exist_ok=True)
-    # Written whole under another name, then renamed: a sandbox never mounts half a file.
+    # Written whole under another name, then linked in: a sandbox never mounts half a
+    # file, nor one replaced while it mounts it (sandbox/agent.publish).
     fd, name = tempfile.mkstemp(dir=cache_root, prefix=".run-as-")
     with os.fdopen(fd, "wb") as out:
         out.write(data)
     partial = Path(name)
     # Executable by all, written by root alone: what the agent's trust check asks.
     partial.chmod(0o755)
-    partial.replace(target)
+    publish(partial, target)
     return target

@@ -21,6 +21,20 @@ AGENT_LOADER = (
 )
 
 
+def publish(partial: Path, target: Path) -> None:
+    """Put the whole file ``partial`` at ``target`` unless a file is there already (one of
+    the same contents, made by a racing thread or process): never replaced, since a
+    sandbox starting now may be mounting it, and runc refuses a mount whose source changed
+    under it (a sandbox of a loaded first burst failed so: "mount ... run-as ...: no such
+    file or directory"). ``partial`` is gone after."""
+    try:
+        os.link(partial, target)
+    except FileExistsError:
+        pass
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def compiled_agent(source: Path, cache_root: Path) -> Path:
     """A directory holding ``source``'s bytecode as Python looks for it in ``__pycache__``
     (``exec_agent.<this interpreter's tag>.pyc``, checked against the source's mtime and
@@ -40,5 +54,5 @@ def compiled_agent(source: Path, cache_root: Path) -> Path:
         # (FileNotFoundError: a first burst's sandbox failed to create, bench/datasets.py).
         partial = directory / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}"
         py_compile.compile(str(source), cfile=str(partial), doraise=True)
-        partial.replace(target)
+        publish(partial, target)
     return directory
