@@ -126,7 +126,8 @@ def test_a_row_at_a_commit_sees_that_commit_and_its_history_only(
 def test_concurrent_first_rollouts_of_an_unseen_commit_build_it_once(
     side: Stack, repo: str, history: History
 ) -> None:
-    commit = history.commits[3]
+    # A commit no host has seen, made now (a repeated run of this test gets its own).
+    commit = repo_history.add_commit(history, "unseen.txt", f"{uuid.uuid4().hex}\n")
     repos = HostRepos.of(side.settings)
     assert repos.layer_record(repo, commit) is None
     ids = [f"ro-repo-{uuid.uuid4().hex}" for _ in range(6)]
@@ -184,7 +185,8 @@ def test_rows_naming_what_is_not_there_are_422_and_change_nothing(
 def test_dataset_prepare_makes_every_commit_ready_and_names_each_bad_row(
     side: Stack, repo: str, history: History, tmp_path: Path
 ) -> None:
-    fresh = repo_history.add_commit(history, "prepared.txt", "ready\n")  # unseen by any host
+    # Unseen by any host (a repeated run of this test makes its own).
+    fresh = repo_history.add_commit(history, "prepared.txt", f"ready {uuid.uuid4().hex}\n")
     rows = [
         {"repo": repo, "commit": fresh, "request": "a"},
         {"repo": repo, "commit": history.commits[1], "request": "b"},
@@ -211,7 +213,7 @@ def test_dataset_prepare_makes_every_commit_ready_and_names_each_bad_row(
     with side.client() as client:
         assert _create(client, rows[0], rollout_id).status_code == 201
         try:
-            assert _shell(client, rollout_id, "cat prepared.txt").strip() == "ready"
+            assert _shell(client, rollout_id, "cat prepared.txt").startswith("ready ")
         finally:
             client.delete(f"/v1/rollouts/{rollout_id}")
 
