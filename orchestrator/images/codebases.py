@@ -287,10 +287,6 @@ def _git(
     return proc
 
 
-def _git_env(global_config: Path) -> dict[str, str]:
-    return git_environment(global_config)
-
-
 def _is_git_source(source: Path, env: dict[str, str]) -> bool:
     if (source / ".git").exists():
         return True
@@ -451,7 +447,7 @@ def add_codebase(
         tmp = Path(tmp_str)
         global_config = tmp / "gitconfig"
         global_config.write_text("[safe]\n\tdirectory = *\n")
-        env = _git_env(global_config)
+        env = git_environment(global_config)
 
         commit = ""
         if _is_git_source(src, env):

@@ -9,6 +9,7 @@ tests/test_repos.py."""
 from __future__ import annotations
 
 import json
+import subprocess
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -256,6 +257,14 @@ def six(side: Stack) -> str:
     return "six"
 
 
+def _preflight(
+    side: Stack, dataset: Path, *args: str, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """`orchestrator preflight --rows` of ``dataset`` against the side stack's API."""
+    command = ["preflight", "--dataset", str(dataset), "--rows", "--base-url", side.base_url]
+    return cli(side, *command, *args, check=check)
+
+
 def test_the_example_rows_are_ready_and_pass_their_preflight(
     side: Stack, six: str, tmp_path: Path
 ) -> None:
@@ -268,17 +277,7 @@ def test_the_example_rows_are_ready_and_pass_their_preflight(
     for dataset in (EXAMPLES / "planning.jsonl", swe):
         prepared = cli(side, "dataset", "prepare", str(dataset))
         assert " 0 failed" in prepared.stdout, prepared.stdout
-        checked = cli(
-            side,
-            "preflight",
-            "--dataset",
-            str(dataset),
-            "--rows",
-            "--base-url",
-            side.base_url,
-            "--parallel",
-            "6",
-        )
+        checked = _preflight(side, dataset, "--parallel", "6")
         rows = len(dataset.read_text().splitlines())
         assert f"{rows} rows: {rows} ready, 0 failed" in checked.stdout, checked.stdout
 
@@ -296,16 +295,7 @@ def test_preflight_names_each_row_that_cannot_work(side: Stack, six: str, tmp_pa
     ]
     dataset = tmp_path / "rows.jsonl"
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    checked = cli(
-        side,
-        "preflight",
-        "--dataset",
-        str(dataset),
-        "--rows",
-        "--base-url",
-        side.base_url,
-        check=False,
-    )
+    checked = _preflight(side, dataset, check=False)
     assert checked.returncode == 1, checked.stdout + checked.stderr
     out = checked.stdout
     assert "missing: no/such/file.py" in out
