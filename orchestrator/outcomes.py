@@ -34,6 +34,11 @@ class Cause(StrEnum):
     REPO_UNAVAILABLE = "repo_unavailable"
     """No host could tell whether a row's commit is in its repository (the source or a
     host's store failed, or no worker answered). Fails nothing: nothing is recorded."""
+    SNAPSHOT_FAILED = "snapshot_failed"
+    """A snapshot of a sandbox could not be taken (its host failed, or none answered).
+    Fails nothing: the sandbox runs on, and no snapshot is recorded."""
+    SNAPSHOT_UNAVAILABLE = "snapshot_unavailable"
+    """The host that keeps a snapshot is gone, or lost it: no sandbox can be made from it."""
     TOOL_CALL_FAILED = "tool_call_failed"
     WORKER_STOPPED = "worker_stopped"
     """The worker stopped (shutdown, scale-down) before a running call finished."""

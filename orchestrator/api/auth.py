@@ -44,8 +44,9 @@ def loggable_path(path: str) -> str:
     return path
 
 
-E2B_CONTROL_PREFIXES = ("/sandboxes", "/v2/sandboxes")
-"""The E2B control plane (docs/e2b.md): the SDK authenticates with ``X-API-KEY``."""
+E2B_CONTROL_PREFIXES = ("/sandboxes", "/v2/sandboxes", "/snapshots", "/templates")
+"""The E2B control plane (docs/e2b.md): the SDK authenticates with ``X-API-KEY``. (Its
+snapshots are deleted as templates: ``DELETE /templates/{id}``.)"""
 E2B_SANDBOX_PATHS = ("/health", "/files", "/process.Process/", "/filesystem.Filesystem/")
 """The E2B sandbox plane: each request names its sandbox (``E2b-Sandbox-Id``) and carries
 that sandbox's access token (``X-Access-Token``), which its route checks against the

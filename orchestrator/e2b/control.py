@@ -16,7 +16,14 @@ from fastapi.responses import JSONResponse
 
 from orchestrator.api.auth import token_ok
 from orchestrator.api.deps import state
-from orchestrator.e2b.models import ConnectBody, NewSandbox, TimeoutBody, wire_json
+from orchestrator.e2b.models import (
+    ConnectBody,
+    ForkBody,
+    NewSandbox,
+    SnapshotBody,
+    TimeoutBody,
+    wire_json,
+)
 from orchestrator.e2b.sandboxes import BadRequest, E2BSandboxes, SandboxGone
 from orchestrator.rollouts.errors import InfraError, Rejected
 from orchestrator.state.admission import AtCapacity
@@ -141,6 +148,65 @@ async def connect_sandbox(sandbox_id: str, body: ConnectBody, svc: Sandboxes) ->
         return JSONResponse(wire_json(await svc.connect(sandbox_id, body.timeout)))
     except (SandboxGone, BadRequest, InfraError) as exc:
         return error_response(_translate(exc, sandbox_id))
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+async def create_snapshot(sandbox_id: str, body: SnapshotBody, svc: Sandboxes) -> JSONResponse:
+    """``sbx.create_snapshot(name)``: its filesystem, kept (docs/snapshots.md)."""
+    try:
+        made = await svc.snapshot(sandbox_id, body.name, body.memory)
+    except (SandboxGone, BadRequest, Rejected, InfraError) as exc:
+        return error_response(_translate(exc, sandbox_id))
+    return JSONResponse(wire_json(made), status_code=201)
+
+
+@router.get("/snapshots")
+async def list_snapshots(
+    svc: Sandboxes,
+    sandbox_id: Annotated[str, Query(alias="sandboxID")] = "",
+    name: str = "",
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    next_token: Annotated[str, Query(alias="nextToken")] = "",
+) -> JSONResponse:
+    """``Sandbox.list_snapshots()``: paginated by ``x-next-token``."""
+    after = int(next_token) if next_token.isdigit() else 0
+    page, following = await svc.snapshots_listing(
+        sandbox_id=sandbox_id or None, name=name or None, limit=limit, after=after
+    )
+    headers = {"x-next-token": str(following)} if following is not None else {}
+    return JSONResponse([wire_json(s) for s in page], headers=headers)
+
+
+@router.delete("/templates/{template_id}", status_code=204)
+async def delete_snapshot(template_id: str, svc: Sandboxes) -> Response:
+    """``Sandbox.delete_snapshot(id)``: 204, or 404 when there is no such snapshot (a
+    template here is an environment or a codebase, which the API never deletes)."""
+    if not await svc.drop_snapshot(template_id):
+        return error_response(E2BError(404, f"snapshot {template_id} not found"))
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+async def fork_sandbox(sandbox_id: str, body: ForkBody, svc: Sandboxes) -> JSONResponse:
+    """``sbx.fork(count)``: one entry per fork, its sandbox or its own error."""
+    try:
+        made = await svc.fork(sandbox_id, body.count, body.timeout)
+    except (SandboxGone, BadRequest, Rejected, InfraError) as exc:
+        return error_response(_translate(exc, sandbox_id))
+    results: list[dict[str, object]] = []
+    for one in made:
+        if isinstance(one, BaseException):
+            failed = _translate_fork(one)
+            results.append({"error": {"code": failed.status, "message": failed.message}})
+        else:
+            results.append({"sandbox": wire_json(one)})
+    return JSONResponse(results, status_code=201)
+
+
+def _translate_fork(exc: BaseException) -> E2BError:
+    if isinstance(exc, (SandboxGone, BadRequest, Rejected, AtCapacity, InfraError)):
+        return _translate(exc)
+    return E2BError(500, f"the fork failed: {type(exc).__name__}: {exc}")
 
 
 @router.post("/sandboxes/{sandbox_id}/pause")

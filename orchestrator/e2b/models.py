@@ -39,6 +39,33 @@ class NewSandbox(_Wire):
     auto_pause: bool = Field(False, alias="autoPause")
 
 
+class SnapshotBody(_Wire):
+    """``POST /sandboxes/{id}/snapshots`` (``sbx.create_snapshot(name, mode=)``)."""
+
+    name: str | None = Field(None, min_length=1, max_length=200)
+    memory: bool | None = Field(
+        None, description="True: a memory snapshot (refused here); unset or False: filesystem."
+    )
+
+
+class SnapshotOut(_Wire):
+    """A snapshot, as ``create_snapshot`` answers and ``list_snapshots`` lists it."""
+
+    snapshot_id: str = Field(alias="snapshotID")
+    names: list[str] = Field(default_factory=list)
+
+
+FORK_MAX = 20
+"""The most sandboxes one fork makes (the SDK's own bound)."""
+
+
+class ForkBody(_Wire):
+    """``POST /sandboxes/{id}/fork`` (``sbx.fork(count, timeout)``)."""
+
+    count: int = Field(1, ge=1, le=FORK_MAX)
+    timeout: int | None = Field(None, ge=1, description="Seconds until each fork is killed.")
+
+
 class TimeoutBody(_Wire):
     timeout: int = Field(ge=1)
 

@@ -23,6 +23,7 @@ from orchestrator.e2b.models import (
     NewSandbox,
     SandboxDetail,
     SandboxOut,
+    SnapshotOut,
     epoch_to_datetime,
 )
 from orchestrator.environments.loader import ResolvedEnvironment
@@ -37,6 +38,7 @@ from orchestrator.state.e2b import E2BProcesses
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout
 from orchestrator.state.replies import QueueTimeout
+from orchestrator.state.snapshots import SnapshotRecord
 from orchestrator.state.tasks import (
     FileOpReply,
     FileOpRequest,
@@ -91,25 +93,55 @@ class E2BSandboxes:
     # -- the control plane ----------------------------------------------------------------
 
     async def create(self, body: NewSandbox) -> SandboxOut:
-        """A new sandbox from ``body.template``: an environment's name, a codebase's name
-        (on the default environment), or ``<environment>/<codebase>``."""
+        """A new sandbox from ``body.template``: a snapshot's id (or name), an
+        environment's name, a codebase's name (on the default environment), or
+        ``<environment>/<codebase>``."""
         if body.auto_pause:
             raise BadRequest("autoPause is not supported: sandboxes here are never paused")
-        environment, codebase = self._template(body.template_id)
-        resolved = await self._resolve(environment, codebase)
+        snapshot = await self._snapshot_named(body.template_id)
+        if snapshot is not None:
+            resolved = self.service.snapshots.environment_of(snapshot)
+            environment, codebase = snapshot.environment, snapshot.codebase
+        else:
+            environment, codebase = self._template(body.template_id)
+            resolved = await self._resolve(environment, codebase)
+        state = self._new_state(
+            body.template_id, resolved, body.timeout, body.metadata, body.env_vars
+        )
+        return await self._start(state, resolved, environment, codebase, snapshot)
+
+    def _new_state(
+        self,
+        template: str,
+        resolved: ResolvedEnvironment,
+        timeout: int | None,
+        metadata: dict[str, str],
+        env_vars: dict[str, str],
+    ) -> E2BState:
         lifetime = resolved.environment.effective_lifetime_s(self.settings)
-        timeout = body.timeout or self.settings.e2b_default_timeout_s
+        timeout = timeout or self.settings.e2b_default_timeout_s
         if timeout > lifetime:
             raise BadRequest(f"timeout {timeout} s exceeds this sandbox's maximum of {lifetime} s")
-        sandbox_id = ID_PREFIX + uuid.uuid4().hex[:20]
-        state = E2BState(
-            template=body.template_id,
-            metadata=body.metadata,
-            env_vars=body.env_vars,
+        return E2BState(
+            template=template,
+            metadata=metadata,
+            env_vars=env_vars,
             access_token=secrets.token_urlsafe(32),
             end_at=time.time() + timeout,
         )
+
+    async def _start(
+        self,
+        state: E2BState,
+        resolved: ResolvedEnvironment,
+        environment: str,
+        codebase: str | None,
+        snapshot: SnapshotRecord | None,
+    ) -> SandboxOut:
+        sandbox_id = ID_PREFIX + uuid.uuid4().hex[:20]
         item = {"environment": environment} | ({"codebase": codebase} if codebase else {})
+        if snapshot is not None:
+            item["snapshot"] = snapshot.snapshot_id
         await self.service.start(
             sandbox_id,
             item,
@@ -119,8 +151,86 @@ class E2BSandboxes:
             exclusive=True,
             resolved=resolved,
             fields={"e2b": state.model_dump(mode="json")},
+            snapshot=snapshot,
         )
         return self._out(sandbox_id, state)
+
+    # -- snapshots and forks (docs/snapshots.md) ------------------------------------------
+
+    async def snapshot(self, sandbox_id: str, name: str | None, memory: bool | None) -> SnapshotOut:
+        """``create_snapshot``: the sandbox's filesystem, kept (it runs on)."""
+        if memory:
+            raise BadRequest(
+                "memory snapshots are not served here: a snapshot keeps the filesystem "
+                "(/workspace and the writable directories), and sandboxes made from it start "
+                "without the source's processes; ask for mode='filesystem'"
+            )
+        rollout, state = await self.alive(sandbox_id)
+        record = await self.service.snapshots.take(rollout, name=name, template=state.template)
+        return SnapshotOut(snapshot_id=record.snapshot_id, names=[name] if name else [])
+
+    async def snapshots_listing(
+        self, *, sandbox_id: str | None, name: str | None, limit: int, after: int
+    ) -> tuple[list[SnapshotOut], int | None]:
+        """The deployment's snapshots (of ``sandbox_id``, or named ``name``, when given),
+        oldest first, from position ``after``; the position of the next page, or None."""
+        found = [
+            SnapshotOut(snapshot_id=r.snapshot_id, names=[r.name] if r.name else [])
+            for r in await self.service.snapshots.registry.all()
+            if (not sandbox_id or r.parent == sandbox_id)
+            and (not name or name in (r.name, r.snapshot_id))
+        ]
+        page = found[after : after + limit]
+        return page, (after + limit if len(found) > after + limit else None)
+
+    async def drop_snapshot(self, snapshot_id: str) -> bool:
+        return await self.service.snapshots.drop(snapshot_id)
+
+    async def fork(
+        self, sandbox_id: str, count: int, timeout_s: int | None
+    ) -> list[SandboxOut | BaseException]:
+        """``fork``: a snapshot of the sandbox (it runs on), and ``count`` sandboxes made
+        from it at once on its host, each of which succeeds or fails on its own. The
+        snapshot is the fork's alone: forgotten once they are made, its files gone with
+        the last of them."""
+        rollout, state = await self.alive(sandbox_id)
+        record = await self.service.snapshots.take(rollout, template=state.template, for_fork=True)
+        try:
+            resolved = self.service.snapshots.environment_of(record)
+            fresh = self._new_state(
+                state.template, resolved, timeout_s, state.metadata, state.env_vars
+            )
+            made = await asyncio.gather(
+                *(
+                    self._start(
+                        fresh.model_copy(update={"access_token": secrets.token_urlsafe(32)}),
+                        resolved,
+                        record.environment,
+                        record.codebase,
+                        record,
+                    )
+                    for _ in range(count)
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            await self.service.snapshots.drop(record.snapshot_id)
+        return list(made)
+
+    async def _snapshot_named(self, template: str) -> SnapshotRecord | None:
+        """The snapshot a template names: its id, or (not an environment's name) its name.
+        An id of none is refused (the snapshot was deleted, or never was)."""
+        registry = self.service.snapshots.registry
+        if template.startswith("snap-"):
+            found = await registry.get(template)
+            if found is None or found.for_fork:
+                raise BadRequest(
+                    f"template {template!r}: no such snapshot (it may have been deleted)"
+                )
+            return found
+        if template in self.service.environments or "/" in template:
+            return None
+        return await registry.find(template)
 
     async def connect(self, sandbox_id: str, timeout_s: int | None) -> SandboxOut:
         rollout, state = await self.alive(sandbox_id)

@@ -36,16 +36,20 @@ from orchestrator.sandbox.backend import (
     SandboxError,
     SandboxHandle,
     SandboxSpec,
+    SnapshotRefused,
 )
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.repos import RepoError
 from orchestrator.state.broker import celery_app, task
+from orchestrator.state.keys import Keys
 from orchestrator.state.pools import POOL_LABEL, PoolTarget, same_spec, targets
+from orchestrator.state.snapshots import kept_snapshots
 from orchestrator.state.tasks import (
     CheckCommit,
     CommitChecked,
     CreateSandbox,
     DestroySandbox,
+    DropSnapshot,
     FileOpReply,
     FileOpRequest,
     ProbeSandbox,
@@ -55,6 +59,8 @@ from orchestrator.state.tasks import (
     SandboxCreated,
     SignalExec,
     SignalReply,
+    SnapshotMade,
+    SnapshotSandbox,
     TaskName,
     ToolCall,
     ToolCallDone,
@@ -359,6 +365,36 @@ def file_op(payload: dict[str, Any]) -> dict[str, Any]:
         return reply.model_dump(mode="json")
 
 
+@task(TaskName.SNAPSHOT_SANDBOX)
+@replies
+def snapshot_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
+    """Keep a sandbox's filesystem state on this host (sandbox/snapshots.py)."""
+    request = SnapshotSandbox.model_validate(payload)
+    with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
+        try:
+            made = SnapshotMade(
+                taken=worker.backend().snapshot(request.handle, request.snapshot_id)
+            )
+        except SnapshotRefused as exc:
+            made = SnapshotMade(refused=str(exc))
+        except SandboxError as exc:
+            log.error("sandbox.snapshot_failed", snapshot_id=request.snapshot_id, error=str(exc))
+            made = SnapshotMade(error=f"{type(exc).__name__}: {exc}")
+        return made.model_dump(mode="json")
+
+
+@task(TaskName.DROP_SNAPSHOT)
+@replies
+def drop_snapshot(payload: dict[str, Any]) -> dict[str, Any]:
+    """Remove a snapshot's files from this host, unless a sandbox or another snapshot is
+    made over it (the sweep removes it then, once it is free)."""
+    request = DropSnapshot.model_validate(payload)
+    try:
+        return {"removed": worker.backend().drop_snapshot(request.snapshot_id)}
+    except SandboxError as exc:
+        return {"removed": False, "error": str(exc)}
+
+
 @task(TaskName.SIGNAL_EXEC)
 @replies
 def signal_exec(payload: dict[str, Any]) -> dict[str, Any]:
@@ -484,6 +520,8 @@ def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
     settings = get_settings()
     swept = collect_expired(worker.backend()).model_dump(mode="json")
     swept["orphans"] = sweep_orphans(worker.backend(), worker.redis_client(), settings)
+    kept = kept_snapshots(worker.redis_client(), Keys.of(settings.deployment))
+    swept["snapshots"] = worker.backend().sweep_snapshots(kept)
     live = {h.sandbox_id for h in worker.backend().list_owned()}
     filler = worker.pool_filler()
     swept["pool_entries_dropped"] = sum(

@@ -39,8 +39,8 @@ class RecyclePolicy:
         """The recycle task for ``rollout``'s sandbox (its ``transit`` still to be filled
         in by the caller), or None: destroy it."""
         handle = rollout.sandbox
-        if handle is None or rollout.e2b:
-            return None
+        if handle is None or rollout.e2b or rollout.snapshot:
+            return None  # (a snapshot's sandbox serves its own rollout only)
         failed = rollout.state == RolloutState.INFRA_FAILED or rollout.infra_failure
         if failed or rollout.outcome == Outcome.INFRA_ERROR:
             return None

@@ -11,7 +11,8 @@ its public methods are theirs:
 - ``starts.py`` (:class:`Starter`): resolve a row, acquire and start a sandbox, wait for it;
 - ``calls.py`` (:class:`ToolCalls`): the call loop, given the start and the close;
 - ``grades.py`` (:class:`Grading`): grade once, given the start and the close;
-- ``closes.py`` (:class:`Closer`): close a rollout, fail it, refuse one that failed.
+- ``closes.py`` (:class:`Closer`): close a rollout, fail it, refuse one that failed;
+- ``snapshots.py`` (:class:`Snapshots`): snapshot a rollout's sandbox, start from one.
 
 They share ``models.py`` (a call's reply, a new record) and ``lookup.py`` (a missing record:
 the client's 404, or a 503 when it vanished mid-operation).
@@ -26,6 +27,7 @@ from orchestrator.rollouts.closes import Closer
 from orchestrator.rollouts.dispatch import CallDispatcher
 from orchestrator.rollouts.grades import Grading
 from orchestrator.rollouts.recycling import RecyclePolicy
+from orchestrator.rollouts.snapshots import Snapshots
 from orchestrator.rollouts.starts import Starter
 from orchestrator.state.admission import Admission
 from orchestrator.state.pools import PoolClaims
@@ -58,6 +60,7 @@ class RolloutService:
         self.closer.pools = self.pools
         self.calls = ToolCalls(settings, store, queue, self.dispatcher, self.starter, self.closer)
         self.grading = Grading(settings, store, self.starter, self.closer)
+        self.snapshots = Snapshots(settings, queue, self.starter)
 
         self.resolve = self.starter.resolve
         self.aresolve = self.starter.aresolve

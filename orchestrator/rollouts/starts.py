@@ -37,6 +37,7 @@ from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueClient, QueueTimeout
 from orchestrator.state.repos import RepoRegistry
+from orchestrator.state.snapshots import SnapshotRecord
 from orchestrator.state.tasks import (
     CheckCommit,
     CommitChecked,
@@ -179,9 +180,11 @@ class Starter:
             await self.repos.remember(workspace.repo, {workspace.commit: checked.setup_image})
         return checked
 
-    def environment_of(self, rollout: Rollout) -> ResolvedEnvironment:
+    def environment_of(self, rollout: Rollout | SnapshotRecord) -> ResolvedEnvironment:
         """The rollout's environment, tools and image as pinned when it started, whatever
-        the configuration says now. No I/O: this is on every call's path."""
+        the configuration says now (or those of the rollout a snapshot was taken of). No
+        I/O: this is on every call's path."""
+        owner = rollout.rollout_id if isinstance(rollout, Rollout) else rollout.parent
         if rollout.environment_digest is None:  # written before rollouts were pinned
             try:
                 return self.environments.for_rollout(
@@ -190,7 +193,7 @@ class Starter:
             except LookupError as exc:
                 raise InfraError(
                     f"the rollout's environment is no longer configured: {exc}",
-                    rollout_id=rollout.rollout_id,
+                    rollout_id=owner,
                     code=Cause.ENVIRONMENT_REMOVED,
                 ) from exc
         snapshot = rollout.environment_config or ""
@@ -218,6 +221,7 @@ class Starter:
         deadline: Deadline | None = None,
         reserve_s: float = 0.0,
         fields: dict[str, Any] | None = None,
+        snapshot: SnapshotRecord | None = None,
     ) -> Rollout:
         """Return the rollout, creating it and its sandbox if it is new.
 
@@ -227,7 +231,8 @@ class Starter:
         ``deadline``: the request's bound, of which ``reserve_s`` is kept for the call
         that follows; a sandbox not ready by then is a 503 (:class:`StillStarting`) while
         it goes on being made for the request's retry. ``fields``: more of the record, set
-        when it is created (the E2B API's state).
+        when it is created (the E2B API's state). ``snapshot``: its sandbox is made from
+        that snapshot, on the host that keeps it (``resolved`` is the snapshot's).
         """
         deadline = deadline or Deadline(None)
         if resolved is None:
@@ -255,7 +260,12 @@ class Starter:
                 # one), the record after: a rollout refused at capacity leaves nothing
                 # behind, and its retry starts afresh.
                 acquired = await self._acquire(
-                    rollout_id, resolved, deadline, reserve_s, group=rollout_group(source, item)
+                    rollout_id,
+                    resolved,
+                    deadline,
+                    reserve_s,
+                    group=rollout_group(source, item),
+                    only_host=snapshot.host if snapshot is not None else None,
                 )
             record = new_record(
                 rollout_id,
@@ -264,6 +274,7 @@ class Starter:
                 item,
                 state=RolloutState.CREATING,
                 host=acquired.host if acquired else None,
+                snapshot=snapshot.snapshot_id if snapshot is not None else None,
                 **(fields or {}),
             )
             created = False
@@ -302,14 +313,16 @@ class Starter:
         deadline: Deadline,
         reserve_s: float,
         group: str | None = None,
+        only_host: str | None = None,
     ) -> Acquired | None:
         """A warm sandbox from the rollout's pool (probed first), else a host slot for a
         cold one, waiting within the admission bound (and the request's deadline, less
         ``reserve_s``), seated with its ``group``. None: the rollout appeared meanwhile (a
-        concurrent first call made it)."""
+        concurrent first call made it). ``only_host``: a cold one on that host (a
+        snapshot's: no pool holds its sandboxes)."""
         started = time.monotonic()
         recycle_wait_s = deadline.cap(self.settings.pool_recycle_wait_s, reserve=reserve_s)
-        for _ in range(3):
+        for _ in range(3 if only_host is None else 0):
             handle = await self.pools.take(resolved)
             if handle is None:  # a sandbox being reset for the pool is nearer than a cold one
                 handle = await self.pools.take_recycled(resolved, recycle_wait_s)
@@ -318,15 +331,23 @@ class Starter:
             if await self._usable(handle, resolved):
                 return Acquired(host=handle.host, handle=handle, started=started)
             await self._discard(handle, "unusable pool sandbox")
-        if not await self.queue.heartbeats.live():
+        live = await self.queue.heartbeats.live()
+        if not live:
             raise InfraError("no live worker host to create the sandbox on", rollout_id=rollout_id)
+        if only_host is not None and only_host not in {beat.host for beat in live}:
+            raise InfraError(
+                f"host {only_host}, which keeps the snapshot, is not live",
+                rollout_id=rollout_id,
+                evidence={"host": only_host},
+                code=Cause.SNAPSHOT_UNAVAILABLE,
+            )
 
         async def rollout_exists() -> bool:
             return await self.store.get(rollout_id) is not None
 
         wait_s = deadline.cap(self.settings.admission_wait_s, reserve=reserve_s)
         host = await self.admission.take(
-            rollout_id, give_up=rollout_exists, wait_s=wait_s, group=group
+            rollout_id, give_up=rollout_exists, wait_s=wait_s, group=group, only_host=only_host
         )
         return Acquired(host=host, handle=None, started=started) if host else None
 
@@ -421,6 +442,8 @@ class Starter:
         self, record: Rollout, resolved: ResolvedEnvironment, host: str
     ) -> SandboxHandle:
         spec = resolved.sandbox_spec(self.settings, record.rollout_id)
+        if record.snapshot is not None:
+            spec = spec.model_copy(update={"snapshot": record.snapshot})
         try:
             raw = await self.queue.call(
                 TaskName.CREATE_SANDBOX,

@@ -182,6 +182,11 @@ class SandboxSpec(BaseModel):
     workspace: CommitWorkspace | None = Field(
         None, description="/workspace from a repository at a commit; None: the image's."
     )
+    snapshot: str | None = Field(
+        None,
+        description="Start from this snapshot of the host's (sandbox/snapshots.py): its "
+        "/workspace and writable trees as they were; None: as the image (or commit) has them.",
+    )
 
     @classmethod
     def from_settings(
@@ -393,6 +398,24 @@ class ResetReport(BaseModel):
     way: ResetWay | None = Field(None, description="How; None when it was not tried.")
 
 
+class SnapshotTaken(BaseModel):
+    """A filesystem snapshot of a sandbox (:meth:`SandboxBackend.snapshot`)."""
+
+    snapshot_id: str
+    host: str
+    files: int = Field(description="Files of /workspace's upper layer copied.")
+    bytes: int = Field(description="Bytes kept: /workspace's changes and the writable trees.")
+    ms: float = Field(description="How long taking it took.")
+    paused_ms: float = Field(description="How long the sandbox was frozen for it.")
+    skipped: list[str] = Field(
+        default_factory=list, description="Files its user could not read (not kept)."
+    )
+
+
+class SnapshotRefused(Exception):
+    """A snapshot that cannot be taken for a reason of the caller's: not a fault of ours."""
+
+
 class SandboxError(Exception):
     """An infrastructure fault: the sandbox or its backend failed, not the agent."""
 
@@ -569,6 +592,21 @@ class SandboxBackend(ABC):
         ``remove`` removed, each of ``write`` written over what was there (exec_agent.stage).
         :class:`SandboxError` when it cannot be done."""
         raise SandboxError(f"the {self.name} backend cannot stage files")
+
+    def snapshot(self, handle: SandboxHandle, snapshot_id: str) -> SnapshotTaken:
+        """Keep the sandbox's filesystem state on this host as ``snapshot_id``, which
+        :attr:`SandboxSpec.snapshot` starts new sandboxes from; the sandbox runs on.
+        :class:`SnapshotRefused` when the caller asked for what cannot be done."""
+        raise SandboxError(f"the {self.name} backend cannot take snapshots")
+
+    def drop_snapshot(self, snapshot_id: str) -> bool:
+        """Remove a snapshot; False when it stays because a sandbox (or a snapshot) is made
+        over it: :meth:`sweep_snapshots` removes it once it is free."""
+        return True
+
+    def sweep_snapshots(self, keep: set[str]) -> int:
+        """Remove this host's snapshots not in ``keep`` that nothing is made over."""
+        return 0
 
     def reset(self, handle: SandboxHandle, spec: SandboxSpec) -> ResetReport:
         """Make ``handle`` (made from ``spec``) as a fresh sandbox is, for another rollout:

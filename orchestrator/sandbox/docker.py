@@ -44,9 +44,11 @@ from orchestrator.sandbox.backend import (
     SandboxHandle,
     SandboxSpec,
     SandboxUnavailable,
+    SnapshotTaken,
 )
 from orchestrator.sandbox.repos import HostRepos, RepoError
 from orchestrator.sandbox.run_as import extract_run_as
+from orchestrator.sandbox.snapshots import ARCHIVE, LAYER, HostSnapshots, elapsed_ms
 from orchestrator.sandbox.workspace import Workspaces
 
 log = get_logger(__name__)
@@ -56,6 +58,12 @@ AGENT_IN_SANDBOX = "/opt/orchestrator/exec_agent.py"
 # The agent's bytecode, compiled on the host (sandbox/agent/__init__.compiled_agent).
 AGENT_CACHE_IN_SANDBOX = "/opt/orchestrator/__pycache__"
 SOCKET_NAME = "agent.sock"
+# In a sandbox's socket directory: its writable trees packed for a snapshot, or to unpack
+# from one; and the mark of a sandbox frozen for a snapshot (its state says paused, and
+# it is not: a call waits for it to thaw).
+PACKED_NAME = "packed.tar"
+FREEZING = "freezing"
+PACK_TIMEOUT_S = 120.0
 # Built into the base image (sandbox_images/base/gvisor-compat): makes coreutils work on
 # old gVisor releases.
 GVISOR_COMPAT_PRELOAD = "/opt/orchestrator/lib/statx_compat.so"
@@ -99,6 +107,7 @@ class DockerBackend(agent.AgentBackend):
         self.sockets_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.workspaces = Workspaces(self.client, settings.state_dir, settings.deployment)
         self.repos = HostRepos.of(settings)
+        self.snapshots = HostSnapshots(settings.state_dir, settings.deployment)
         self._oci_runtimes: dict[str, str] = {}
         # A fresh sandbox's manifest per spec (:func:`_spec_key`), taken at the first create
         # of that spec in this process: what a reset sandbox is audited against.
@@ -185,6 +194,8 @@ class DockerBackend(agent.AgentBackend):
         try:
             self._start_container(spec, name, stamp, socket_dir)
             self._wait_for_agent(handle)
+            if spec.snapshot is not None:
+                self._unpack_snapshot(handle, spec.snapshot)
         except BaseException:
             self.destroy(handle)
             raise
@@ -412,6 +423,9 @@ class DockerBackend(agent.AgentBackend):
         anew, and it starts again (new tmpfs mounts, /dev/shm and IPC namespace)."""
         started = time.perf_counter()
         fresh = self._fresh.get(_spec_key(spec))
+        if spec.snapshot is not None:
+            # Its writable trees were its snapshot's: a scrub would not give them back.
+            return ResetReport(clean=False, differences=["made from a snapshot: never reset"])
         if fresh is None:
             return ResetReport(
                 clean=False,
@@ -446,8 +460,10 @@ class DockerBackend(agent.AgentBackend):
         return report
 
     def _lowers(self, spec: SandboxSpec) -> list[Path]:
-        """The lower layers of a new sandbox's /workspace: the image's, or its commit's
-        (materialised on this host first when it is not: sandbox/repos.py)."""
+        """The lower layers of a new sandbox's /workspace: its snapshot's, the image's, or
+        its commit's (materialised on this host first when it is not: sandbox/repos.py)."""
+        if spec.snapshot is not None:
+            return self.snapshots.lowers(spec.snapshot)
         if spec.workspace is None:
             return [self.workspaces.lower(spec.image)]
         wanted = spec.workspace
@@ -506,6 +522,92 @@ class DockerBackend(agent.AgentBackend):
         except DOCKER_FAILURES as exc:
             raise _docker_fault("start the reset sandbox", exc) from exc
         self._wait_for_agent(handle)
+
+    # -- snapshots (sandbox/snapshots.py) --------------------------------------------------
+
+    def snapshot(self, handle: SandboxHandle, snapshot_id: str) -> SnapshotTaken:
+        """The sandbox's writable trees packed by its agent, then its /workspace upper
+        layer copied while the container is frozen (Docker's pause: the cgroup freezer, or
+        gVisor's), so no command's half-written file is kept; the sandbox runs on."""
+        started = time.perf_counter()
+        sandbox_id = handle.sandbox_id
+        lowers = self.workspaces.lowers_of(sandbox_id)
+        self.snapshots.check_room(lowers, snapshot_id, self.snapshots.root)
+        socket_dir = self._socket_dir(sandbox_id)
+        with self.snapshots.making(snapshot_id) as partial:
+            packed = self._call(
+                handle,
+                {"op": "pack", "to": f"{SOCKET_DIR_IN_SANDBOX}/{PACKED_NAME}"},
+                PACK_TIMEOUT_S,
+            )
+            shutil.move(socket_dir / PACKED_NAME, partial / ARCHIVE)
+            (partial / LAYER).mkdir()
+            name = self._resource_name(sandbox_id)
+            frozen = time.perf_counter()
+            mark = socket_dir / FREEZING
+            mark.touch()
+            try:
+                self.client.api.pause(name)
+                try:
+                    files, size = self.snapshots.copy_layer(
+                        self.workspaces.upper(sandbox_id), partial / LAYER
+                    )
+                finally:
+                    self.client.api.unpause(name)
+            except NotFound as exc:
+                raise SandboxUnavailable(f"sandbox {sandbox_id} is gone") from exc
+            except DOCKER_FAILURES as exc:
+                raise _docker_fault("freeze the sandbox for its snapshot", exc) from exc
+            finally:
+                mark.unlink(missing_ok=True)
+            taken = SnapshotTaken(
+                snapshot_id=snapshot_id,
+                host=self.host,
+                files=files,
+                bytes=size + int(packed.get("bytes", 0)),
+                ms=elapsed_ms(started),
+                paused_ms=elapsed_ms(frozen),
+                skipped=[str(p) for p in packed.get("skipped", [])],
+            )
+            self.snapshots.commit(partial, snapshot_id, lowers, taken)
+        log.info(
+            "sandbox.snapshot",
+            sandbox_id=sandbox_id,
+            rollout_id=handle.rollout_id,
+            snapshot_id=snapshot_id,
+            files=files,
+            bytes=taken.bytes,
+            ms=taken.ms,
+            paused_ms=taken.paused_ms,
+        )
+        return taken
+
+    def _unpack_snapshot(self, handle: SandboxHandle, snapshot_id: str) -> None:
+        """Give a sandbox made from a snapshot its parent's writable trees (its /workspace
+        is the snapshot's already: its lower layers)."""
+        archive = self.snapshots.archive(snapshot_id)
+        inside = self._socket_dir(handle.sandbox_id) / PACKED_NAME
+        try:
+            os.link(archive, inside)
+        except OSError:
+            shutil.copyfile(archive, inside)  # (the socket directories on another filesystem)
+        try:
+            done = self._call(
+                handle,
+                {"op": "unpack", "path": f"{SOCKET_DIR_IN_SANDBOX}/{PACKED_NAME}"},
+                PACK_TIMEOUT_S,
+            )
+        finally:
+            inside.unlink(missing_ok=True)
+        if "error" in done:
+            raise SandboxError(f"cannot restore snapshot {snapshot_id}: {done['error']}")
+
+    def drop_snapshot(self, snapshot_id: str) -> bool:
+        return self.snapshots.remove(snapshot_id, self.workspaces.in_use())
+
+    def sweep_snapshots(self, keep: set[str]) -> int:
+        settled = time.time() - self.settings.sandbox_start_timeout_s * 2
+        return self.snapshots.sweep(keep, self.workspaces.in_use(), settled)
 
     def destroy(self, handle: SandboxHandle) -> None:
         self._destroy_by_id(handle.sandbox_id)
@@ -599,7 +701,7 @@ class DockerBackend(agent.AgentBackend):
         if probed is not None:
             return probed
         info = self._inspect(handle)
-        if _state_name(info) != "running":
+        if self._state_of(handle, info) != "running":
             return self._stopped_probe(handle, info, _state_name(info))
         # A sandbox being killed (its memory limit under gVisor) drops the agent's
         # connection a moment before Docker sees it exit: wait for that moment, so the
@@ -677,7 +779,15 @@ class DockerBackend(agent.AgentBackend):
         return info
 
     def _container_state(self, handle: SandboxHandle) -> str:
-        return _state_name(self._inspect(handle))
+        return self._state_of(handle, self._inspect(handle))
+
+    def _state_of(self, handle: SandboxHandle, info: dict[str, Any] | None) -> str:
+        """The container's state, a freeze for a snapshot (:meth:`snapshot`) not counted:
+        it thaws in a moment."""
+        state = _state_name(info)
+        if state == "paused" and (self._socket_dir(handle.sandbox_id) / FREEZING).exists():
+            return "running"
+        return state
 
     def host_health(self) -> HostHealth:
         """This host's health for the worker's heartbeat: the daemon's ping time, free

@@ -76,6 +76,8 @@ class Workspaces:
         self.deployment = deployment
         self.layers = state_dir / "layers"
         self.uppers = state_dir / "upper" / deployment
+        # Snapshots list their lower layers the way sandboxes do (sandbox/snapshots.py).
+        self.snapshots = state_dir / "snapshots"
         self.layers.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.uppers.mkdir(parents=True, exist_ok=True, mode=0o700)
 
@@ -198,17 +200,25 @@ class Workspaces:
             view.rmdir()
 
     def in_use(self) -> set[Path]:
-        """Lower layers some sandbox of any deployment on this host was made over."""
+        """Lower layers some sandbox, or some snapshot, of any deployment on this host was
+        made over."""
         used: set[Path] = set()
-        for listed in self.uppers.parent.glob(f"*/*/{LOWERS}"):
+        listings = [
+            *self.uppers.parent.glob(f"*/*/{LOWERS}"),
+            *self.snapshots.glob(f"*/*/{LOWERS}"),
+        ]
+        for listed in listings:
             with contextlib.suppress(OSError):
                 used.update(Path(line) for line in listed.read_text().splitlines() if line)
         return used
 
+    def upper(self, sandbox_id: str) -> Path:
+        """The sandbox's upper layer: what it wrote to /workspace."""
+        return self.uppers / sandbox_id / "upper"
+
     def upper_entries(self, sandbox_id: str) -> list[str]:
         """What the sandbox has written to /workspace (its upper layer's top entries)."""
-        upper = self.uppers / sandbox_id / "upper"
-        return sorted(entry.name for entry in upper.iterdir())
+        return sorted(entry.name for entry in self.upper(sandbox_id).iterdir())
 
     def image_path(self, sandbox_id: str) -> Path:
         """The sandbox's filesystem image (present only when its /workspace is capped)."""
@@ -271,7 +281,8 @@ class Workspaces:
     def sweep_layers(self) -> int:
         """Remove lower layers of images the daemon no longer has. An image cannot go while
         a container uses it (Docker keeps it, untagged, until the last one is removed), so
-        no mounted layer is touched. Returns how many were removed."""
+        no mounted layer is touched; a snapshot made over one keeps it. Returns how many
+        were removed."""
         try:
             present = {
                 str(i["Id"]).removeprefix("sha256:")[:32] for i in self.client.api.images(all=True)
@@ -279,8 +290,13 @@ class Workspaces:
         except (DockerException, RequestException):
             return 0
         removed = 0
+        held: set[Path] | None = None
         for entry in self.layers.iterdir():
             if entry.is_dir() and not entry.name.startswith(".") and entry.name not in present:
+                if held is None:
+                    held = self.in_use()
+                if entry / WORKSPACE.strip("/") in held:
+                    continue
                 shutil.rmtree(entry, ignore_errors=True)
                 removed += 1
         return removed

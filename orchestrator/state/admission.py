@@ -128,13 +128,20 @@ class Admission:
         self._take = self.redis.register_script(TAKE_SLOT)
         self._enter = self.redis.register_script(_ENTER)
 
-    async def try_take(self, holder: str, waiter: str = "") -> str | None:
-        """A slot on a schedulable host now, or None; counted in transit for ``holder``
-        until :meth:`settled` (its record names the host) or :meth:`release`. None too
-        while the rollouts waiting ahead (``waiter``: the caller's place in the queue;
-        none: every one in it) want every free slot."""
+    async def try_take(
+        self, holder: str, waiter: str = "", only_host: str | None = None
+    ) -> str | None:
+        """A slot on a schedulable host now (``only_host``, when given: a sandbox made from
+        a snapshot that host keeps), or None; counted in transit for ``holder`` until
+        :meth:`settled` (its record names the host) or :meth:`release`. None too while the
+        rollouts waiting ahead (``waiter``: the caller's place in the queue; none: every
+        one in it) want every free slot."""
         pairs: list[Any] = []
-        hosts = [beat for beat in await self.heartbeats.live() if beat.schedulable]
+        hosts = [
+            beat
+            for beat in await self.heartbeats.live()
+            if beat.schedulable and only_host in (None, beat.host)
+        ]
         random.shuffle(hosts)  # a tie goes to any of them: a burst spreads out
         for beat in hosts:
             capacity = beat.capacity or self.settings.host_max_sandboxes
@@ -155,14 +162,16 @@ class Admission:
         give_up: Callable[[], Awaitable[bool]] | None = None,
         wait_s: float | None = None,
         group: str | None = None,
+        only_host: str | None = None,
     ) -> str:
         """A slot for ``holder`` (see :meth:`try_take`), waiting in the bounded queue if
         every host is full, for at most ``wait_s`` (default and upper bound:
         ``admission_wait_s``), seated first come first served except that the waiters of
         one ``group`` (a GRPO group: rollouts of one dataset item) are seated together.
         ``give_up`` is asked while waiting (another request created the rollout
-        meanwhile): then :class:`AtCapacity` is not raised, ``""`` is returned."""
-        host = await self.try_take(holder)
+        meanwhile): then :class:`AtCapacity` is not raised, ``""`` is returned.
+        ``only_host``: a slot of that host only (:meth:`try_take`)."""
+        host = await self.try_take(holder, only_host=only_host)
         if host is not None:
             return host
         limit = self.settings.admission_wait_s
@@ -195,7 +204,7 @@ class Admission:
                 # unused until the head asks again.
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))  # noqa: S311 - jitter
                 delay = min(delay * 1.5, 0.25)
-                host = await self.try_take(holder, waiter)
+                host = await self.try_take(holder, waiter, only_host)
                 if host is not None:
                     return host
                 if give_up is not None and await give_up():

@@ -210,6 +210,14 @@ class Keys:
         repo add` and read when a row names a repository."""
         return f"{self.prefix}repos"
 
+    # Snapshots (state/snapshots.py).
+
+    @cached_property
+    def snapshots(self) -> str:
+        """Hash: snapshot id -> its record (JSON); a snapshot's files are on its host
+        (sandbox/snapshots.py), which sweeps those no longer here."""
+        return f"{self.prefix}snapshots"
+
     def repo_commits(self, name: str) -> str:
         """Hash: commit -> its set-up image ('' none), for each commit of repository
         ``name`` a host has found in it (no host need be asked again)."""

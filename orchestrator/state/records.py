@@ -90,6 +90,9 @@ class Rollout(BaseModel):
     e2b: dict[str, Any] | None = Field(
         None, description="An E2B sandbox's state (orchestrator/e2b/models.py E2BState)."
     )
+    snapshot: str | None = Field(
+        None, description="The snapshot its sandbox was made from (state/snapshots.py)."
+    )
     ended_by: dict[str, Any] | None = Field(
         None,
         description="Set when the orchestrator ended the rollout before its grade (idle, "

@@ -17,6 +17,7 @@ from orchestrator.sandbox.backend import (
     FileOpResult,
     SandboxHandle,
     SandboxSpec,
+    SnapshotTaken,
 )
 from orchestrator.sandbox.testrun import TestRun, TestRunResult
 from orchestrator.tools.base import ToolResult
@@ -36,6 +37,8 @@ class TaskName(StrEnum):
     SWEEP_HOST = "orchestrator.sweep_host"
     REFILL_POOLS = "orchestrator.refill_pools"
     CHECK_COMMIT = "orchestrator.check_commit"
+    SNAPSHOT_SANDBOX = "orchestrator.snapshot_sandbox"
+    DROP_SNAPSHOT = "orchestrator.drop_snapshot"
     REAP = "orchestrator.reap"
 
 
@@ -50,6 +53,28 @@ class CreateSandbox(BaseModel):
         description="The rollout's group (a digest of its dataset item: a GRPO group), "
         "seated together by the creation lane (queue/lane.py); None: on its own.",
     )
+
+
+class SnapshotSandbox(BaseModel):
+    """Keep a sandbox's filesystem state on its host (sandbox/snapshots.py)."""
+
+    handle: SandboxHandle
+    snapshot_id: str
+
+
+class SnapshotMade(BaseModel):
+    """A :class:`SnapshotSandbox`'s reply: the snapshot, or why not (``refused``: the
+    caller's doing, e.g. too many generations; ``error``: ours)."""
+
+    taken: SnapshotTaken | None = None
+    refused: str | None = None
+    error: str | None = None
+
+
+class DropSnapshot(BaseModel):
+    """Remove a snapshot's files from its host, now unless something is made over it."""
+
+    snapshot_id: str
 
 
 class CheckCommit(BaseModel):

@@ -24,7 +24,7 @@ from orchestrator.images.codebases import remove_codebase
 from orchestrator.local import free_port
 from tests import agent_caused
 from tests.judge_server import JudgeServer
-from tests.stacks import Stack, Stacks, deployment, running
+from tests.stacks import TOKEN, Stack, Stacks, deployment, running
 
 
 @pytest.fixture(scope="session")
@@ -287,3 +287,21 @@ def side_stack(
     )
     with running(made) as started:
         yield started
+
+
+@pytest.fixture(scope="module")
+def e2b_stack(side: Stack, monkeypatch_module: pytest.MonkeyPatch) -> Stack:
+    """The shared side deployment, on the default environments, as the stock E2B SDK
+    reaches it: as docs/e2b.md tells a user to, the SDK's own settings, nothing else."""
+    monkeypatch_module.setenv("E2B_API_URL", side.base_url)
+    monkeypatch_module.setenv("E2B_SANDBOX_URL", side.base_url)
+    monkeypatch_module.setenv("E2B_API_KEY", TOKEN)
+    monkeypatch_module.setenv("NO_PROXY", "127.0.0.1,localhost")
+    return side
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    patch = pytest.MonkeyPatch()
+    yield patch
+    patch.undo()

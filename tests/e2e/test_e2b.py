@@ -44,24 +44,6 @@ from tests.stacks import TOKEN, Stack
 pytestmark = pytest.mark.xdist_group("e2b")
 
 
-@pytest.fixture(scope="module")
-def e2b_stack(side: Stack, monkeypatch_module: pytest.MonkeyPatch) -> Stack:
-    """The shared side deployment (tests/e2e/conftest.py), on the default environments."""
-    # As docs/e2b.md tells a user to: the SDK's own settings, nothing else.
-    monkeypatch_module.setenv("E2B_API_URL", side.base_url)
-    monkeypatch_module.setenv("E2B_SANDBOX_URL", side.base_url)
-    monkeypatch_module.setenv("E2B_API_KEY", TOKEN)
-    monkeypatch_module.setenv("NO_PROXY", "127.0.0.1,localhost")
-    return side
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
-    patch = pytest.MonkeyPatch()
-    yield patch
-    patch.undo()
-
-
 @pytest.fixture()
 def sbx(e2b_stack: Stack) -> Iterator[Sandbox]:
     sandbox = Sandbox.create(template=e2b_stack.codebase, timeout=300)

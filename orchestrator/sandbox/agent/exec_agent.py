@@ -742,6 +742,30 @@ class Agent:
             return {"processes": left}
         return self._as_user(req, stage_files)
 
+    def pack(self, req: dict[str, object]) -> dict[str, object]:
+        """What the sandbox's user left in its writable trees but /workspace (/tmp, its
+        home, scratch directories: memory the host cannot read under gVisor), as that user
+        reads it, into one tar file at ``to``, which only root here may write (the socket
+        directory): a snapshot's half beside /workspace's upper layer, which the host
+        copies (sandbox/snapshots.py). ``skipped``: what the user could not read."""
+        points = user_trees()
+        fd = os.open(str(req["to"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            return self._as_user(req, lambda _r: pack_trees(points, fd))
+        finally:
+            os.close(fd)
+
+    def unpack(self, req: dict[str, object]) -> dict[str, object]:
+        """A :meth:`pack` file (at ``path``) extracted as the sandbox's user, into its
+        writable trees only: a sandbox made from a snapshot gets back what its parent's
+        user had there."""
+        points = user_trees()
+        fd = os.open(str(req["path"]), os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            return self._as_user(req, lambda _r: unpack_trees(points, fd))
+        finally:
+            os.close(fd)
+
     def exec(self, req: dict[str, object]) -> dict[str, object]:
         cwd = str(req.get("cwd") or WORKSPACE)
         argv = req.get("argv")
@@ -1265,6 +1289,20 @@ def writable_trees(mounts: list[list[str]]) -> list[str]:
     )
 
 
+KERNEL_TREES = ("/dev", "/sys", "/proc", "/run")
+
+
+def user_trees() -> list[str]:
+    """The writable trees that hold the user's files (/tmp, its home, scratch
+    directories): not the kernel's or the runtime's (/dev/shm is memory, /sys/fs/cgroup a
+    tmpfs on cgroup v1)."""
+    return [
+        point
+        for point in writable_trees(mount_table())
+        if not any(point == top or point.startswith(top + "/") for top in KERNEL_TREES)
+    ]
+
+
 def process_table() -> list[tuple[int, int, str]]:
     """Every process of the sandbox: pid, real uid, name (zombies included: not yet
     reaped)."""
@@ -1349,6 +1387,78 @@ def stage_files(req: dict[str, object]) -> dict[str, object]:
             return {"removed": removed, "written": written, "no_space": True}
         raise
     return {"removed": removed, "written": written, "no_space": False}
+
+
+PACKED_TYPES = (b"0", b"1", b"2", b"5", b"6")
+"""Tar member types a pack holds and an unpack restores: regular files, hard and symbolic
+links, directories, FIFOs (never devices: the user cannot make them)."""
+
+
+def pack_trees(points: list[str], fd: int) -> dict[str, object]:
+    """The half of :meth:`Agent.pack` run as the user: every entry under ``points`` (not
+    the points themselves: their owners and modes are the sandbox's) written to ``fd``."""
+    import tarfile
+
+    members = 0
+    skipped: list[str] = []
+    with os.fdopen(os.dup(fd), "wb") as out:
+        with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+            for point in points:
+                for top, dirs, files in os.walk(point):
+                    # Symbolic links to directories are listed in dirs and added as links.
+                    for name in sorted(dirs) + sorted(files):
+                        path = os.path.join(top, name)
+                        try:
+                            tar.add(path, arcname=path.lstrip("/"), recursive=False)
+                            members += 1
+                        except OSError:
+                            skipped.append(path)
+        out.flush()
+        size = out.tell()
+    return {"members": members, "bytes": size, "skipped": skipped[:100]}
+
+
+def unpack_trees(points: list[str], fd: int) -> dict[str, object]:
+    """The half of :meth:`Agent.unpack` run as the user: members under ``points`` only, of
+    the types a pack makes; anything else is skipped and named."""
+    import tarfile
+
+    restored = 0
+    skipped: list[str] = []
+    directories: list[tarfile.TarInfo] = []
+
+    def inside(name: str) -> bool:
+        path = "/" + os.path.normpath(name).lstrip("/")
+        return ".." not in path.split("/") and any(path.startswith(p + "/") for p in points)
+
+    # (the checks above are the filter: extraction runs as the user, in the user's trees)
+    trusted = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
+    with os.fdopen(os.dup(fd), "rb") as source, tarfile.open(fileobj=source, mode="r|") as tar:
+        for member in tar:
+            ok = inside(member.name) and member.type in PACKED_TYPES
+            if ok and member.islnk():
+                ok = inside(member.linkname)
+            if not ok:
+                skipped.append(member.name)
+                continue
+            try:
+                # A directory's mode after its contents (one the user made read-only
+                # would refuse them).
+                tar.extract(member, "/", set_attrs=not member.isdir(), **trusted)  # type: ignore[arg-type]
+                restored += 1
+            except OSError:
+                skipped.append(member.name)
+                continue
+            if member.isdir():
+                directories.append(member)
+    for member in reversed(directories):
+        path = "/" + member.name.lstrip("/")
+        try:
+            os.chmod(path, member.mode)
+            os.utime(path, (member.mtime, member.mtime))
+        except OSError:
+            skipped.append(member.name)
+    return {"restored": restored, "skipped": skipped[:100]}
 
 
 def workspace_path(relative: str) -> str:
@@ -1497,6 +1607,8 @@ class Handler(socketserver.StreamRequestHandler):
                 "manifest": agent.manifest,
                 "scrub": agent.scrub,
                 "stage": agent.stage,
+                "pack": agent.pack,
+                "unpack": agent.unpack,
             }[op]
             reply = {"ok": True, "result": method(req)}
         except Exception as exc:  # noqa: BLE001 - every failure must reach the caller

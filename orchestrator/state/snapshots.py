@@ -1,0 +1,93 @@
+"""The deployment's snapshots (docs/snapshots.md): each kept on the host that took it
+(sandbox/snapshots.py), with what a sandbox made from it runs (its parent's pinned
+environment, image and /workspace), so one can be made after the parent is gone."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import redis.asyncio as aioredis
+from pydantic import BaseModel, Field
+
+from orchestrator.config import Runtime
+from orchestrator.sandbox.backend import CommitWorkspace, SnapshotTaken
+from orchestrator.state.connection import SyncRedis
+from orchestrator.state.keys import Keys
+
+
+def new_snapshot_id() -> str:
+    """A fresh snapshot id (sandbox/snapshots.SNAPSHOT_ID_RE)."""
+    return "snap-" + uuid.uuid4().hex[:20]
+
+
+class SnapshotRecord(BaseModel):
+    """A snapshot, and the sandbox it was taken of as its rollout was pinned."""
+
+    snapshot_id: str
+    name: str | None = Field(None, description="The client's name for it, if any.")
+    host: str = Field(description="The host that keeps it: sandboxes from it are made there.")
+    parent: str = Field(description="The rollout (E2B sandbox) it was taken of.")
+    environment: str
+    environment_digest: str | None = None
+    environment_config: str | None = None
+    image: str
+    codebase: str | None = None
+    workspace: CommitWorkspace | None = None
+    runtime: Runtime
+    template: str = Field("", description="The parent's E2B template, if it was one.")
+    created_at: float = Field(default_factory=time.time)
+    taken: SnapshotTaken
+    for_fork: bool = Field(
+        False, description="Made by a fork for its sandboxes: gone once they are made."
+    )
+
+
+class SnapshotRegistry:
+    """The deployment's snapshots, by id."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+        self._redis = client
+        self._keys = keys
+
+    async def add(self, record: SnapshotRecord) -> None:
+        await self._redis.hset(self._keys.snapshots, record.snapshot_id, record.model_dump_json())
+
+    async def get(self, snapshot_id: str) -> SnapshotRecord | None:
+        raw = await self._redis.hget(self._keys.snapshots, snapshot_id)
+        return None if raw is None else SnapshotRecord.model_validate_json(raw)
+
+    async def find(self, wanted: str) -> SnapshotRecord | None:
+        """The snapshot whose id is ``wanted``, else the newest named ``wanted``."""
+        found = await self.get(wanted) if wanted.startswith("snap-") else None
+        if found is not None:
+            return found
+        named = [r for r in await self.all() if r.name == wanted]
+        return max(named, key=lambda r: r.created_at) if named else None
+
+    async def all(self) -> list[SnapshotRecord]:
+        """Every snapshot kept (a fork's own not listed), oldest first."""
+        raw = await self._redis.hvals(self._keys.snapshots)
+        records = [SnapshotRecord.model_validate_json(r) for r in raw]
+        return sorted((r for r in records if not r.for_fork), key=lambda r: r.created_at)
+
+    async def remove(self, snapshot_id: str) -> bool:
+        """Forget a snapshot (its host removes its files); False when it was not here."""
+        return bool(await self._redis.hdel(self._keys.snapshots, snapshot_id))
+
+
+FORK_RECORD_MAX_S = 3600.0
+"""A fork's own snapshot is forgotten as soon as its sandboxes are made; one still recorded
+this long after (its API process died mid-fork) is a leftover its host's sweep may take."""
+
+
+def kept_snapshots(client: SyncRedis, keys: Keys) -> set[str]:
+    """The worker's side: the ids of every snapshot the deployment keeps (its host's sweep
+    removes the files of the others, once no sandbox is made over them)."""
+    now = time.time()
+    kept = set()
+    for raw in client.hvals(keys.snapshots):
+        record = SnapshotRecord.model_validate_json(raw)
+        if not record.for_fork or now - record.created_at < FORK_RECORD_MAX_S:
+            kept.add(record.snapshot_id)
+    return kept
