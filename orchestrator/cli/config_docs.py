@@ -23,6 +23,7 @@ from orchestrator.environments.models import (
     EnvironmentLimits,
     GraderConfig,
     PromptTemplate,
+    SetupStep,
 )
 from orchestrator.sandbox.backend import ScratchDir
 
@@ -179,6 +180,14 @@ def configuration_markdown() -> str:
             "Agent RFT row's `messages` from its fields ({field}; see docs/agent-rft.md).",
             PromptTemplate,
             "prompt.",
+        ),
+        model_section(
+            "Set-up step",
+            "`setup:` of an environment: run once per group of rollouts in a sandbox of its "
+            "own, snapshotted, and the group's sandboxes made from the snapshot "
+            "(docs/snapshots.md).",
+            SetupStep,
+            "setup.",
         ),
         model_section(
             "Scratch directories",

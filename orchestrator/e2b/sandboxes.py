@@ -38,7 +38,7 @@ from orchestrator.state.e2b import E2BProcesses
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout
 from orchestrator.state.replies import QueueTimeout
-from orchestrator.state.snapshots import SnapshotRecord
+from orchestrator.state.snapshots import SnapshotKind, SnapshotRecord
 from orchestrator.state.tasks import (
     FileOpReply,
     FileOpRequest,
@@ -194,7 +194,9 @@ class E2BSandboxes:
         snapshot is the fork's alone: forgotten once they are made, its files gone with
         the last of them."""
         rollout, state = await self.alive(sandbox_id)
-        record = await self.service.snapshots.take(rollout, template=state.template, for_fork=True)
+        record = await self.service.snapshots.take(
+            rollout, template=state.template, kind=SnapshotKind.FORK
+        )
         try:
             resolved = self.service.snapshots.environment_of(record)
             fresh = self._new_state(
@@ -223,7 +225,7 @@ class E2BSandboxes:
         registry = self.service.snapshots.registry
         if template.startswith("snap-"):
             found = await registry.get(template)
-            if found is None or found.for_fork:
+            if found is None or found.kind != SnapshotKind.NAMED:
                 raise BadRequest(
                     f"template {template!r}: no such snapshot (it may have been deleted)"
                 )

@@ -385,6 +385,7 @@ class E2BOptions(BaseModel):
 # while at their defaults, so an environment that does not use them keeps its digest (a
 # rollout pinned before they existed still finds its environment).
 _LATER_FIELDS = (
+    "setup",
     "scratch_dirs",
     "e2b",
     "expected_concurrency",
@@ -392,6 +393,30 @@ _LATER_FIELDS = (
     "reuse",
     "max_reuses",
 )
+
+
+class SetupStep(BaseModel):
+    """A step run once per group of rollouts (the rollouts of one dataset item: a GRPO
+    group, at its codebase or commit) in a sandbox of its own, whose filesystem the group's
+    sandboxes then start from (docs/snapshots.md)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    command: str = Field(
+        min_length=1,
+        description="A bash command line, run as the sandbox's user in /workspace; what it "
+        "writes under /workspace, /tmp, its home and the scratch directories is kept. A "
+        "non-zero exit fails the group's rollouts' start (422 setup_failed).",
+    )
+    timeout_s: float = Field(
+        600.0, gt=0, description="Past this it is killed, and the set-up failed."
+    )
+    keep_s: int = Field(
+        900,
+        ge=10,
+        description="How long the group's snapshot serves its rollouts (later samples, "
+        "retries); a rollout of the group after that sets it up again.",
+    )
 
 
 class EnvironmentConfig(BaseModel):
@@ -471,6 +496,11 @@ class EnvironmentConfig(BaseModel):
         default_factory=list,
         description="With the codebase from the dataset row: the codebases to keep pools of.",
     )
+    setup: SetupStep | None = Field(
+        None,
+        description="A set-up step run once per group of rollouts, whose sandboxes start from "
+        "its result (the Docker backend; see below).",
+    )
     scratch_dirs: ScratchDirs = Field(
         (),
         description="Extra writable top-level directories (tmpfs of the sandbox user, in "
@@ -520,6 +550,11 @@ class EnvironmentConfig(BaseModel):
             and self.idle_timeout_s > self.max_lifetime_s
         ):
             raise ValueError("idle_timeout_s must not exceed max_lifetime_s")
+        if self.setup is not None and (self.pool_size or self.expected_concurrency):
+            raise ValueError(
+                "an environment with a setup step keeps no pool (pool_size, "
+                "expected_concurrency): its sandboxes are made from each group's snapshot"
+            )
         return self
 
     @property

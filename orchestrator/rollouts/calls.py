@@ -123,7 +123,7 @@ class ToolCalls:
         deadline = Deadline.for_source(self.settings, source)
         settings = self._settings_for(source)
         # Only a client that drives its sandbox itself may run a client tool: never a model.
-        clients = source == RolloutSource.E2B
+        clients = source in (RolloutSource.E2B, RolloutSource.SETUP)
         # Active with its sandbox when last seen here: no record to read. The start of the
         # call checks that it still is, in the same step (RolloutStore.begin_call).
         known = self._active.get(rollout_id)

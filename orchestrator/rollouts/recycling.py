@@ -53,6 +53,8 @@ class RecyclePolicy:
         env = resolved.environment
         if not recycles(env, self.settings) or handle.reuse_count >= env.max_reuses:
             return None
+        if env.setup is not None:
+            return None  # its rollouts start from their group's snapshot, never a pool
         spec = resolved.sandbox_spec(self.settings, POOL_LABEL)
         if handle.expires_at.timestamp() - time.time() < spec.lifetime_s / 2:
             return None

@@ -60,7 +60,10 @@ class RolloutService:
         self.closer.pools = self.pools
         self.calls = ToolCalls(settings, store, queue, self.dispatcher, self.starter, self.closer)
         self.grading = Grading(settings, store, self.starter, self.closer)
-        self.snapshots = Snapshots(settings, queue, self.starter)
+        self.snapshots = Snapshots(
+            settings, queue, self.starter, self.calls.call_tool, self.closer.close
+        )
+        self.starter.group_setup = self.snapshots.for_group
 
         self.resolve = self.starter.resolve
         self.aresolve = self.starter.aresolve

@@ -1,38 +1,73 @@
 """Snapshots of rollouts' sandboxes, and what a new rollout made from one needs
 (docs/snapshots.md): a snapshot is kept by the host that took it (sandbox/snapshots.py),
 so a sandbox from it is made there, never taken from a pool; it runs its parent's
-environment as the parent was pinned."""
+environment as the parent was pinned.
+
+Also an environment's ``setup``: run once per group of rollouts (the rollouts of one
+dataset item), in a rollout of source ``setup`` of its own, snapshotted; the group's
+rollouts start from that snapshot (:meth:`Snapshots.for_group`)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 from orchestrator.config import Settings
 from orchestrator.environments.loader import ResolvedEnvironment
+from orchestrator.environments.models import SetupStep
 from orchestrator.observability.logging import get_logger
-from orchestrator.outcomes import Cause
+from orchestrator.outcomes import Cause, Outcome
 from orchestrator.rollouts.errors import InfraError, Rejected
+from orchestrator.rollouts.models import CallReply, rollout_group
 from orchestrator.rollouts.starts import Starter
 from orchestrator.sandbox.snapshots import COPY_TIMEOUT_S
-from orchestrator.state.models import RolloutState
+from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout
 from orchestrator.state.replies import QueueClient, QueueTimeout
-from orchestrator.state.snapshots import SnapshotRecord, SnapshotRegistry, new_snapshot_id
+from orchestrator.state.snapshots import (
+    GroupSetup,
+    SnapshotKind,
+    SnapshotRecord,
+    SnapshotRegistry,
+    new_snapshot_id,
+)
 from orchestrator.state.tasks import DropSnapshot, SnapshotMade, SnapshotSandbox, TaskName
+from orchestrator.tools.command import COMMAND_TOOL, CommandOutput
 
 log = get_logger(__name__)
 
 SNAPSHOT_TIMEOUT_S = 2 * COPY_TIMEOUT_S
 """The longest a snapshot may take: its writable trees packed, its upper layer copied."""
+SETUP_ERROR_KEEP_S = 60
+"""A group's failed set-up answers its rollouts this long (then a rollout tries again)."""
+
+CallTool = Callable[..., Awaitable[CallReply]]
+Close = Callable[[str, str], Awaitable[Any]]
 
 
 class Snapshots:
-    """Take, find and drop the deployment's snapshots."""
+    """Take, find and drop the deployment's snapshots; set groups up."""
 
-    def __init__(self, settings: Settings, queue: QueueClient, starter: Starter) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        queue: QueueClient,
+        starter: Starter,
+        call_tool: CallTool,
+        close: Close,
+    ) -> None:
         self.settings = settings
         self.queue = queue
         self.keys = starter.keys
         self.starter = starter
+        self.redis = starter.store.redis
         self.registry = SnapshotRegistry(starter.store.redis, starter.keys)
+        self.call_tool = call_tool
+        self.close = close
+        self._setting_up: dict[str, asyncio.Future[SnapshotRecord]] = {}
 
     async def take(
         self,
@@ -40,7 +75,8 @@ class Snapshots:
         *,
         name: str | None = None,
         template: str = "",
-        for_fork: bool = False,
+        kind: SnapshotKind = SnapshotKind.NAMED,
+        keep_s: float | None = None,
     ) -> SnapshotRecord:
         """Keep the rollout's sandbox's filesystem state (the sandbox runs on). 409 when
         it cannot be snapshotted (not started yet; too many generations); 503
@@ -85,7 +121,8 @@ class Snapshots:
             runtime=handle.runtime,
             template=template,
             taken=made.taken,
-            for_fork=for_fork,
+            kind=kind,
+            keep_until=time.time() + keep_s if keep_s is not None else None,
         )
         await self.registry.add(record)
         log.info(
@@ -115,3 +152,112 @@ class Snapshots:
             queue=self.keys.host_queue(record.host),
         )
         return True
+
+    # -- a group's set-up ----------------------------------------------------------------
+
+    async def for_group(
+        self, resolved: ResolvedEnvironment, item: dict[str, Any], source: RolloutSource
+    ) -> SnapshotRecord | None:
+        """The snapshot a new rollout of ``item`` starts from: its group's set-up, run now
+        when no rollout of the group has had it run (one set-up per group however many of
+        its rollouts ask at once, on any API process); None when its environment has no
+        ``setup`` (or the rollout has no group: an E2B sandbox, the set-up's own). 422
+        ``setup_failed`` when the step exits non-zero; 503 when a sandbox of ours failed
+        it."""
+        step = resolved.environment.setup
+        group = rollout_group(source, item)
+        if step is None or group is None or source == RolloutSource.SETUP:
+            return None
+        if self.settings.sandbox_backend != "docker":
+            raise Rejected(
+                422,
+                f"environment {resolved.environment.name!r} has a setup step, which needs "
+                "snapshots: the Docker backend (docs/snapshots.md)",
+                code="invalid_item",
+            )
+        # Once per (environment, codebase or commit, group): a row that names no codebase
+        # of its own takes it from the request.
+        key = f"{resolved.environment.digest}:{resolved.codebase or resolved.image}:{group}"
+        running = self._setting_up.get(key)
+        if running is None:  # one waiter per group in this process, however many ask
+            running = asyncio.ensure_future(self._group_snapshot(key, resolved, item, step))
+            self._setting_up[key] = running
+            running.add_done_callback(lambda _: self._setting_up.pop(key, None))
+        return await asyncio.shield(running)
+
+    async def _group_snapshot(
+        self, key: str, resolved: ResolvedEnvironment, item: dict[str, Any], step: SetupStep
+    ) -> SnapshotRecord:
+        lease_s = step.timeout_s + self.settings.sandbox_create_timeout_s
+        lease_s += self.settings.admission_wait_s + SNAPSHOT_TIMEOUT_S
+        deadline = time.monotonic() + lease_s
+        delay = 0.05
+        while True:
+            raw = await self.redis.get(self.keys.group_setup(key))
+            if raw is not None:
+                found = GroupSetup.model_validate_json(raw)
+                if found.error is not None:
+                    raise Rejected(422, found.error, code="setup_failed")
+                record = await self.registry.get(found.snapshot_id or "")
+                if record is not None:
+                    return record
+                await self.redis.delete(self.keys.group_setup(key))  # forgotten meanwhile
+            lease = self.keys.group_setup_lease(key)
+            if await self.redis.set(lease, "1", nx=True, ex=int(lease_s) + 1):
+                try:
+                    return await self._set_up(key, resolved, item, step)
+                finally:
+                    await self.redis.delete(lease)
+            if time.monotonic() > deadline:
+                raise InfraError(
+                    "the group's set-up, run by another request, did not finish",
+                    rollout_id="",
+                    code=Cause.SANDBOX_CREATE_FAILED,
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    async def _set_up(
+        self, key: str, resolved: ResolvedEnvironment, item: dict[str, Any], step: SetupStep
+    ) -> SnapshotRecord:
+        """Run ``step`` in a sandbox of its own (a rollout of source ``setup``), snapshot it
+        for the group, and close it."""
+        rollout_id = f"setup-{uuid.uuid4().hex[:20]}"
+        started = time.monotonic()
+        await self.starter.start(
+            rollout_id, item, source=RolloutSource.SETUP, resolved=resolved, exclusive=True
+        )
+        try:
+            timeout_s = min(step.timeout_s, self.settings.command_timeout_max_s)
+            reply = await self.call_tool(
+                rollout_id,
+                COMMAND_TOOL,
+                {"argv": ["bash", "-c", step.command], "timeout_s": timeout_s},
+                call_id="setup",
+                source=RolloutSource.SETUP,
+            )
+            output = CommandOutput.model_validate_json(reply.output)
+            if reply.outcome != Outcome.OK or output.exit_code != 0:
+                why = "timed out" if output.timed_out else f"exit status {output.exit_code}"
+                error = (
+                    f"environment {resolved.environment.name!r}: its setup step failed ({why}): "
+                    f"{(output.stderr or output.stdout)[-1500:]}"
+                )
+                failed = GroupSetup(error=error).model_dump_json()
+                await self.redis.set(self.keys.group_setup(key), failed, ex=SETUP_ERROR_KEEP_S)
+                raise Rejected(422, error, code="setup_failed")
+            current = await self.starter.store.get(rollout_id)
+            assert current is not None
+            record = await self.take(current, kind=SnapshotKind.GROUP, keep_s=step.keep_s)
+            done = GroupSetup(snapshot_id=record.snapshot_id).model_dump_json()
+            await self.redis.set(self.keys.group_setup(key), done, ex=step.keep_s)
+            log.info(
+                "group.set_up",
+                rollout_id=rollout_id,
+                snapshot_id=record.snapshot_id,
+                environment=resolved.environment.name,
+                ms=round((time.monotonic() - started) * 1000, 1),
+            )
+            return record
+        finally:
+            await self.close(rollout_id, "its group's set-up is done")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,11 @@ from orchestrator.state.tasks import (
 log = get_logger(__name__)
 
 
+GroupSetupHook = Callable[
+    [ResolvedEnvironment, dict[str, Any], RolloutSource], Awaitable[SnapshotRecord | None]
+]
+
+
 @dataclass(frozen=True)
 class Acquired:
     """Where a new rollout's sandbox comes from: a warm one (``handle``), or a cold one
@@ -82,6 +88,9 @@ class Starter:
         self.closer = closer
         self.repos = RepoRegistry(store.redis, store.keys)
         self._checking: dict[tuple[str, str], asyncio.Future[CommitChecked]] = {}
+        # A new rollout's group's set-up, when its environment has one (set by the
+        # service: rollouts/snapshots.Snapshots.for_group).
+        self.group_setup: GroupSetupHook | None = None
 
     # -- resolving ---------------------------------------------------------------------------
 
@@ -242,6 +251,15 @@ class Starter:
             if exclusive:
                 raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
             return await self.wait_ready(existing, deadline, reserve_s)
+        if snapshot is None and self.group_setup is not None:
+            # The group's set-up goes on when this request is out of time (shielded in
+            # the hook): the request's retry finds it done, or waits for it.
+            try:
+                snapshot = await asyncio.wait_for(
+                    self.group_setup(resolved, item, source), deadline.left(reserve=reserve_s)
+                )
+            except TimeoutError:
+                raise StillStarting(rollout_id) from None
         # One first call of a rollout acquires its sandbox; its parallel first calls wait
         # for the record instead of each taking a warm sandbox or a slot to give back.
         bound = self.settings.admission_wait_s + self.settings.sandbox_create_timeout_s + 30

@@ -218,6 +218,15 @@ class Keys:
         (sandbox/snapshots.py), which sweeps those no longer here."""
         return f"{self.prefix}snapshots"
 
+    def group_setup(self, key: str) -> str:
+        """String: a group's set-up (state/snapshots.GroupSetup, JSON), for as long as its
+        snapshot serves the group; ``key`` names the environment and the group."""
+        return f"{self.prefix}group-setup:{key}"
+
+    def group_setup_lease(self, key: str) -> str:
+        """String: held by the one API process setting a group up."""
+        return f"{self.prefix}group-setup-lease:{key}"
+
     def repo_commits(self, name: str) -> str:
         """Hash: commit -> its set-up image ('' none), for each commit of repository
         ``name`` a host has found in it (no host need be asked again)."""

@@ -20,6 +20,9 @@ class RolloutSource(StrEnum):
     """The rollout API (``/v1/rollouts``): an explicit create."""
     E2B = "e2b"
     """The E2B-compatible API (docs/e2b.md): a sandbox its client drives itself."""
+    SETUP = "setup"
+    """A group's set-up step (docs/snapshots.md): its sandbox runs the environment's
+    ``setup``, is snapshotted for the group's rollouts, and closes; never graded."""
 
 
 class RolloutState(StrEnum):

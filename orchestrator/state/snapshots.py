@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from enum import StrEnum
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
@@ -15,10 +16,33 @@ from orchestrator.sandbox.backend import CommitWorkspace, SnapshotTaken
 from orchestrator.state.connection import SyncRedis
 from orchestrator.state.keys import Keys
 
+FORK_RECORD_MAX_S = 3600.0
+"""A fork's own snapshot is forgotten as soon as its sandboxes are made; one still recorded
+this long after (its API process died mid-fork) is a leftover."""
+
 
 def new_snapshot_id() -> str:
     """A fresh snapshot id (sandbox/snapshots.SNAPSHOT_ID_RE)."""
     return "snap-" + uuid.uuid4().hex[:20]
+
+
+class SnapshotKind(StrEnum):
+    """Whose a snapshot is, which says how long it is kept."""
+
+    NAMED = "named"
+    """A client's (E2B ``create_snapshot``): listed, kept until deleted."""
+    FORK = "fork"
+    """A fork's own: forgotten once its sandboxes are made."""
+    GROUP = "group"
+    """A group's set-up (an environment's ``setup``): kept until ``keep_until``."""
+
+
+class GroupSetup(BaseModel):
+    """A group's set-up, as its rollouts find it (``Keys.group_setup``): its snapshot, or
+    why the set-up failed."""
+
+    snapshot_id: str | None = None
+    error: str | None = None
 
 
 class SnapshotRecord(BaseModel):
@@ -38,9 +62,16 @@ class SnapshotRecord(BaseModel):
     template: str = Field("", description="The parent's E2B template, if it was one.")
     created_at: float = Field(default_factory=time.time)
     taken: SnapshotTaken
-    for_fork: bool = Field(
-        False, description="Made by a fork for its sandboxes: gone once they are made."
+    kind: SnapshotKind = SnapshotKind.NAMED
+    keep_until: float | None = Field(
+        None, description="A group's: forgotten after this (a Unix time)."
     )
+
+    def expired(self, now: float) -> bool:
+        """Past its time: a fork's left behind by a crash, or a group's past ``keep_until``."""
+        if self.kind == SnapshotKind.FORK:
+            return now - self.created_at > FORK_RECORD_MAX_S
+        return self.keep_until is not None and now > self.keep_until
 
 
 class SnapshotRegistry:
@@ -66,28 +97,27 @@ class SnapshotRegistry:
         return max(named, key=lambda r: r.created_at) if named else None
 
     async def all(self) -> list[SnapshotRecord]:
-        """Every snapshot kept (a fork's own not listed), oldest first."""
+        """Every client's snapshot (a fork's or a group's own not listed), oldest first."""
         raw = await self._redis.hvals(self._keys.snapshots)
         records = [SnapshotRecord.model_validate_json(r) for r in raw]
-        return sorted((r for r in records if not r.for_fork), key=lambda r: r.created_at)
+        named = (r for r in records if r.kind == SnapshotKind.NAMED)
+        return sorted(named, key=lambda r: r.created_at)
 
     async def remove(self, snapshot_id: str) -> bool:
         """Forget a snapshot (its host removes its files); False when it was not here."""
         return bool(await self._redis.hdel(self._keys.snapshots, snapshot_id))
 
 
-FORK_RECORD_MAX_S = 3600.0
-"""A fork's own snapshot is forgotten as soon as its sandboxes are made; one still recorded
-this long after (its API process died mid-fork) is a leftover its host's sweep may take."""
-
-
 def kept_snapshots(client: SyncRedis, keys: Keys) -> set[str]:
-    """The worker's side: the ids of every snapshot the deployment keeps (its host's sweep
-    removes the files of the others, once no sandbox is made over them)."""
+    """The worker's side: the ids of every snapshot the deployment keeps, forgetting those
+    past their time (its host's sweep removes the files of the others, once no sandbox is
+    made over them)."""
     now = time.time()
     kept = set()
     for raw in client.hvals(keys.snapshots):
         record = SnapshotRecord.model_validate_json(raw)
-        if not record.for_fork or now - record.created_at < FORK_RECORD_MAX_S:
+        if record.expired(now):
+            client.hdel(keys.snapshots, record.snapshot_id)
+        else:
             kept.add(record.snapshot_id)
     return kept

@@ -109,6 +109,28 @@ JUDGED_LATE = "judged-late"
 JUDGE_KEY = "sk-test-0123456789-never-logged"
 """The side stack's judge key: tests/e2e/test_judge.py looks for it in every log."""
 
+GROUPED = "grouped"
+"""A side-stack environment with a set-up step (docs/snapshots.md): each group's set-up
+leaves its own id, files in /workspace, /tmp and the home, and a process (not kept)."""
+GROUPED_BROKEN = "grouped-broken"
+"""Its set-up exits 3."""
+GROUP_SETUP = (
+    "cat /proc/sys/kernel/random/uuid > .setup-id && echo set > /tmp/setup && "
+    "mkdir -p ~/.cache && echo warm > ~/.cache/c && rm README.md && "
+    "(setsid sleep 600 > /dev/null 2>&1 < /dev/null &)"
+)
+
+
+def group_environments(data: dict[str, Any]) -> dict[str, Any]:
+    """:data:`GROUPED` and :data:`GROUPED_BROKEN`, on the row's codebase."""
+    base = {"tools": ["shell", "read_file"], "grader": {"name": "file_f1"}}
+    data["environments"] += [
+        {**base, "name": GROUPED, "setup": {"command": GROUP_SETUP, "timeout_s": 60}},
+        {**base, "name": GROUPED_BROKEN, "setup": {"command": "echo broken >&2; exit 3"}},
+    ]
+    return data
+
+
 ACT_ENVIRONMENTS = {"runc": "acts-runc", "runsc": "acts-runsc"}
 """The agent-caused table's environments (tests/agent_caused.py), one per runtime."""
 
@@ -186,9 +208,10 @@ def judge_environments(data: dict[str, Any], judge: JudgeHome) -> dict[str, Any]
 
 def side_environments_yaml(path: Path, judge: JudgeHome) -> Path:
     """The side stack's environments: the defaults (E2B and Harbor use them), :data:`REAPED`,
-    :data:`REWARDED`, :data:`REGRADER`, the judged ones and :data:`ACT_ENVIRONMENTS`."""
+    :data:`REWARDED`, :data:`REGRADER`, the judged ones, :data:`GROUPED` and
+    :data:`ACT_ENVIRONMENTS`."""
     data = reward_environments(reaper_environments(yaml.safe_load(default_environments_text())))
-    data = judge_environments(data, judge)
+    data = group_environments(judge_environments(data, judge))
     data["environments"] += [
         {
             "name": name,
