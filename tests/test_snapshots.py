@@ -22,6 +22,7 @@ from orchestrator.sandbox.backend import (
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.snapshots import HostSnapshots
 from orchestrator.state.snapshots import new_snapshot_id
+from tests.conftest import runsc_available
 
 pytestmark = pytest.mark.xdist_group("snapshots")
 
@@ -162,8 +163,10 @@ def test_a_snapshot_of_a_sandbox_made_from_one_and_its_removal(
     assert _run(backend, grandchild, "cat /workspace/gen /tmp/gen") == "one\ntwo\none\n"
     assert "README" not in _run(backend, grandchild, "ls /workspace")
 
-    # The first snapshot is under the second, and sandboxes are made over both: neither
-    # goes, until nothing is made over it.
+    # One snapshot layer however many generations: the second holds the first's changes.
+    layers = backend.workspaces.lowers_of(grandchild.sandbox_id)
+    assert [backend.snapshots.owns(layer) for layer in layers] == [True, False]
+    # Sandboxes are made over both: neither goes, until nothing is made over it.
     assert backend.drop_snapshot(first) is False
     assert backend.drop_snapshot(second) is False
     for handle in (grandchild, child):
@@ -196,3 +199,55 @@ def test_too_many_generations_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SnapshotRefused, match="more than one overlay mount holds"):
         snapshots.check_room(lowers, new_snapshot_id(), snapshots.root)
     snapshots.check_room(lowers[:5], new_snapshot_id(), snapshots.root)
+
+
+# Each generation changes what the one before made: a file over a directory, a directory
+# over a file, a deletion of a file the base has and of one a generation made, a directory
+# replaced whole (opaque), a file made again after its deletion; then more generations,
+# past what stacking one layer per generation would mount.
+GENERATIONS = [
+    "mkdir -p d/e && echo 1 > d/e/f && echo 1 > x && rm src/a.py && echo 1 > gen",
+    "rm -r d && echo file > d && rm x && mkdir x && echo 2 > x/y && echo 2 >> gen",
+    "rm d && mkdir -p d/new && rm -r lib && mkdir lib && echo 3 > lib/n && echo 3 >> gen",
+    "echo again > src/a.py && rm -r x && echo 4 >> gen",
+    *(f"echo {n} >> gen" for n in range(5, 13)),
+]
+LOOK_TREE = (
+    "ls -A d; echo --; ls -A d/new; echo --; test -e x && echo x || echo no-x; "
+    "cat src/a.py; ls src; ls -A lib; cat README.md gen"
+)
+EXPECTED_TREE = "new\n--\n--\nno-x\nagain\na.py\nb.py\nn\nthe codebase\n" + "".join(
+    f"{n}\n" for n in range(1, 13)
+)
+
+
+@pytest.mark.parametrize("runtime", ["runc", "runsc"])
+def test_generations_of_snapshots_squash_into_one_layer(
+    backend: DockerBackend,
+    settings: Settings,
+    codebase: str,
+    runtime: Runtime,
+    sandboxes: list[SandboxHandle],
+) -> None:
+    if runtime == "runsc" and not runsc_available():
+        pytest.skip("gVisor (runsc) is not registered with dockerd")
+    snapshot_id: str | None = None
+    taken: list[str] = []
+    try:
+        for step in GENERATIONS:
+            handle = backend.create(_spec(settings, codebase, runtime, snapshot_id))
+            try:
+                _run(backend, handle, step)
+                snapshot_id = new_snapshot_id()
+                backend.snapshot(handle, snapshot_id)
+                taken.append(snapshot_id)
+            finally:
+                backend.destroy(handle)
+        final = backend.create(_spec(settings, codebase, runtime, snapshot_id))
+        sandboxes.append(final)
+        assert _run(backend, final, LOOK_TREE) == EXPECTED_TREE
+        layers = backend.workspaces.lowers_of(final.sandbox_id)
+        assert sum(backend.snapshots.owns(layer) for layer in layers) == 1, layers
+    finally:
+        for old in taken[:-1]:  # nothing is made over these
+            assert backend.drop_snapshot(old) is True

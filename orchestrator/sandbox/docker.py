@@ -528,20 +528,26 @@ class DockerBackend(agent.AgentBackend):
     def snapshot(self, handle: SandboxHandle, snapshot_id: str) -> SnapshotTaken:
         """The sandbox's writable trees packed by its agent, then its /workspace upper
         layer copied while the container is frozen (Docker's pause: the cgroup freezer, or
-        gVisor's), so no command's half-written file is kept; the sandbox runs on."""
+        gVisor's), so no command's half-written file is kept; the sandbox runs on. A
+        sandbox made from a snapshot: that snapshot's layer is copied first (before the
+        freeze: nothing writes it), and the upper layer onto it (one layer: snapshots.py)."""
         started = time.perf_counter()
         sandbox_id = handle.sandbox_id
         lowers = self.workspaces.lowers_of(sandbox_id)
+        below = [layer for layer in lowers if self.snapshots.owns(layer)]
+        lowers = [layer for layer in lowers if not self.snapshots.owns(layer)]
         self.snapshots.check_room(lowers, snapshot_id, self.snapshots.root)
         socket_dir = self._socket_dir(sandbox_id)
         with self.snapshots.making(snapshot_id) as partial:
+            (partial / LAYER).mkdir()
+            for layer in reversed(below):  # oldest first (there is one, but for older ones)
+                self.snapshots.copy_layer(layer, partial / LAYER)
             packed = self._call(
                 handle,
                 {"op": "pack", "to": f"{SOCKET_DIR_IN_SANDBOX}/{PACKED_NAME}"},
                 PACK_TIMEOUT_S,
             )
             shutil.move(socket_dir / PACKED_NAME, partial / ARCHIVE)
-            (partial / LAYER).mkdir()
             name = self._resource_name(sandbox_id)
             frozen = time.perf_counter()
             mark = socket_dir / FREEZING
@@ -549,9 +555,7 @@ class DockerBackend(agent.AgentBackend):
             try:
                 self.client.api.pause(name)
                 try:
-                    files, size = self.snapshots.copy_layer(
-                        self.workspaces.upper(sandbox_id), partial / LAYER
-                    )
+                    self.snapshots.copy_layer(self.workspaces.upper(sandbox_id), partial / LAYER)
                 finally:
                     self.client.api.unpause(name)
             except NotFound as exc:
@@ -560,13 +564,15 @@ class DockerBackend(agent.AgentBackend):
                 raise _docker_fault("freeze the sandbox for its snapshot", exc) from exc
             finally:
                 mark.unlink(missing_ok=True)
+            paused_ms = elapsed_ms(frozen)
+            files, size = self.snapshots.measure(partial / LAYER)
             taken = SnapshotTaken(
                 snapshot_id=snapshot_id,
                 host=self.host,
                 files=files,
                 bytes=size + int(packed.get("bytes", 0)),
                 ms=elapsed_ms(started),
-                paused_ms=elapsed_ms(frozen),
+                paused_ms=paused_ms,
                 skipped=[str(p) for p in packed.get("skipped", [])],
             )
             self.snapshots.commit(partial, snapshot_id, lowers, taken)

@@ -9,8 +9,12 @@ A snapshot is a directory ``<state_dir>/snapshots/<deployment>/<snapshot id>`` h
 - ``layer/``: a copy of the upper layer as it was (its whiteouts and opaque directories
   too), which a sandbox made from the snapshot mounts as its top lower layer, over the
   lower layers its parent had;
-- ``lowers``: those lower layers, top first (the image's /workspace, or a commit's stack,
-  or another snapshot's);
+- ``lowers``: those lower layers, top first: the image's /workspace, or a commit's stack;
+  never another snapshot's. A snapshot of a sandbox made from a snapshot squashes the
+  parent snapshot's layer and the sandbox's upper layer into one (:meth:`HostSnapshots.
+  copy_layers`), so however many generations of snapshots (or pauses and resumes) follow
+  one another, a sandbox's /workspace has one snapshot layer, and a snapshot needs no
+  other to stay;
 - ``scratch.tar``: the user's files in the other writable trees (exec agent ``pack``),
   restored in each new sandbox before its first call (``unpack``);
 - ``taken.json``: what was taken (:class:`SnapshotTaken`).
@@ -29,6 +33,7 @@ import contextlib
 import os
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import time
@@ -107,24 +112,46 @@ class HostSnapshots:
                 "fewer generations back"
             )
 
+    def owns(self, layer: Path) -> bool:
+        """Whether ``layer`` is a snapshot's (of any deployment on this host)."""
+        return layer.is_relative_to(self.root.parent)
+
     @staticmethod
-    def copy_layer(upper: Path, into: Path) -> tuple[int, int]:
-        """Copy the upper layer ``upper`` to ``into`` with its owners, modes, times,
-        whiteouts (character devices) and extended attributes (opaque directories);
-        returns its files and bytes. ``cp``: a reflink where the filesystem can."""
+    def copy_layer(layer: Path, into: Path) -> None:
+        """Copy the overlay layer ``layer`` onto ``into`` (empty, or holding the layers
+        below it, copied before), as overlayfs would see it on top: where ``layer`` has a
+        whiteout (a character device), an opaque directory (its contents replace the
+        ones below) or an entry of another kind than below, what is below goes first.
+        Then ``cp -a``: owners, modes, times, whiteouts and extended attributes (the
+        opaque marks) as they are; a reflink where the filesystem can."""
+        for top, dirs, files in os.walk(layer):
+            below = into / Path(top).relative_to(layer)
+            for name in [*dirs, *files]:
+                entry, there = Path(top) / name, below / name
+                if not there.exists() and not there.is_symlink():
+                    continue
+                if _replaces(entry, there):
+                    if there.is_dir() and not there.is_symlink():
+                        shutil.rmtree(there)
+                    else:
+                        there.unlink()
         try:
             done = subprocess.run(
-                ["cp", "-a", "--reflink=auto", f"{upper}/.", str(into)],
+                ["cp", "-a", "--reflink=auto", f"{layer}/.", str(into)],
                 capture_output=True,
                 text=True,
                 timeout=COPY_TIMEOUT_S,
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise SandboxError(f"cannot copy /workspace's upper layer: {exc}") from exc
+            raise SandboxError(f"cannot copy a /workspace layer: {exc}") from exc
         if done.returncode != 0:
-            raise SandboxError(f"cannot copy /workspace's upper layer: {done.stderr[-500:]}")
+            raise SandboxError(f"cannot copy a /workspace layer: {done.stderr[-500:]}")
+
+    @staticmethod
+    def measure(layer: Path) -> tuple[int, int]:
+        """A layer's files and bytes."""
         files = size = 0
-        for top, _dirs, names in os.walk(into):
+        for top, _dirs, names in os.walk(layer):
             for name in names:
                 with contextlib.suppress(OSError):
                     size += (Path(top) / name).lstat().st_size
@@ -178,6 +205,24 @@ class HostSnapshots:
             elif SNAPSHOT_ID_RE.fullmatch(entry.name) and entry.name not in keep:
                 removed += self.remove(entry.name, in_use)
         return removed
+
+
+OPAQUE = "trusted.overlay.opaque"
+
+
+def _replaces(entry: Path, below: Path) -> bool:
+    """Whether the upper ``entry`` hides ``below`` whole (rather than merging into it)."""
+    info = entry.lstat()
+    if stat.S_ISCHR(info.st_mode) and info.st_rdev == 0:
+        return True  # a whiteout
+    if stat.S_ISDIR(info.st_mode):
+        try:
+            if os.getxattr(entry, OPAQUE, follow_symlinks=False) == b"y":
+                return True
+        except OSError:
+            pass
+        return not (below.is_dir() and not below.is_symlink())
+    return True  # a file or a link replaces whatever was there
 
 
 def elapsed_ms(since: float) -> float:
