@@ -178,6 +178,12 @@ class Settings(BaseSettings):
     e2b_default_timeout_s: int = Field(
         300, ge=1, description="E2B API: a new sandbox's timeout when the client gives none."
     )
+    e2b_paused_keep_s: int = Field(
+        86400,
+        ge=60,
+        description="E2B API: how long a paused sandbox is kept (its snapshot, its record); "
+        "past it the reaper ends it.",
+    )
 
     docker_host: str | None = Field(
         None, description="Docker daemon URL; None means DOCKER_HOST or the local socket."

@@ -165,3 +165,21 @@ async def test_concurrent_first_attempts_run_one(store: RolloutStore) -> None:
         *(store.begin_call("r1", "c1", lock_ttl_s=30, reply_to=f"l{i}") for i in range(10))
     )
     assert [s.status for s in starts].count(CallStartStatus.RUN) == 1
+
+
+async def test_a_call_for_a_sandbox_the_rollout_no_longer_has_changes_nothing(
+    store: RolloutStore, keys: Keys
+) -> None:
+    """A rollout paused and resumed has another sandbox: a process that knew the old one
+    hears MOVED, and nothing (lock, ticket, flight count) is taken."""
+    await store.redis.hset(keys.rollout("r1"), "sandbox", json.dumps({"sandbox_id": "sbx-new"}))
+    moved = await store.begin_call(
+        "r1", "c1", lock_ttl_s=30, reply_to=keys.reply("r1"), sandbox_id="sbx-old"
+    )
+    assert moved.status == CallStartStatus.MOVED
+    assert await store.redis.hget(keys.rollout("r1"), "calls_in_flight") is None
+    assert not await store.redis.exists(keys.call_lock("r1", "c1"))
+    start = await store.begin_call(
+        "r1", "c1", lock_ttl_s=30, reply_to=keys.reply("r1"), sandbox_id="sbx-new"
+    )
+    assert start.status == CallStartStatus.RUN and start.seq == 1

@@ -20,6 +20,7 @@ from orchestrator.e2b.models import (
     ConnectBody,
     ForkBody,
     NewSandbox,
+    PauseBody,
     SnapshotBody,
     TimeoutBody,
     wire_json,
@@ -143,11 +144,36 @@ async def set_timeout(sandbox_id: str, body: TimeoutBody, svc: Sandboxes) -> Res
 @router.post("/sandboxes/{sandbox_id}/connect")
 @router.post("/v2/sandboxes/{sandbox_id}/connect")
 async def connect_sandbox(sandbox_id: str, body: ConnectBody, svc: Sandboxes) -> JSONResponse:
-    """``Sandbox.connect(id)``: the same sandbox, for another client."""
+    """``Sandbox.connect(id)``: the same sandbox, for another client; a paused one resumes
+    (201, as E2B answers a resume)."""
     try:
-        return JSONResponse(wire_json(await svc.connect(sandbox_id, body.timeout)))
-    except (SandboxGone, BadRequest, InfraError) as exc:
+        out, resumed = await svc.connect(sandbox_id, body.timeout)
+    except (SandboxGone, BadRequest, Rejected, AtCapacity, InfraError) as exc:
         return error_response(_translate(exc, sandbox_id))
+    return JSONResponse(wire_json(out), status_code=201 if resumed else 200)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
+async def resume_sandbox(sandbox_id: str, body: ConnectBody, svc: Sandboxes) -> JSONResponse:
+    """The older SDKs' ``resume``: as ``connect``; 409 when it was not paused."""
+    try:
+        out, resumed = await svc.connect(sandbox_id, body.timeout)
+    except (SandboxGone, BadRequest, Rejected, AtCapacity, InfraError) as exc:
+        return error_response(_translate(exc, sandbox_id))
+    if not resumed:
+        return error_response(E2BError(409, f"sandbox {sandbox_id} is not paused"))
+    return JSONResponse(wire_json(out), status_code=201)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause_sandbox(sandbox_id: str, body: PauseBody, svc: Sandboxes) -> Response:
+    """``sbx.pause()``: 204; 409 when it is paused already (the SDK returns False)."""
+    try:
+        if not await svc.pause(sandbox_id, body.memory):
+            return error_response(E2BError(409, f"sandbox {sandbox_id} is paused already"))
+    except (SandboxGone, BadRequest, Rejected, InfraError) as exc:
+        return error_response(_translate(exc, sandbox_id))
+    return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
@@ -207,12 +233,3 @@ def _translate_fork(exc: BaseException) -> E2BError:
     if isinstance(exc, (SandboxGone, BadRequest, Rejected, AtCapacity, InfraError)):
         return _translate(exc)
     return E2BError(500, f"the fork failed: {type(exc).__name__}: {exc}")
-
-
-@router.post("/sandboxes/{sandbox_id}/pause")
-@router.post("/sandboxes/{sandbox_id}/resume")
-async def pause_sandbox(sandbox_id: str) -> JSONResponse:
-    """Refused: a sandbox here is never paused (its host holds it until it ends)."""
-    return error_response(
-        E2BError(400, "pause and resume are not supported: a sandbox runs until it is killed")
-    )

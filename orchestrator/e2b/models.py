@@ -36,7 +36,9 @@ class NewSandbox(_Wire):
     timeout: int | None = Field(None, ge=1, description="Seconds until it is killed.")
     metadata: dict[str, str] = Field(default_factory=dict)
     env_vars: dict[str, str] = Field(default_factory=dict, alias="envVars")
-    auto_pause: bool = Field(False, alias="autoPause")
+    auto_pause: bool = Field(
+        False, alias="autoPause", description="The SDK's lifecycle on_timeout='pause'."
+    )
 
 
 class SnapshotBody(_Wire):
@@ -64,6 +66,15 @@ class ForkBody(_Wire):
 
     count: int = Field(1, ge=1, le=FORK_MAX)
     timeout: int | None = Field(None, ge=1, description="Seconds until each fork is killed.")
+
+
+class PauseBody(_Wire):
+    """``POST /sandboxes/{id}/pause`` (``sbx.pause(mode=)``)."""
+
+    memory: bool | None = Field(
+        None, description="True: keep memory (refused here); unset or False: filesystem."
+    )
+    require_healthy_guest: bool | None = Field(None, alias="requireHealthyGuest")
 
 
 class TimeoutBody(_Wire):
@@ -109,6 +120,9 @@ class E2BState(BaseModel):
     env_vars: dict[str, str] = Field(default_factory=dict)
     access_token: str
     end_at: float = Field(description="When the client's timeout kills it (epoch seconds).")
+    left_s: float | None = Field(
+        None, description="While it is paused: the time its timeout had left (it resumes so)."
+    )
 
 
 def wire_json(model: BaseModel) -> dict[str, Any]:

@@ -11,9 +11,11 @@ command's own failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +55,14 @@ from orchestrator.tools.command import COMMAND_TOOL
 ID_PREFIX = "e2b"
 SIGNAL_UNTIL_STARTED_S = 10.0
 """How long a signal to a listed command waits for the agent to have started it."""
-_ALIVE = {RolloutState.CREATING.value, RolloutState.ACTIVE.value}
+_ALIVE = {RolloutState.CREATING.value, RolloutState.ACTIVE.value, RolloutState.PAUSED.value}
+MEMORY_REFUSED = (
+    "memory is not kept here: a snapshot or a pause keeps the filesystem (/workspace and the "
+    "writable directories), and the sandbox made from it starts without the source's "
+    "processes; ask for mode='filesystem'"
+)
+COMMANDS_END_S = 10.0
+"""How long a pause waits for the commands it killed to be seen ended."""
 
 
 class SandboxGone(Exception):
@@ -97,7 +106,10 @@ class E2BSandboxes:
         environment's name, a codebase's name (on the default environment), or
         ``<environment>/<codebase>``."""
         if body.auto_pause:
-            raise BadRequest("autoPause is not supported: sandboxes here are never paused")
+            raise BadRequest(
+                "autoPause is not supported: pause a sandbox with sbx.pause(), and it resumes "
+                "on its next request"
+            )
         snapshot = await self._snapshot_named(body.template_id)
         if snapshot is not None:
             resolved = self.service.snapshots.environment_of(snapshot)
@@ -160,12 +172,8 @@ class E2BSandboxes:
     async def snapshot(self, sandbox_id: str, name: str | None, memory: bool | None) -> SnapshotOut:
         """``create_snapshot``: the sandbox's filesystem, kept (it runs on)."""
         if memory:
-            raise BadRequest(
-                "memory snapshots are not served here: a snapshot keeps the filesystem "
-                "(/workspace and the writable directories), and sandboxes made from it start "
-                "without the source's processes; ask for mode='filesystem'"
-            )
-        rollout, state = await self.alive(sandbox_id)
+            raise BadRequest(MEMORY_REFUSED)
+        rollout, state = await self._running(sandbox_id)
         record = await self.service.snapshots.take(rollout, name=name, template=state.template)
         return SnapshotOut(snapshot_id=record.snapshot_id, names=[name] if name else [])
 
@@ -193,7 +201,7 @@ class E2BSandboxes:
         from it at once on its host, each of which succeeds or fails on its own. The
         snapshot is the fork's alone: forgotten once they are made, its files gone with
         the last of them."""
-        rollout, state = await self.alive(sandbox_id)
+        rollout, state = await self._running(sandbox_id)
         record = await self.service.snapshots.take(
             rollout, template=state.template, kind=SnapshotKind.FORK
         )
@@ -234,11 +242,88 @@ class E2BSandboxes:
             return None
         return await registry.find(template)
 
-    async def connect(self, sandbox_id: str, timeout_s: int | None) -> SandboxOut:
+    async def connect(self, sandbox_id: str, timeout_s: int | None) -> tuple[SandboxOut, bool]:
+        """The same sandbox for another client, resumed if it was paused (then True)."""
         rollout, state = await self.alive(sandbox_id)
-        if timeout_s is not None:
+        paused = rollout.state == RolloutState.PAUSED
+        if paused:
+            rollout, state = await self._resume(sandbox_id, timeout_s)
+        elif timeout_s is not None:
             state = await self._set_end(rollout, state, timeout_s)
-        return self._out(sandbox_id, state)
+        return self._out(sandbox_id, state), paused
+
+    # -- pause and resume (docs/snapshots.md) ---------------------------------------------
+
+    async def pause(self, sandbox_id: str, memory: bool | None) -> bool:
+        """``pause``: its filesystem kept as a snapshot, its sandbox gone (no slot, CPU or
+        memory held), its commands ended; False when it was paused already. Its timeout
+        stops until it resumes (``connect``, or any request to the sandbox)."""
+        if memory:
+            raise BadRequest(MEMORY_REFUSED)
+        async with self._changing(sandbox_id):
+            rollout, state = await self.alive(sandbox_id)
+            if rollout.state == RolloutState.PAUSED:
+                return False
+            if rollout.state != RolloutState.ACTIVE or rollout.sandbox is None:
+                raise Rejected(409, f"{sandbox_id} is still being made", code="not_running")
+            left = max(1.0, state.end_at - time.time())
+            fields = {"e2b": state.model_copy(update={"left_s": left}).model_dump(mode="json")}
+            await self.service.snapshots.pause(
+                rollout, self.settings.e2b_paused_keep_s, fields, self._end_commands
+            )
+        return True
+
+    async def _resume(self, sandbox_id: str, timeout_s: int | None) -> tuple[Rollout, E2BState]:
+        async with self._changing(sandbox_id):
+            rollout, state = await self.alive(sandbox_id)
+            if rollout.state != RolloutState.PAUSED:
+                return rollout, state  # resumed by another request meanwhile
+            left = timeout_s or state.left_s or self.settings.e2b_default_timeout_s
+            state = state.model_copy(update={"left_s": None, "end_at": time.time() + left})
+            fields = {"e2b": state.model_dump(mode="json")}
+            rollout = await self.service.snapshots.resume(rollout, fields)
+        return rollout, state
+
+    async def _end_commands(self, rollout: Rollout) -> None:
+        """Kill every command of a sandbox being paused, and wait for them to be over."""
+        for record in await self.processes(rollout.rollout_id):
+            await self.signal(rollout, int(record["pid"]), kill=True)
+        deadline = time.monotonic() + COMMANDS_END_S
+        while time.monotonic() < deadline:
+            current = await self.store.get(rollout.rollout_id)
+            if current is None or current.calls_in_flight <= 0:
+                return
+            await asyncio.sleep(0.05)
+        raise InfraError(
+            f"the commands of {rollout.rollout_id} did not end for its pause; try again",
+            rollout_id=rollout.rollout_id,
+            code=Cause.NOT_RUN,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _changing(self, sandbox_id: str) -> AsyncIterator[None]:
+        """One pause or resume of a sandbox at a time (its start lease)."""
+        bound = self.settings.admission_wait_s + self.settings.sandbox_create_timeout_s + 60
+        deadline = time.monotonic() + bound
+        while not await self.store.take_start_lease(sandbox_id, bound):
+            if time.monotonic() > deadline:
+                raise InfraError(
+                    f"{sandbox_id} is being paused or resumed by another request; try again",
+                    rollout_id=sandbox_id,
+                    code=Cause.NOT_RUN,
+                )
+            await asyncio.sleep(0.05)
+        try:
+            yield
+        finally:
+            await self.store.end_start_lease(sandbox_id)
+
+    async def _running(self, sandbox_id: str) -> tuple[Rollout, E2BState]:
+        """:meth:`alive`, resumed first if it was paused."""
+        rollout, state = await self.alive(sandbox_id)
+        if rollout.state == RolloutState.PAUSED:
+            return await self._resume(sandbox_id, None)
+        return rollout, state
 
     async def detail(self, sandbox_id: str) -> SandboxDetail:
         rollout, state = await self.alive(sandbox_id)
@@ -268,13 +353,17 @@ class E2BSandboxes:
     async def kill(self, sandbox_id: str) -> bool:
         """Kill it (destroy its sandbox, close its rollout; a failed one too); False when
         there is none."""
+        paused_as = None
         try:
-            await self.alive(sandbox_id)
+            rollout, _ = await self.alive(sandbox_id)
+            paused_as = rollout.paused_as
         except SandboxGone:
             return False
         except InfraError:
             pass  # failed, not gone: its sandbox (what is left of it) goes now
         await self.service.close(sandbox_id, "killed by its E2B client")
+        if paused_as is not None:
+            await self.service.snapshots.drop(paused_as)
         return True
 
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> None:
@@ -300,15 +389,18 @@ class E2BSandboxes:
         state = E2BState.model_validate(rollout.e2b)
         if rollout.state not in _ALIVE or rollout.closed_at is not None:
             raise SandboxGone(sandbox_id)
-        if time.time() > state.end_at:
+        if time.time() > state.end_at and rollout.state != RolloutState.PAUSED:
             raise SandboxGone(sandbox_id)
         return rollout, state
 
     async def authorized(self, sandbox_id: str, token: str) -> tuple[Rollout, E2BState]:
-        """:meth:`alive`, for a request that must carry the sandbox's access token."""
+        """:meth:`alive`, for a request that must carry the sandbox's access token; a
+        paused sandbox resumes for it (E2B's resume on traffic)."""
         rollout, state = await self.alive(sandbox_id)
         if not secrets.compare_digest(token.encode(), state.access_token.encode()):
             raise ConnectError(Code.UNAUTHENTICATED, "wrong or missing X-Access-Token")
+        if rollout.state == RolloutState.PAUSED:
+            return await self._resume(sandbox_id, None)
         return rollout, state
 
     async def start_process(
@@ -469,7 +561,7 @@ class E2BSandboxes:
         resolved = self.service.environment_of(rollout)
         lifetime = resolved.environment.effective_lifetime_s(self.settings)
         end_at = time.time() + timeout_s
-        if end_at > rollout.created_at + lifetime:
+        if end_at > rollout.created_at + rollout.paused_s + lifetime:
             raise BadRequest(
                 f"timeout {timeout_s} s would take sandbox {rollout.rollout_id} past its "
                 f"maximum lifetime of {lifetime} s"
@@ -501,6 +593,7 @@ class E2BSandboxes:
             cpu_count=max(1, round(limits.cpus)),
             memory_mb=limits.memory_mb,
             disk_size_mb=limits.disk_mb_in(self.settings),
+            state="paused" if rollout.state == RolloutState.PAUSED else "running",
             metadata=state.metadata,
         )
 

@@ -191,6 +191,13 @@ class ToolCalls:
         )
         try:
             return await self._call_once(pending)
+        except SandboxMoved:
+            # Paused and resumed since this process saw it (docs/snapshots.md): nothing ran;
+            # once more, from its record.
+            self._active.drop(rollout_id)
+            return await self.call_tool(
+                rollout_id, tool_name, arguments, call_id=call_id, item=item, source=source
+            )
         except InfraError:
             metrics.TOOL_CALLS.labels(tool_name, Outcome.INFRA_ERROR).inc()
             raise
@@ -215,12 +222,15 @@ class ToolCalls:
                 reply_to=reply_key,
                 token=payload.attempt,
                 dispatch=self.dispatcher.prepare(payload, budget),
+                sandbox_id=rollout.sandbox.sandbox_id if rollout.sandbox else "",
             )
             if start.status == CallStartStatus.STORED:
                 assert start.stored is not None
                 return CallReply.model_validate(start.stored)
             if start.status == CallStartStatus.ENDED:
                 raise await self._ended(rollout_id)
+            if start.status == CallStartStatus.MOVED:
+                raise SandboxMoved(rollout_id)
             if start.status == CallStartStatus.LOST or start.ticket == TicketState.LOST:
                 raise await self._lost(
                     CallLost("the worker running this call died", rollout_id=rollout_id)
@@ -412,6 +422,11 @@ def _reply(call_id: str, seq: int, result: ToolResult, duration_ms: float) -> Ca
         truncated=result.truncated,
         error_kind=result.error_kind,
     )
+
+
+class SandboxMoved(Exception):
+    """The rollout's sandbox is another than the one this process knew (paused and
+    resumed): the call did not start."""
 
 
 class ActiveRollouts:

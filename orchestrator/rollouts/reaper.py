@@ -45,6 +45,8 @@ class EndReason(StrEnum):
     UNCONFIGURED = "unconfigured"
     CLIENT_TIMEOUT = "client_timeout"
     """An E2B sandbox past the timeout its client set (docs/e2b.md)."""
+    PAUSED_TOO_LONG = "paused_too_long"
+    """Paused for longer than ``e2b_paused_keep_s`` (docs/snapshots.md)."""
 
 
 # The reaper's own ends of a rollout not graded yet: the trainer may still be working on
@@ -81,8 +83,13 @@ def reason_to_end(rollout: Rollout, service: RolloutService, now: float) -> End 
     except InfraError:
         return End(EndReason.UNCONFIGURED, "its environment is no longer configured")
     lifetime = config.effective_lifetime_s(service.settings)
-    if now - rollout.created_at > lifetime:
+    # A pause stops its clocks: it holds nothing then (docs/snapshots.md).
+    paused_s = rollout.paused_s + (now - rollout.paused_at if rollout.paused_at else 0.0)
+    if now - rollout.created_at - paused_s > lifetime:
         return End(EndReason.MAX_LIFETIME, f"it passed its maximum lifetime of {lifetime} s")
+    if rollout.state == RolloutState.PAUSED and rollout.paused_at is not None:
+        keep = service.settings.e2b_paused_keep_s
+        return End(EndReason.PAUSED_TOO_LONG) if now - rollout.paused_at > keep else None
     if rollout.state == RolloutState.GRADED and rollout.graded_at is not None:
         graded = now - rollout.graded_at > config.grace_after_grade_s
         return End(EndReason.GRADED) if graded else None

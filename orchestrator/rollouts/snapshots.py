@@ -20,7 +20,9 @@ from orchestrator.environments.loader import ResolvedEnvironment
 from orchestrator.environments.models import SetupStep
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Cause, Outcome
+from orchestrator.rollouts.bounds import Deadline
 from orchestrator.rollouts.errors import InfraError, Rejected
+from orchestrator.rollouts.lookup import present
 from orchestrator.rollouts.models import CallReply, rollout_group
 from orchestrator.rollouts.starts import Starter
 from orchestrator.sandbox.snapshots import COPY_TIMEOUT_S
@@ -34,13 +36,21 @@ from orchestrator.state.snapshots import (
     SnapshotRegistry,
     new_snapshot_id,
 )
-from orchestrator.state.tasks import DropSnapshot, SnapshotMade, SnapshotSandbox, TaskName
+from orchestrator.state.tasks import (
+    DestroySandbox,
+    DropSnapshot,
+    SnapshotMade,
+    SnapshotSandbox,
+    TaskName,
+)
 from orchestrator.tools.command import COMMAND_TOOL, CommandOutput
 
 log = get_logger(__name__)
 
 SNAPSHOT_TIMEOUT_S = 2 * COPY_TIMEOUT_S
 """The longest a snapshot may take: its writable trees packed, its upper layer copied."""
+DESTROY_WAIT_S = 30.0
+"""How long a pause waits for its sandbox's destroy (as a close does)."""
 SETUP_ERROR_KEEP_S = 60
 """A group's failed set-up answers its rollouts this long (then a rollout tries again)."""
 
@@ -82,7 +92,7 @@ class Snapshots:
         it cannot be snapshotted (not started yet; too many generations); 503
         ``snapshot_failed`` when its host could not, which fails nothing."""
         handle = rollout.sandbox
-        if handle is None or rollout.state != RolloutState.ACTIVE:
+        if handle is None or rollout.state not in (RolloutState.ACTIVE, RolloutState.PAUSED):
             raise Rejected(
                 409, f"{rollout.rollout_id} has no running sandbox to snapshot", code="not_running"
             )
@@ -261,3 +271,108 @@ class Snapshots:
             return record
         finally:
             await self.close(rollout_id, "its group's set-up is done")
+
+    # -- pause and resume -----------------------------------------------------------------
+
+    async def pause(
+        self,
+        rollout: Rollout,
+        keep_s: float,
+        fields: dict[str, Any],
+        end_commands: Callable[[Rollout], Awaitable[None]],
+    ) -> Rollout:
+        """Keep the rollout's sandbox as a snapshot and destroy it, giving its slot back:
+        the rollout is ``paused`` (with ``fields``) until :meth:`resume`. Paused first
+        (no call begins on it from then on), its commands ended (``end_commands``: a
+        snapshot keeps files, not processes), then snapshotted; a snapshot that fails
+        leaves it running."""
+        handle = rollout.sandbox
+        assert handle is not None
+        pausing = present(
+            await self.starter.store.update(rollout.rollout_id, state=RolloutState.PAUSED),
+            rollout.rollout_id,
+            "it was being paused",
+        )
+        try:
+            await end_commands(pausing)
+            record = await self.take(pausing, kind=SnapshotKind.PAUSE, keep_s=keep_s)
+        except BaseException:
+            await self.starter.store.update(rollout.rollout_id, state=RolloutState.ACTIVE)
+            raise
+        # The record first (no host: a recount in between counts no slot), the slot after.
+        paused = await self.starter.store.update(
+            rollout.rollout_id,
+            state=RolloutState.PAUSED,
+            sandbox=None,
+            host=None,
+            paused_as=record.snapshot_id,
+            paused_at=time.time(),
+            **fields,
+        )
+        payload = DestroySandbox(handle=handle, reason="paused").model_dump(mode="json")
+        try:  # gone when the pause answers: it holds nothing from then on
+            await self.queue.call(
+                TaskName.DESTROY_SANDBOX,
+                payload,
+                queue=self.keys.host_queue(handle.host),
+                timeout_s=DESTROY_WAIT_S,
+                host_id=handle.host,
+            )
+        except QueueTimeout as exc:  # the host's sweep takes it (its rollout is paused)
+            log.warning(
+                "rollout.pause_destroy_deferred", rollout_id=rollout.rollout_id, error=str(exc)
+            )
+        await self.starter.admission.release(handle.host)
+        log.info(
+            "rollout.paused",
+            rollout_id=rollout.rollout_id,
+            sandbox_id=handle.sandbox_id,
+            snapshot_id=record.snapshot_id,
+        )
+        return present(paused, rollout.rollout_id, "it was paused")
+
+    async def resume(self, rollout: Rollout, fields: dict[str, Any]) -> Rollout:
+        """Make a paused rollout's sandbox again from its snapshot, on the host that keeps
+        it (waiting for a slot there as a create does: 429 when none frees), and set
+        ``fields``. A paused rollout whose snapshot is gone has lost its state: it fails
+        (503 ``snapshot_unavailable``)."""
+        record = await self.registry.get(rollout.paused_as or "")
+        if record is None:
+            raise await self.starter.closer.fail(
+                rollout.rollout_id,
+                Cause.SNAPSHOT_UNAVAILABLE,
+                f"the snapshot it was paused as ({rollout.paused_as}) is gone",
+                {},
+            )
+        resolved = self.starter.environment_of(rollout)
+        acquired = await self.starter.acquire(
+            rollout.rollout_id, resolved, Deadline(None), 0.0, only_host=record.host, new=False
+        )
+        assert acquired is not None and acquired.handle is None
+        making = await self.starter.store.update(
+            rollout.rollout_id, host=acquired.host, snapshot=record.snapshot_id
+        )
+        await self.starter.admission.settled(acquired.host, rollout.rollout_id)
+        making = present(making, rollout.rollout_id, "it was resuming")
+        handle = await self.starter.create_cold(making, resolved, acquired.host)
+        now = time.time()
+        resumed = await self.starter.store.update(
+            rollout.rollout_id,
+            state=RolloutState.ACTIVE,
+            sandbox=handle,
+            paused_as=None,
+            paused_at=None,
+            paused_s=rollout.paused_s + now - (rollout.paused_at or now),
+            sandbox_ready_at=now,
+            last_activity=now,
+            **fields,
+        )
+        await self.registry.remove(record.snapshot_id)  # its files go with its last sandbox
+        log.info(
+            "rollout.resumed",
+            rollout_id=rollout.rollout_id,
+            sandbox_id=handle.sandbox_id,
+            snapshot_id=record.snapshot_id,
+            ms=round((time.monotonic() - acquired.started) * 1000, 1),
+        )
+        return present(resumed, rollout.rollout_id, "it resumed")

@@ -277,7 +277,7 @@ class Starter:
                 # The sandbox's place first (a warm sandbox, or a host's slot for a cold
                 # one), the record after: a rollout refused at capacity leaves nothing
                 # behind, and its retry starts afresh.
-                acquired = await self._acquire(
+                acquired = await self.acquire(
                     rollout_id,
                     resolved,
                     deadline,
@@ -324,7 +324,7 @@ class Starter:
         except TimeoutError:
             raise StillStarting(rollout_id) from None
 
-    async def _acquire(
+    async def acquire(
         self,
         rollout_id: str,
         resolved: ResolvedEnvironment,
@@ -332,12 +332,14 @@ class Starter:
         reserve_s: float,
         group: str | None = None,
         only_host: str | None = None,
+        new: bool = True,
     ) -> Acquired | None:
         """A warm sandbox from the rollout's pool (probed first), else a host slot for a
         cold one, waiting within the admission bound (and the request's deadline, less
         ``reserve_s``), seated with its ``group``. None: the rollout appeared meanwhile (a
         concurrent first call made it). ``only_host``: a cold one on that host (a
-        snapshot's: no pool holds its sandboxes)."""
+        snapshot's: no pool holds its sandboxes). ``new`` False: for a rollout that exists
+        (a paused one resuming), which waits for its slot however its record reads."""
         started = time.monotonic()
         recycle_wait_s = deadline.cap(self.settings.pool_recycle_wait_s, reserve=reserve_s)
         for _ in range(3 if only_host is None else 0):
@@ -365,7 +367,11 @@ class Starter:
 
         wait_s = deadline.cap(self.settings.admission_wait_s, reserve=reserve_s)
         host = await self.admission.take(
-            rollout_id, give_up=rollout_exists, wait_s=wait_s, group=group, only_host=only_host
+            rollout_id,
+            give_up=rollout_exists if new else None,
+            wait_s=wait_s,
+            group=group,
+            only_host=only_host,
         )
         return Acquired(host=host, handle=None, started=started) if host else None
 
@@ -401,7 +407,7 @@ class Starter:
         await self.admission.release(handle.host)
 
     async def _give_back(self, acquired: Acquired, rollout_id: str) -> None:
-        """Undo :meth:`_acquire` (the rollout was created by someone else meanwhile)."""
+        """Undo :meth:`acquire` (the rollout was created by someone else meanwhile)."""
         if acquired.handle is not None:
             await self._discard(acquired.handle, "claimed by a rollout that lost its race")
         else:
@@ -416,7 +422,7 @@ class Starter:
             await self.pools.bind(handle, record.rollout_id, ttl_s=lifetime)
             await self._request_refill()
         else:
-            handle = await self._create_cold(record, resolved, acquired.host)
+            handle = await self.create_cold(record, resolved, acquired.host)
         bind_sandbox(handle.sandbox_id)
         ready_at = time.time()
         # The sandbox is made: a Redis restart now must not strand it, and its rollout
@@ -456,7 +462,7 @@ class Starter:
             )
         return updated
 
-    async def _create_cold(
+    async def create_cold(
         self, record: Rollout, resolved: ResolvedEnvironment, host: str
     ) -> SandboxHandle:
         spec = resolved.sandbox_spec(self.settings, record.rollout_id)

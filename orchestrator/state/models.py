@@ -30,6 +30,9 @@ class RolloutState(StrEnum):
 
     CREATING = "creating"
     ACTIVE = "active"
+    PAUSED = "paused"
+    """Its sandbox is kept as a snapshot (E2B ``pause``; docs/snapshots.md): it holds no
+    slot, no CPU and no memory; its client's next request makes its sandbox again."""
     GRADED = "graded"
     INFRA_FAILED = "infra_failed"
     CLOSED = "closed"

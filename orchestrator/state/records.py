@@ -93,6 +93,13 @@ class Rollout(BaseModel):
     snapshot: str | None = Field(
         None, description="The snapshot its sandbox was made from (state/snapshots.py)."
     )
+    paused_as: str | None = Field(
+        None, description="While it is paused: the snapshot its sandbox is kept as."
+    )
+    paused_at: float | None = Field(None, description="When it was paused, while it is.")
+    paused_s: float = Field(
+        0.0, description="How long it was paused before, in all: its clocks do not run then."
+    )
     ended_by: dict[str, Any] | None = Field(
         None,
         description="Set when the orchestrator ended the rollout before its grade (idle, "
@@ -192,8 +199,9 @@ return redis.call('HGETALL', KEYS[1])
 # record, live set, run ticket (see tickets.py), the host's heartbeat, the host's queue (the
 # last two '' when not sending). ARGV: attempt (also the lock token), lock ttl (ms), now,
 # rollout id, ticket ttl (s), reply list of this attempt, the task message ('': do not
-# send), the rollout's call budget ('': none). Returns {status, value[, dispatch outcome
-# [, heartbeat]]} (CallStart). Nothing changes for a rollout that is not active.
+# send), the rollout's call budget ('': none), the id of the sandbox the caller knows
+# ('': none). Returns {status, value[, dispatch outcome [, heartbeat]]} (CallStart).
+# Nothing changes for a rollout that is not active, or not on that sandbox.
 _BEGIN_CALL = Script("""
 local stored = redis.call('GET', KEYS[1])
 if stored then return {'stored', stored} end
@@ -201,6 +209,8 @@ local record = redis.call('HMGET', KEYS[4], 'state', 'infra_failure', 'ended_by'
 if record[1] ~= 'active' or (record[2] or 'null') ~= 'null' or (record[3] or 'null') ~= 'null' then
   return {'ended', record[1] or ''}
 end
+local sandbox = ARGV[9] ~= '' and redis.call('HGET', KEYS[4], 'sandbox') or ''
+if ARGV[9] ~= '' and not string.find(sandbox, ARGV[9], 1, true) then return {'moved', ''} end
 local st = redis.call('HGET', KEYS[6], 'state')
 if redis.call('GET', KEYS[2]) == ARGV[1] and redis.call('HGET', KEYS[6], 'attempt') == ARGV[1] then
   -- This very attempt, run twice (the connection dropped): whether it was sent is unknown.
@@ -332,6 +342,9 @@ class CallStartStatus(StrEnum):
     """Another attempt's worker runs it now."""
     LOST = "lost"
     """Its worker died while running it."""
+    MOVED = "moved"
+    """The rollout has another sandbox than the caller's (it was paused and resumed):
+    nothing changed; read the record again."""
     ENDED = "ended"
     """The rollout is not active (ended, failed, or gone): nothing was changed."""
 
@@ -627,12 +640,15 @@ class RolloutStore:
         reply_to: str,
         token: str | None = None,
         dispatch: Dispatch | None = None,
+        sandbox_id: str = "",
     ) -> CallStart:
         """In one step: the stored reply of ``call_id`` if there is one; else, if the
         rollout is active, the call's lock, a queued ticket for attempt ``token`` (a new
         sequence number, or the old one for a call that never ran), the call counted in
         flight and the rollout's activity; and, given ``dispatch``, the call sent to its
-        host's queue (see :class:`Dispatch`). One round trip on the call path."""
+        host's queue (see :class:`Dispatch`). ``sandbox_id``: the sandbox the caller would
+        send it to; another one in the record is :attr:`CallStartStatus.MOVED`. One round
+        trip on the call path."""
         token = token or uuid.uuid4().hex
         keys = self._call_keys(rollout_id, call_id)[:6]
         args: list[Any] = [
@@ -645,6 +661,7 @@ class RolloutStore:
             budget = "" if dispatch.budget is None else dispatch.budget
             args += [dispatch.message, budget]
             keys += [dispatch.heartbeat_key, dispatch.queue]
+        args.append(sandbox_id)
         status, value, *rest = await _BEGIN_CALL.run(self.calls, keys, args)
         found = CallStartStatus(status)
         if found == CallStartStatus.STORED:

@@ -35,6 +35,8 @@ class SnapshotKind(StrEnum):
     """A fork's own: forgotten once its sandboxes are made."""
     GROUP = "group"
     """A group's set-up (an environment's ``setup``): kept until ``keep_until``."""
+    PAUSE = "pause"
+    """A paused sandbox's: forgotten when it resumes, or at ``keep_until``."""
 
 
 class GroupSetup(BaseModel):

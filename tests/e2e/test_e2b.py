@@ -223,8 +223,10 @@ def test_refused_with_a_clear_error(sbx: Sandbox) -> None:
         sbx.files.write("/tmp/x", "x", user="root")
     with pytest.raises(SandboxException, match="refused"):
         sbx.commands.run("id", user="nobody")
-    with pytest.raises(SandboxException, match="not supported"):
-        sbx.pause()
+    with pytest.raises(SandboxException, match="mode='filesystem'"):
+        sbx.pause(mode="full")
+    with pytest.raises(SandboxException, match="autoPause is not supported"):
+        Sandbox.create(template=sbx.get_info().template_id, lifecycle={"on_timeout": "pause"})
 
 
 # -- the harbor environment: user root as an alias, Harbor's fixed paths -------------------------

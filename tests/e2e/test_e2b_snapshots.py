@@ -1,16 +1,22 @@
-"""Snapshots and forks through the stock ``e2b`` SDK (docs/snapshots.md, docs/e2b.md), on the
-shared side deployment: ``create_snapshot`` (filesystem), ``list_snapshots``,
-``Sandbox.create(snapshot)``, ``delete_snapshot``, ``fork``; what a sandbox made from a
-snapshot sees, and that nothing one of them does reaches another, under runc and gVisor."""
+"""Snapshots, forks and pauses through the stock ``e2b`` SDK (docs/snapshots.md,
+docs/e2b.md), on the shared side deployment: ``create_snapshot`` (filesystem),
+``list_snapshots``, ``Sandbox.create(snapshot)``, ``delete_snapshot``, ``fork``, ``pause``
+and resume by ``connect`` or by the next request; what a sandbox made from a snapshot sees,
+that nothing one of them does reaches another, and that a paused one holds no container and
+no slot, under runc and gVisor."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import pytest
-from e2b import Sandbox, SandboxException, SandboxNotFoundException
+import redis
+from e2b import Sandbox, SandboxException, SandboxNotFoundException, SandboxState
 
 from orchestrator.config import Runtime
+from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.state.keys import Keys
 from tests.e2e.conftest import ACT_ENVIRONMENTS
 from tests.stacks import Stack
 
@@ -115,3 +121,59 @@ def test_a_fork_of_a_sandbox_that_is_gone_is_not_found(e2b_stack: Stack) -> None
     parent.kill()
     with pytest.raises(SandboxNotFoundException):
         parent.fork(count=2)
+
+
+def _sandboxes_of(stack: Stack, sandbox_id: str) -> list[str]:
+    backend = DockerBackend(stack.settings)
+    try:
+        return [h.sandbox_id for h in backend.list_owned() if h.rollout_id == sandbox_id]
+    finally:
+        backend.client.close()
+
+
+@pytest.mark.parametrize("runtime", ["runc", "runsc"])
+def test_a_paused_sandbox_holds_nothing_and_resumes_as_it_was(
+    e2b_stack: Stack, made: list[Sandbox], runtime: Runtime
+) -> None:
+    sbx = _set_up(made, f"{ACT_ENVIRONMENTS[runtime]}/{e2b_stack.codebase}")
+    sbx.set_timeout(200)
+    sbx.commands.run("sleep 600", background=True, timeout=700)
+    assert sbx.pause() is True
+    assert sbx.pause() is False  # paused already
+    # No container, no slot: its record names no host.
+    assert _sandboxes_of(e2b_stack, sbx.sandbox_id) == []
+    with redis.Redis.from_url(e2b_stack.settings.redis_url, decode_responses=True) as client:
+        record = client.hget(Keys.of(e2b_stack.settings.deployment).rollout(sbx.sandbox_id), "host")
+    assert record in (None, "", "null"), record
+    info = sbx.get_info()
+    assert info.state == SandboxState.PAUSED
+    listed = {s.sandbox_id: s.state for s in Sandbox.list().next_items()}
+    assert listed[sbx.sandbox_id] == SandboxState.PAUSED
+
+    # connect resumes it: its files, not its processes; its timeout as it was left.
+    again = Sandbox.connect(sbx.sandbox_id)
+    _looks_set_up(again)
+    assert again.commands.list() == []
+    assert again.get_info().state == SandboxState.RUNNING
+    left = (again.get_info().end_at - datetime.now(UTC)).total_seconds()
+    assert 150 < left <= 200, left
+    assert len(_sandboxes_of(e2b_stack, sbx.sandbox_id)) == 1
+
+    # Paused again, the next command resumes it (as E2B resumes on traffic).
+    again.commands.run("echo after > /tmp/after")
+    assert again.pause() is True
+    assert sbx.commands.run("cat /tmp/after /tmp/state").stdout == "after\nscratch\n"
+
+
+def test_a_paused_sandbox_is_killed_and_a_memory_pause_refused(
+    e2b_stack: Stack, made: list[Sandbox]
+) -> None:
+    sbx = _set_up(made, e2b_stack.codebase)
+    with pytest.raises(SandboxException, match="mode='filesystem'"):
+        sbx.pause(mode="full")
+    assert sbx.is_running()
+    assert sbx.pause(mode="filesystem") is True
+    assert sbx.kill() is True
+    assert Sandbox.kill(sbx.sandbox_id) is False
+    with pytest.raises(SandboxException):
+        Sandbox.connect(sbx.sandbox_id)
