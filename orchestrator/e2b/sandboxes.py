@@ -171,6 +171,7 @@ class E2BSandboxes:
 
     async def snapshot(self, sandbox_id: str, name: str | None, memory: bool | None) -> SnapshotOut:
         """``create_snapshot``: the sandbox's filesystem, kept (it runs on)."""
+        self._snapshots_served()
         if memory:
             raise BadRequest(MEMORY_REFUSED)
         rollout, state = await self._running(sandbox_id)
@@ -201,6 +202,7 @@ class E2BSandboxes:
         from it at once on its host, each of which succeeds or fails on its own. The
         snapshot is the fork's alone: forgotten once they are made, its files gone with
         the last of them."""
+        self._snapshots_served()
         rollout, state = await self._running(sandbox_id)
         record = await self.service.snapshots.take(
             rollout, template=state.template, kind=SnapshotKind.FORK
@@ -258,6 +260,7 @@ class E2BSandboxes:
         """``pause``: its filesystem kept as a snapshot, its sandbox gone (no slot, CPU or
         memory held), its commands ended; False when it was paused already. Its timeout
         stops until it resumes (``connect``, or any request to the sandbox)."""
+        self._snapshots_served()
         if memory:
             raise BadRequest(MEMORY_REFUSED)
         async with self._changing(sandbox_id):
@@ -272,6 +275,13 @@ class E2BSandboxes:
                 rollout, self.settings.e2b_paused_keep_s, fields, self._end_commands
             )
         return True
+
+    def _snapshots_served(self) -> None:
+        if self.settings.sandbox_backend != "docker":
+            raise BadRequest(
+                "snapshots, forks and pauses need the Docker backend (docs/snapshots.md; "
+                "docs/kubernetes-backend.md says why not on Kubernetes yet)"
+            )
 
     async def _resume(self, sandbox_id: str, timeout_s: int | None) -> tuple[Rollout, E2BState]:
         async with self._changing(sandbox_id):

@@ -116,6 +116,13 @@ SANDBOXES_RECYCLED = Counter(
     "limit_hit, audit_failed or reset_failed (queue/tasks.RecycleResult).",
     ["result"],
 )
+SNAPSHOT_SECONDS = Histogram(
+    "orchestrator_snapshot_seconds",
+    "Time to take a sandbox's filesystem snapshot on its host (sandbox/snapshots.py), by "
+    "kind: named, fork, group, pause; and how long the sandbox was frozen for it (phase).",
+    ["kind", "phase"],
+    buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60),
+)
 ORPHANS_FOUND = Counter(
     "orchestrator_orphans_found_total",
     "Owned sandboxes found with no live rollout owning them (by the host sweep).",

@@ -18,6 +18,7 @@ from typing import Any
 from orchestrator.config import Settings
 from orchestrator.environments.loader import ResolvedEnvironment
 from orchestrator.environments.models import SetupStep
+from orchestrator.observability import metrics
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Cause, Outcome
 from orchestrator.rollouts.bounds import Deadline
@@ -135,6 +136,8 @@ class Snapshots:
             keep_until=time.time() + keep_s if keep_s is not None else None,
         )
         await self.registry.add(record)
+        metrics.SNAPSHOT_SECONDS.labels(kind, "taken").observe(made.taken.ms / 1000)
+        metrics.SNAPSHOT_SECONDS.labels(kind, "frozen").observe(made.taken.paused_ms / 1000)
         log.info(
             "snapshot.taken",
             rollout_id=rollout.rollout_id,
