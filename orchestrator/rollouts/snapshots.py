@@ -212,9 +212,13 @@ class Snapshots:
                 if found.error is not None:
                     raise Rejected(422, found.error, code="setup_failed")
                 record = await self.registry.get(found.snapshot_id or "")
-                if record is not None:
+                live = {beat.host for beat in await self.queue.heartbeats.live()}
+                if record is not None and record.host in live:
                     return record
-                await self.redis.delete(self.keys.group_setup(key))  # forgotten meanwhile
+                # Forgotten meanwhile, or its host is gone: set the group up again.
+                await self.redis.delete(self.keys.group_setup(key))
+                if record is not None:
+                    await self.registry.remove(record.snapshot_id)
             lease = self.keys.group_setup_lease(key)
             if await self.redis.set(lease, "1", nx=True, ex=int(lease_s) + 1):
                 try:
@@ -249,12 +253,18 @@ class Snapshots:
                 call_id="setup",
                 source=RolloutSource.SETUP,
             )
-            output = CommandOutput.model_validate_json(reply.output)
-            if reply.outcome != Outcome.OK or output.exit_code != 0:
-                why = "timed out" if output.timed_out else f"exit status {output.exit_code}"
+            refused = reply.outcome != Outcome.OK and reply.error_kind != "timeout"
+            output = None if refused else CommandOutput.model_validate_json(reply.output)
+            if output is None or output.exit_code != 0:
+                if output is None:  # refused before it ran (its arguments): the message
+                    why, said = "not run", reply.output
+                elif output.timed_out:
+                    why, said = "timed out", output.stderr or output.stdout
+                else:
+                    why, said = f"exit status {output.exit_code}", output.stderr or output.stdout
                 error = (
                     f"environment {resolved.environment.name!r}: its setup step failed ({why}): "
-                    f"{(output.stderr or output.stdout)[-1500:]}"
+                    f"{said[-1500:]}"
                 )
                 failed = GroupSetup(error=error).model_dump_json()
                 await self.redis.set(self.keys.group_setup(key), failed, ex=SETUP_ERROR_KEEP_S)

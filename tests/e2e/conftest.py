@@ -114,6 +114,8 @@ GROUPED = "grouped"
 leaves its own id, files in /workspace, /tmp and the home, and a process (not kept)."""
 GROUPED_BROKEN = "grouped-broken"
 """Its set-up exits 3."""
+GROUPED_SLOW = "grouped-slow"
+"""Its set-up runs past its timeout."""
 GROUP_SETUP = (
     "cat /proc/sys/kernel/random/uuid > .setup-id && echo set > /tmp/setup && "
     "mkdir -p ~/.cache && echo warm > ~/.cache/c && rm README.md && "
@@ -127,6 +129,7 @@ def group_environments(data: dict[str, Any]) -> dict[str, Any]:
     data["environments"] += [
         {**base, "name": GROUPED, "setup": {"command": GROUP_SETUP, "timeout_s": 60}},
         {**base, "name": GROUPED_BROKEN, "setup": {"command": "echo broken >&2; exit 3"}},
+        {**base, "name": GROUPED_SLOW, "setup": {"command": "sleep 60", "timeout_s": 1}},
     ]
     return data
 

@@ -16,7 +16,7 @@ import redis
 
 from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.state.keys import Keys
-from tests.e2e.conftest import GROUPED, GROUPED_BROKEN
+from tests.e2e.conftest import GROUPED, GROUPED_BROKEN, GROUPED_SLOW
 from tests.e2e.helpers import wait_for
 from tests.stacks import Stack
 
@@ -150,4 +150,7 @@ def test_a_failing_set_up_is_a_422_naming_why_and_leaves_nothing(side: Stack) ->
         # Its group's rollouts hear the same at once: the set-up is not run again for each.
         again = client.post("/v1/rollouts", json={"environment": GROUPED_BROKEN, "item": item})
         assert again.status_code == 422 and again.json()["error"]["code"] == "setup_failed"
+        slow = client.post("/v1/rollouts", json={"environment": GROUPED_SLOW, "item": item})
+        assert slow.status_code == 422, slow.text
+        assert "timed out" in slow.json()["error"]["message"]
     wait_for(lambda: not _sandboxes(side, set()), timeout_s=60, what="the set-up's sandbox gone")
