@@ -117,6 +117,7 @@ class SpyBackend(SandboxBackend):
         cwd: str = "/workspace",
         env: dict[str, str] | None = None,
         exec_id: str | None = None,
+        on_output: Callable[[str, bytes], None] | None = None,
     ) -> ExecResult:
         self.calls.append(command)
         return self._forward().exec(

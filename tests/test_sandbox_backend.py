@@ -124,6 +124,29 @@ def test_exec_reports_exit_code_stdout_and_stderr_apart(
     assert ok.exit_code == 0 and out(ok) == "" and err(ok) == ""
 
 
+def test_streamed_output_arrives_as_it_is_printed(
+    backend: DockerBackend, shared_sandbox: SandboxHandle
+) -> None:
+    """With ``on_output``, each piece comes while the command runs (the first long before it
+    ends), stdout and stderr apart, up to the budget a stream; the result is as without."""
+    pieces: list[tuple[float, str, bytes]] = []
+    started = time.monotonic()
+    result = backend.exec(
+        shared_sandbox,
+        "echo one; sleep 1; echo two >&2; sleep 1; head -c 3000 /dev/zero | tr '\\0' x",
+        timeout_s=30,
+        output_budget_bytes=1000,
+        on_output=lambda stream, data: pieces.append((time.monotonic(), stream, data)),
+    )
+    ended = time.monotonic()
+    assert result.exit_code == 0
+    assert pieces[0][1:] == ("stdout", b"one\n") and pieces[0][0] - started < ended - started - 1.5
+    assert ("stderr", b"two\n") in [(s, d) for _, s, d in pieces]
+    streamed = b"".join(d for _, s, d in pieces if s == "stdout")
+    assert streamed == b"one\n" + b"x" * 996  # the budget, as much as is kept
+    assert result.stdout.total_bytes == 3004 and result.stdout.kept_bytes == 1000
+
+
 def test_default_working_directory_is_workspace(
     backend: DockerBackend, shared_sandbox: SandboxHandle
 ) -> None:

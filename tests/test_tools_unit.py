@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -133,6 +134,7 @@ class FakeBackend(SandboxBackend):
         cwd: str = "/workspace",
         env: dict[str, str] | None = None,
         exec_id: str | None = None,
+        on_output: Callable[[str, bytes], None] | None = None,
     ) -> ExecResult:
         self.calls.append(
             ("exec", {"command": command, "timeout_s": timeout_s, "budget": output_budget_bytes})

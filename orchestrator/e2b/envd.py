@@ -44,7 +44,7 @@ from orchestrator.e2b.models import (
     entry_json,
     process_event,
 )
-from orchestrator.e2b.sandboxes import E2BSandboxes, FileProblem, SandboxGone
+from orchestrator.e2b.sandboxes import E2BSandboxes, FileProblem, Pieces, SandboxGone
 from orchestrator.environments.models import E2BRootUser
 from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.errors import InfraError
@@ -211,18 +211,22 @@ async def _just(error: ConnectError) -> AsyncIterator[bytes]:
 
 async def _events(svc: E2BSandboxes, rollout_id: str, pid: int) -> AsyncIterator[bytes]:
     """A command's stream: its start event at once (a background command's handle waits
-    for it), keepalives while it runs, then its output and its end. The command runs to
-    its end whether or not this client stays: its result is the rollout's call result, so
-    a client that reattaches (``Connect``) gets it."""
+    for it), its output as it is printed (state/streams.py), keepalives while it prints
+    nothing, then its end. The command runs to its end whether or not this client stays:
+    its result is the rollout's call result, so a client that reattaches (``Connect``)
+    gets it, and its output from the start."""
     yield connect.envelope(process_event("start", {"pid": pid}))
+    pieces = await svc.output(rollout_id, pid, lambda: running.done())
     running = asyncio.ensure_future(svc.run(rollout_id, pid))
     running.add_done_callback(_retrieve)
+    streamed: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
     try:
-        while True:
-            done, _ = await asyncio.wait({running}, timeout=KEEPALIVE_S)
-            if done:
-                break
-            yield connect.envelope(process_event("keepalive", {}))
+        async for stream, data in _with_keepalives(pieces):
+            if not stream:
+                yield connect.envelope(process_event("keepalive", {}))
+                continue
+            streamed[stream] += data
+            yield connect.envelope(process_event("data", {stream: _b64(data)}))
         reply = running.result()
     except InfraError as exc:
         yield connect.end_stream(failed(exc))
@@ -238,10 +242,10 @@ async def _events(svc: E2BSandboxes, rollout_id: str, pid: int) -> AsyncIterator
         yield connect.end_stream(ConnectError(Code.INVALID_ARGUMENT, reply.output))
         return
     output = CommandOutput.model_validate_json(reply.output)
-    if output.stdout:
-        yield connect.envelope(data_event("stdout", output.stdout))
-    if output.stderr:
-        yield connect.envelope(data_event("stderr", output.stderr))
+    for name, kept in (("stdout", output.stdout), ("stderr", output.stderr)):
+        rest = _not_streamed(kept, bytes(streamed[name]))
+        if rest:
+            yield connect.envelope(data_event("stdout" if name == "stdout" else "stderr", rest))
     if output.timed_out:
         yield connect.end_stream(
             ConnectError(Code.DEADLINE_EXCEEDED, "the command ran past its timeout and was killed")
@@ -249,6 +253,44 @@ async def _events(svc: E2BSandboxes, rollout_id: str, pid: int) -> AsyncIterator
         return
     yield connect.envelope(process_event("end", _end(output)))
     yield connect.end_stream()
+
+
+def _not_streamed(kept: str, streamed: bytes) -> str:
+    """What the result says that its stream did not: all of it when nothing was streamed
+    (a stream gone with its list's time), the notes after it (a limit the command hit),
+    or, for output past the budget, the cut and the tail the result kept."""
+    seen = streamed.decode("utf-8", "replace")
+    if kept.startswith(seen):
+        return kept[len(seen) :]
+    cut = kept.find("\n[... ")
+    return kept[cut:] if cut >= 0 else ""
+
+
+async def _with_keepalives(pieces: Pieces) -> Pieces:
+    """``pieces``, with ``("", b"")`` whenever none came for :data:`KEEPALIVE_S`."""
+    iterator = pieces.__aiter__()
+    waiting: asyncio.Future[tuple[str, bytes]] | None = None
+    try:
+        while True:
+            if waiting is None:
+                waiting = asyncio.ensure_future(iterator.__anext__())
+            done, _ = await asyncio.wait({waiting}, timeout=KEEPALIVE_S)
+            if not done:
+                yield "", b""
+                continue
+            try:
+                piece = waiting.result()
+            except StopAsyncIteration:
+                return
+            waiting = None
+            yield piece
+    finally:
+        if waiting is not None:
+            waiting.cancel()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 def _end(output: CommandOutput) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import contextlib
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout
 from orchestrator.state.replies import QueueTimeout
 from orchestrator.state.snapshots import SnapshotKind, SnapshotRecord
+from orchestrator.state.streams import follow
 from orchestrator.state.tasks import (
     FileOpReply,
     FileOpRequest,
@@ -55,6 +56,7 @@ from orchestrator.tools.command import COMMAND_TOOL
 ID_PREFIX = "e2b"
 SIGNAL_UNTIL_STARTED_S = 10.0
 """How long a signal to a listed command waits for the agent to have started it."""
+Pieces = AsyncIterator[tuple[str, bytes]]
 _ALIVE = {RolloutState.CREATING.value, RolloutState.ACTIVE.value, RolloutState.PAUSED.value}
 MEMORY_REFUSED = (
     "memory is not kept here: a snapshot or a pause keeps the filesystem (/workspace and the "
@@ -454,9 +456,17 @@ class E2BSandboxes:
                 arguments,
                 call_id=record["call_id"],
                 source=RolloutSource.E2B,
+                stream_key=self.store.keys.output_stream(rollout_id, record["call_id"]),
             )
         finally:
             await self.processes_table.drop(rollout_id, pid)
+
+    async def output(self, rollout_id: str, pid: int, done: Callable[[], bool]) -> Pieces:
+        """Command ``pid``'s output as it is printed (state/streams.py), from its start,
+        until ``done()``."""
+        record = await self._process_record(rollout_id, pid)
+        key = self.store.keys.output_stream(rollout_id, record["call_id"])
+        return follow(self.store.redis, key, done)
 
     async def processes(self, rollout_id: str) -> list[dict[str, Any]]:
         """The commands running now, by pid."""

@@ -44,6 +44,7 @@ from orchestrator.state.broker import celery_app, task
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import POOL_LABEL, PoolTarget, same_spec, targets
 from orchestrator.state.snapshots import kept_snapshots
+from orchestrator.state.streams import OutputSink
 from orchestrator.state.tasks import (
     CheckCommit,
     CommitChecked,
@@ -67,6 +68,7 @@ from orchestrator.state.tasks import (
 )
 from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState
 from orchestrator.tools.base import ToolResult, agent_error
+from orchestrator.tools.command import CommandTool
 
 log = get_logger(__name__)
 
@@ -245,7 +247,13 @@ def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
     try:
         if call.validated_arguments is not None:  # validated once, by the API
             args = tool.validated(call.validated_arguments)
-            result = tool.run_parsed(worker.backend(), call.handle, args, tool_settings)
+            if call.stream_key is not None and isinstance(tool, CommandTool):
+                sink = OutputSink(worker.redis_client(), call.stream_key)
+                result = tool.run_parsed(
+                    worker.backend(), call.handle, args, tool_settings, on_output=sink
+                )
+            else:
+                result = tool.run_parsed(worker.backend(), call.handle, args, tool_settings)
         else:
             result = tool.run(worker.backend(), call.handle, call.arguments, tool_settings)
     except SandboxError as exc:

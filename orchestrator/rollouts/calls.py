@@ -68,6 +68,8 @@ class PendingCall:
     settings: Settings
     """The deployment's settings as this call's tools see them (Agent RFT: capped)."""
     deadline: Deadline
+    stream_key: str | None = None
+    """A client command's output stream (state/streams.py), or None."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,10 @@ class ToolCalls:
         call_id: str | None,
         item: dict[str, Any] | None = None,
         source: RolloutSource = RolloutSource.API,
+        stream_key: str | None = None,
     ) -> CallReply:
         """Run one tool call. ``item`` given (Agent RFT) means: start the rollout if new.
+        ``stream_key``: a client command's output goes to that stream too, as printed.
 
         Agent mistakes (unknown tool, bad arguments, spent budget) come back as
         ``agent_error`` replies without touching the sandbox; infrastructure faults raise
@@ -188,6 +192,7 @@ class ToolCalls:
             started_at=started_at,
             settings=settings,
             deadline=deadline,
+            stream_key=stream_key,
         )
         try:
             return await self._call_once(pending)
@@ -196,7 +201,13 @@ class ToolCalls:
             # once more, from its record.
             self._active.drop(rollout_id)
             return await self.call_tool(
-                rollout_id, tool_name, arguments, call_id=call_id, item=item, source=source
+                rollout_id,
+                tool_name,
+                arguments,
+                call_id=call_id,
+                item=item,
+                source=source,
+                stream_key=stream_key,
             )
         except InfraError:
             metrics.TOOL_CALLS.labels(tool_name, Outcome.INFRA_ERROR).inc()
@@ -301,6 +312,7 @@ class ToolCalls:
             # Validated once, here: the worker runs these as they are.
             validated_arguments=call.parsed.model_dump(mode="json"),
             command_timeout_max_s=call.settings.command_timeout_max_s,
+            stream_key=call.stream_key,
             enqueued_at=time.time(),
         )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
@@ -506,11 +506,14 @@ class SandboxBackend(ABC):
         cwd: str = "/workspace",
         env: dict[str, str] | None = None,
         exec_id: str | None = None,
+        on_output: Callable[[str, bytes], None] | None = None,
     ) -> ExecResult:
         """Run ``command`` as the unprivileged user: a string is a bash command line, a list
         is an argv run as is (arguments never pass through a shell parser). The timeout is
         enforced in the sandbox by killing the command's whole process group. ``env``: more
-        environment variables; ``exec_id``: a name :meth:`signal_exec` can reach it by."""
+        environment variables; ``exec_id``: a name :meth:`signal_exec` can reach it by;
+        ``on_output``: given ("stdout" or "stderr", bytes) as the command prints them, up
+        to ``output_budget_bytes`` a stream (the result keeps what it keeps either way)."""
 
     @abstractmethod
     def signal_exec(self, handle: SandboxHandle, exec_id: str, *, kill: bool = True) -> bool:

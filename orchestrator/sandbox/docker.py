@@ -654,7 +654,11 @@ class DockerBackend(agent.AgentBackend):
     # -- commands --------------------------------------------------------------------------
 
     def _call(
-        self, handle: SandboxHandle, request: dict[str, Any], timeout_s: float
+        self,
+        handle: SandboxHandle,
+        request: dict[str, Any],
+        timeout_s: float,
+        on_chunk: agent.OnChunk | None = None,
     ) -> dict[str, Any]:
         if handle.host != self.host:
             raise SandboxUnavailable(
@@ -666,6 +670,7 @@ class DockerBackend(agent.AgentBackend):
                 request,
                 timeout_s,
                 watch=lambda: self._why_not_answering(handle),
+                on_chunk=on_chunk,
             )
         except SandboxUnavailable as exc:
             # Only on failure, so calls never pay for it: say what state the sandbox is in

@@ -218,6 +218,10 @@ class Keys:
         (sandbox/snapshots.py), which sweeps those no longer here."""
         return f"{self.prefix}snapshots"
 
+    def output_stream(self, rollout_id: str, call_id: str) -> str:
+        """List: a client command's output pieces as printed (state/streams.py)."""
+        return f"{self.prefix}out:{rollout_id}:{call_id}"
+
     def group_setup(self, key: str) -> str:
         """String: a group's set-up (state/snapshots.GroupSetup, JSON), for as long as its
         snapshot serves the group; ``key`` names the environment and the group."""

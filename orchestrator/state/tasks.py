@@ -126,6 +126,11 @@ class ToolCall(BaseModel):
         "release): the worker parses ``arguments``, which a worker of an earlier release "
         "always does, so both stay: a rolling upgrade mixes them.",
     )
+    stream_key: str | None = Field(
+        None,
+        description="Append the command's output to this list as it is printed (a client's "
+        "command: state/streams.py); None: only its result.",
+    )
     command_timeout_max_s: float | None = Field(
         None,
         description="Cap on the call's command timeout (Agent RFT's bound); None: the "

@@ -11,6 +11,7 @@ model, so it is not cut to the model's output budget.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -20,6 +21,8 @@ from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.backend import ExecResult, SandboxBackend, SandboxHandle
 from orchestrator.tools.base import InvalidArguments, Tool, ToolResult, agent_error, elapsed_ms
 
+OnOutput = Callable[[str, bytes], None]
+"""Given a command's output as it is printed: "stdout" or "stderr", the bytes."""
 COMMAND_TOOL = "sandbox.command"
 """Its name: outside the names environments may give their tools (no dots there)."""
 
@@ -106,11 +109,32 @@ class CommandTool(Tool[CommandArgs]):
             args = self.parse(arguments, settings)
         except InvalidArguments as exc:
             return agent_error(exc.message, "invalid_arguments", started=started)
-        result = self.execute(backend, handle, args, settings)
+        return self.run_parsed(backend, handle, args, settings, started=started)
+
+    def run_parsed(
+        self,
+        backend: SandboxBackend,
+        handle: SandboxHandle,
+        args: CommandArgs,
+        settings: Settings,
+        *,
+        started: float | None = None,
+        on_output: OnOutput | None = None,
+    ) -> ToolResult:
+        """As :meth:`Tool.run_parsed`, without cutting the output to the model's budget (as
+        :meth:`run`); ``on_output``: given the output as it is printed (a client's stream:
+        state/streams.py)."""
+        started = time.perf_counter() if started is None else started
+        result = self.execute(backend, handle, args, settings, on_output)
         return result.model_copy(update={"duration_ms": elapsed_ms(started)})
 
     def execute(
-        self, backend: SandboxBackend, handle: SandboxHandle, args: CommandArgs, settings: Settings
+        self,
+        backend: SandboxBackend,
+        handle: SandboxHandle,
+        args: CommandArgs,
+        settings: Settings,
+        on_output: OnOutput | None = None,
     ) -> ToolResult:
         result = backend.exec(
             handle,
@@ -120,6 +144,7 @@ class CommandTool(Tool[CommandArgs]):
             cwd=args.cwd,
             env=args.env,
             exec_id=args.exec_id,
+            on_output=on_output,
         )
         output = CommandOutput.of(result)
         return ToolResult(

@@ -84,6 +84,29 @@ def test_background_commands_wait_and_kill(sbx: Sandbox) -> None:
     assert sbx.commands.kill(slow.pid) is False  # gone already
 
 
+def test_output_streams_as_it_is_printed(sbx: Sandbox) -> None:
+    """on_stdout/on_stderr get each piece while the command runs (the first long before it
+    ends); the result holds it once; a client that reattaches reads it from the start."""
+    seen: list[tuple[float, str, str]] = []
+    started = time.monotonic()
+    result = sbx.commands.run(
+        "echo first; sleep 2; echo oops >&2; echo second",
+        on_stdout=lambda text: seen.append((time.monotonic(), "out", text)),
+        on_stderr=lambda text: seen.append((time.monotonic(), "err", text)),
+    )
+    ended = time.monotonic()
+    assert result.stdout == "first\nsecond\n" and result.stderr == "oops\n"
+    assert seen[0][1:] == ("out", "first\n") and seen[0][0] - started < ended - started - 1.5
+    assert [(kind, text) for _, kind, text in seen[1:]] == [("err", "oops\n"), ("out", "second\n")]
+    handle = sbx.commands.run("echo early; sleep 2; echo late", background=True)
+    again = sbx.commands.connect(handle.pid)
+    assert again.wait().stdout == "early\nlate\n"
+    assert handle.wait().stdout == "early\nlate\n"
+    # Whole, far past a model's output budget (16 KB), up to ORCH_E2B_OUTPUT_MB.
+    big = sbx.commands.run("head -c 300000 /dev/zero | tr '\\0' x")
+    assert big.stdout == "x" * 300_000
+
+
 def test_files(sbx: Sandbox) -> None:
     payload = bytes(range(256)) * 40
     info = sbx.files.write("notes/data.bin", payload)

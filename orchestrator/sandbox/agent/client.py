@@ -73,6 +73,8 @@ class CommandSpawnFailed(SandboxError):
 
 
 Watch = Callable[[], str | None]
+OnChunk = Callable[[str, bytes], None]
+"""Given a streamed command's output as it is printed: the stream's name, the bytes."""
 """Asked while a reply is slow to come: why waiting is pointless (the sandbox is paused,
 stopped or gone: what its backend says), or None to go on waiting."""
 # A slow reply is looked into after these many seconds, then at twice the interval, up to
@@ -83,9 +85,15 @@ WATCH_MAX_S = 8.0
 
 
 def call_unix(
-    socket_path: str, request: dict[str, Any], timeout_s: float, watch: Watch | None = None
+    socket_path: str,
+    request: dict[str, Any],
+    timeout_s: float,
+    watch: Watch | None = None,
+    on_chunk: OnChunk | None = None,
 ) -> dict[str, Any]:
-    """Send one request to the agent listening on ``socket_path``; return its result."""
+    """Send one request to the agent listening on ``socket_path``; return its result.
+    ``on_chunk``: given each piece of a streamed command's output (:func:`exec_request`'s
+    ``stream``) as it comes."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:
@@ -97,7 +105,7 @@ def call_unix(
             raise AgentSilent(f"exec agent did not answer within {timeout_s:.1f} s") from exc
         except OSError as exc:
             raise SandboxUnavailable(f"exec agent connection failed: {exc}") from exc
-        raw = _exchange(sock, request, timeout_s, watch)
+        raw = _exchange(sock, request, timeout_s, watch, on_chunk)
     finally:
         sock.close()
     return parse_reply(raw)
@@ -110,6 +118,7 @@ def call_tcp(
     request: dict[str, Any],
     timeout_s: float,
     watch: Watch | None = None,
+    on_chunk: OnChunk | None = None,
 ) -> dict[str, Any]:
     """Send one request, carrying the sandbox's ``token``, to the agent listening on TCP
     (a Kubernetes pod's IP); return its result. A refused token is an
@@ -122,17 +131,22 @@ def call_tcp(
         raise AgentNotListening(f"exec agent at {host}:{port} not listening ({exc})") from exc
     sock.settimeout(timeout_s)
     try:
-        raw = _exchange(sock, {**request, "token": token}, timeout_s, watch)
+        raw = _exchange(sock, {**request, "token": token}, timeout_s, watch, on_chunk)
     finally:
         sock.close()
     return parse_reply(raw)
 
 
 def _exchange(
-    sock: socket.socket, request: dict[str, Any], timeout_s: float, watch: Watch | None
+    sock: socket.socket,
+    request: dict[str, Any],
+    timeout_s: float,
+    watch: Watch | None,
+    on_chunk: OnChunk | None = None,
 ) -> bytes:
     """Write one JSON request line on a connected socket and read the reply line; while
-    the reply is slow, ask ``watch`` whether to stop waiting."""
+    the reply is slow, ask ``watch`` whether to stop waiting. With ``on_chunk``, the lines
+    of output before the reply go to it (only a streamed exec sends them)."""
     deadline = time.monotonic() + timeout_s
     interval = WATCH_FIRST_S
     try:
@@ -155,6 +169,15 @@ def _exchange(
             if not chunk:
                 break
             chunks.append(chunk)
+            if on_chunk is not None and b"\n" in chunk:
+                lines = b"".join(chunks).split(b"\n")
+                chunks = [lines.pop()]  # the part after the last newline
+                for line in lines:
+                    if not line.startswith(b'{"chunk"'):
+                        return line
+                    stream, data = json.loads(line)["chunk"]
+                    on_chunk(stream, base64.b64decode(data))
+                continue
             if chunk.endswith(b"\n"):
                 break
     except TimeoutError as exc:
@@ -190,9 +213,13 @@ def exec_request(
     cwd: str,
     env: dict[str, str] | None = None,
     exec_id: str | None = None,
+    stream: bool = False,
 ) -> dict[str, Any]:
-    """A shell command line (str), or an argv run without any shell parsing (list)."""
+    """A shell command line (str), or an argv run without any shell parsing (list);
+    ``stream``: its output sent as it is printed, before the reply."""
     request: dict[str, Any] = {"op": "exec", "timeout_s": timeout_s, "budget": budget, "cwd": cwd}
+    if stream:
+        request["stream"] = True
     request["argv" if isinstance(command, list) else "command"] = command
     if env:
         request["env"] = env
@@ -304,9 +331,14 @@ class AgentBackend(SandboxBackend):
 
     @abstractmethod
     def _call(
-        self, handle: SandboxHandle, request: dict[str, Any], timeout_s: float
+        self,
+        handle: SandboxHandle,
+        request: dict[str, Any],
+        timeout_s: float,
+        on_chunk: OnChunk | None = None,
     ) -> dict[str, Any]:
-        """Send ``request`` to the agent of ``handle``; return its result."""
+        """Send ``request`` to the agent of ``handle``; return its result (``on_chunk``:
+        as :func:`call_unix`)."""
 
     def stage(
         self,
@@ -395,9 +427,11 @@ class AgentBackend(SandboxBackend):
         cwd: str = "/workspace",
         env: dict[str, str] | None = None,
         exec_id: str | None = None,
+        on_output: OnChunk | None = None,
     ) -> ExecResult:
-        request = exec_request(command, timeout_s, output_budget_bytes, cwd, env, exec_id)
-        return exec_result(self._call(handle, request, timeout_s + REPLY_SLACK_S))
+        stream = on_output is not None
+        request = exec_request(command, timeout_s, output_budget_bytes, cwd, env, exec_id, stream)
+        return exec_result(self._call(handle, request, timeout_s + REPLY_SLACK_S, on_output))
 
     def signal_exec(self, handle: SandboxHandle, exec_id: str, *, kill: bool = True) -> bool:
         request = {"op": "signal", "exec_id": exec_id, "signal": "kill" if kill else "term"}

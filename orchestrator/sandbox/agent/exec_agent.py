@@ -766,7 +766,9 @@ class Agent:
         finally:
             os.close(fd)
 
-    def exec(self, req: dict[str, object]) -> dict[str, object]:
+    def exec(self, req: dict[str, object], emit: Any = None) -> dict[str, object]:
+        """Run a command; with ``emit``, its output is also given to ``emit(stream, data)``
+        as it is read, up to the budget per stream (what is kept is the same either way)."""
         cwd = str(req.get("cwd") or WORKSPACE)
         argv = req.get("argv")
         if argv is not None:
@@ -795,7 +797,9 @@ class Agent:
             with self.running_lock:
                 self.running[exec_id] = proc
         try:
-            killed_for, nproc_full = self._wait(proc, captures, started + timeout)
+            names = {proc.stdout: "stdout", proc.stderr: "stderr"}
+            streams = (names, budget, emit) if emit is not None else None
+            killed_for, nproc_full = self._wait(proc, captures, started + timeout, streams)
         finally:
             if isinstance(exec_id, str):
                 with self.running_lock:
@@ -854,11 +858,14 @@ class Agent:
         proc: Command,
         captures: dict[Any, Capture],
         deadline: float,
+        streams: Any = None,
     ) -> tuple[str | None, str | None]:
         """Capture the command's output until it has exited and its streams are closed,
         it passed the deadline, or its output passed the output limit; then kill what is
         left of it. Returns (why it was killed: "timeout", "output" or None, evidence that
-        the agent's user held its process limit just before the kill, or None)."""
+        the agent's user held its process limit just before the kill, or None).
+        ``streams``: (stream names by pipe, budget, emit): each piece read is emitted too,
+        while the stream's emitted bytes are within the budget."""
         sel = selectors.DefaultSelector()
         for stream in captures:
             assert stream is not None
@@ -907,7 +914,10 @@ class Agent:
                     except BlockingIOError:
                         continue
                     if data:
-                        captures[key.fileobj].feed(data)
+                        capture = captures[key.fileobj]
+                        if streams is not None and capture.total < streams[1]:
+                            streams[2](streams[0][key.fileobj], data[: streams[1] - capture.total])
+                        capture.feed(data)
                     else:
                         sel.unregister(key.fileobj)
                 # A flood is drained, never buffered; past the output limit it is stopped,
@@ -1598,7 +1608,12 @@ class Handler(socketserver.StreamRequestHandler):
                 self.wfile.write(json.dumps(reply).encode() + b"\n")
                 return
             op = req["op"]
-            method = {
+            if op == "exec" and req.get("stream"):
+                # The command's output as it is printed, a line per piece, before the reply.
+                reply = {"ok": True, "result": agent.exec(req, emit=self._emit)}
+                self.wfile.write(json.dumps(reply).encode() + b"\n")
+                return
+            methods: dict[str, Any] = {
                 "ping": agent.ping,
                 "exec": agent.exec,
                 "read_file": agent.read_file,
@@ -1609,11 +1624,16 @@ class Handler(socketserver.StreamRequestHandler):
                 "stage": agent.stage,
                 "pack": agent.pack,
                 "unpack": agent.unpack,
-            }[op]
-            reply = {"ok": True, "result": method(req)}
+            }
+            reply = {"ok": True, "result": methods[op](req)}
         except Exception as exc:  # noqa: BLE001 - every failure must reach the caller
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         self.wfile.write(json.dumps(reply).encode() + b"\n")
+
+    def _emit(self, stream: str, data: bytes) -> None:
+        piece = {"chunk": [stream, base64.b64encode(data).decode()]}
+        self.wfile.write(json.dumps(piece).encode() + b"\n")
+        self.wfile.flush()
 
 
 TOKEN: bytes | None = None

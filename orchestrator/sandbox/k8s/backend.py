@@ -262,7 +262,11 @@ class KubernetesBackend(agent.AgentBackend):
     # -- commands --------------------------------------------------------------------------
 
     def _call(
-        self, handle: SandboxHandle, request: dict[str, Any], timeout_s: float
+        self,
+        handle: SandboxHandle,
+        request: dict[str, Any],
+        timeout_s: float,
+        on_chunk: agent.OnChunk | None = None,
     ) -> dict[str, Any]:
         endpoint = self._endpoint(handle)
         try:
@@ -273,6 +277,7 @@ class KubernetesBackend(agent.AgentBackend):
                 request,
                 timeout_s,
                 watch=lambda: self._why_not_answering(handle),
+                on_chunk=on_chunk,
             )
         except (SandboxUnavailable, agent.AgentUnauthorized) as exc:
             # A refused token means the pod IP now belongs to another sandbox (pod IPs are
