@@ -20,7 +20,7 @@ from orchestrator.api.models import FunctionCall
 from orchestrator.config import Settings
 from orchestrator.images.codebases import UnknownCodebase, add_codebase, get_codebase
 from orchestrator.local import free_port
-from orchestrator.sandbox.cgroups import container_file
+from orchestrator.sandbox import cgroups
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STACK_ENVIRONMENTS = """\
@@ -177,13 +177,4 @@ def host_busy_s() -> float:
 
 
 def container_cpu_s(container_id: str) -> float:
-    path = container_file("cpuacct", container_id, "cpuacct.usage", "cpu.stat")
-    try:
-        if path is None:
-            return 0.0
-        if path.name == "cpuacct.usage":
-            return int(path.read_text()) / 1e9
-        stat = dict(line.split() for line in path.read_text().splitlines())
-        return int(stat["usage_usec"]) / 1e6
-    except (OSError, ValueError, KeyError):
-        return 0.0
+    return cgroups.container_cpu_s(container_id) or 0.0

@@ -131,6 +131,15 @@ async def kill_sandbox(sandbox_id: str, svc: Sandboxes) -> Response:
     return Response(status_code=204)
 
 
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def sandbox_metrics(sandbox_id: str, svc: Sandboxes) -> JSONResponse:
+    """``sbx.get_metrics()``: what it uses now, one entry (none while it is paused)."""
+    try:
+        return JSONResponse([wire_json(m) for m in await svc.metrics(sandbox_id)])
+    except (SandboxGone, InfraError) as exc:
+        return error_response(_translate(exc, sandbox_id))
+
+
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
 async def set_timeout(sandbox_id: str, body: TimeoutBody, svc: Sandboxes) -> Response:
     """``sandbox.set_timeout(seconds)``: it is killed that long from now."""

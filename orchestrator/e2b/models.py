@@ -112,6 +112,20 @@ class SandboxDetail(_Wire):
     metadata: dict[str, str] = Field(default_factory=dict)
 
 
+class MetricOut(_Wire):
+    """One entry of ``GET /sandboxes/{id}/metrics`` (``sbx.get_metrics()``)."""
+
+    timestamp: datetime
+    timestamp_unix: int = Field(alias="timestampUnix")
+    cpu_count: int = Field(alias="cpuCount")
+    cpu_used_pct: float = Field(alias="cpuUsedPct")
+    mem_used: int = Field(alias="memUsed")
+    mem_total: int = Field(alias="memTotal")
+    mem_cache: int = Field(alias="memCache")
+    disk_used: int = Field(alias="diskUsed")
+    disk_total: int = Field(alias="diskTotal")
+
+
 class E2BState(BaseModel):
     """What a rollout keeps of its E2B sandbox (the record's ``e2b`` field)."""
 

@@ -22,6 +22,7 @@ from typing import Any
 from orchestrator.e2b.connect import Code, ConnectError
 from orchestrator.e2b.models import (
     E2BState,
+    MetricOut,
     NewSandbox,
     SandboxDetail,
     SandboxOut,
@@ -45,6 +46,8 @@ from orchestrator.state.streams import follow
 from orchestrator.state.tasks import (
     FileOpReply,
     FileOpRequest,
+    ProbeSandbox,
+    SandboxMeasured,
     SignalExec,
     SignalReply,
     TaskName,
@@ -377,6 +380,36 @@ class E2BSandboxes:
         if paused_as is not None:
             await self.service.snapshots.drop(paused_as)
         return True
+
+    async def metrics(self, sandbox_id: str) -> list[MetricOut]:
+        """``get_metrics``: what it uses now, measured by its host (a paused one: none)."""
+        rollout, _ = await self.alive(sandbox_id)
+        if rollout.sandbox is None or rollout.state == RolloutState.PAUSED:
+            return []
+        payload = ProbeSandbox(handle=rollout.sandbox).model_dump(mode="json")
+        measured = SandboxMeasured.model_validate(
+            await self._worker(TaskName.MEASURE_SANDBOX, rollout, payload)
+        )
+        if measured.usage is None:
+            raise InfraError(
+                f"could not measure sandbox {sandbox_id}: {measured.error}",
+                rollout_id=sandbox_id,
+                code=Cause.NOT_RUN,
+            )
+        usage = measured.usage
+        return [
+            MetricOut(
+                timestamp=usage.at,
+                timestamp_unix=int(usage.at.timestamp()),
+                cpu_count=max(1, round(usage.cpu_count)),
+                cpu_used_pct=usage.cpu_used_pct,
+                mem_used=usage.mem_used,
+                mem_total=usage.mem_total,
+                mem_cache=usage.mem_cache,
+                disk_used=usage.disk_used,
+                disk_total=usage.disk_total,
+            )
+        ]
 
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> None:
         rollout, state = await self.alive(sandbox_id)

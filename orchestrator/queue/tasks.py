@@ -58,6 +58,7 @@ from orchestrator.state.tasks import (
     RunTests,
     RunTestsReply,
     SandboxCreated,
+    SandboxMeasured,
     SignalExec,
     SignalReply,
     SnapshotMade,
@@ -389,6 +390,18 @@ def snapshot_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
             log.error("sandbox.snapshot_failed", snapshot_id=request.snapshot_id, error=str(exc))
             made = SnapshotMade(error=f"{type(exc).__name__}: {exc}")
         return made.model_dump(mode="json")
+
+
+@task(TaskName.MEASURE_SANDBOX)
+@replies
+def measure_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
+    """What a sandbox uses now (E2B's ``get_metrics``)."""
+    request = ProbeSandbox.model_validate(payload)
+    try:
+        measured = SandboxMeasured(usage=worker.backend().usage(request.handle))
+    except SandboxError as exc:
+        measured = SandboxMeasured(error=f"{type(exc).__name__}: {exc}")
+    return measured.model_dump(mode="json")
 
 
 @task(TaskName.DROP_SNAPSHOT)

@@ -412,6 +412,19 @@ class SnapshotTaken(BaseModel):
     )
 
 
+class SandboxUsage(BaseModel):
+    """What a sandbox uses now (:meth:`SandboxBackend.usage`): E2B's ``get_metrics``."""
+
+    at: datetime
+    cpu_count: float = Field(description="The CPUs it may use (its limit).")
+    cpu_used_pct: float = Field(description="Of those, the share it used just now, in %.")
+    mem_used: int = Field(description="Bytes of memory in use (page cache included).")
+    mem_total: int = Field(description="Its memory limit, in bytes.")
+    mem_cache: int = Field(0, description="Of mem_used, the page cache.")
+    disk_used: int = Field(0, description="Bytes its /workspace holds of what it wrote.")
+    disk_total: int = Field(0, description="Its /workspace cap in bytes (0: uncapped).")
+
+
 class SnapshotRefused(Exception):
     """A snapshot that cannot be taken for a reason of the caller's: not a fault of ours."""
 
@@ -601,6 +614,10 @@ class SandboxBackend(ABC):
         :attr:`SandboxSpec.snapshot` starts new sandboxes from; the sandbox runs on.
         :class:`SnapshotRefused` when the caller asked for what cannot be done."""
         raise SandboxError(f"the {self.name} backend cannot take snapshots")
+
+    def usage(self, handle: SandboxHandle) -> SandboxUsage:
+        """What the sandbox uses now: CPU (over a moment), memory, /workspace."""
+        raise SandboxError(f"the {self.name} backend does not measure sandboxes")
 
     def drop_snapshot(self, snapshot_id: str) -> bool:
         """Remove a snapshot; False when it stays because a sandbox (or a snapshot) is made

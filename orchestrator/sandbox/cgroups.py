@@ -47,3 +47,30 @@ def hierarchy(version: str) -> Path | None:
         if version == "v2" and fstype == "cgroup2":
             return mount_point
     return None
+
+
+def container_cpu_s(container_id: str) -> float | None:
+    """CPU seconds the container's processes used, or None when it keeps no such count."""
+    path = container_file("cpuacct", container_id, "cpuacct.usage", "cpu.stat")
+    try:
+        if path is None:
+            return None
+        if path.name == "cpuacct.usage":
+            return int(path.read_text()) / 1e9
+        stat = dict(line.split() for line in path.read_text().splitlines())
+        return int(stat["usage_usec"]) / 1e6
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def container_memory(container_id: str) -> tuple[int, int]:
+    """The container's memory in use and its page cache, in bytes (0, 0 when unknown)."""
+    usage = container_file("memory", container_id, "memory.usage_in_bytes", "memory.current")
+    stat = container_file("memory", container_id, "memory.stat", "memory.stat")
+    try:
+        used = int(usage.read_text()) if usage else 0
+        fields = dict(line.split() for line in stat.read_text().splitlines()) if stat else {}
+    except (OSError, ValueError):
+        return 0, 0
+    cache = int(fields.get("cache", fields.get("file", "0")))
+    return used, cache

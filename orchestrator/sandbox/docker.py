@@ -44,6 +44,7 @@ from orchestrator.sandbox.backend import (
     SandboxHandle,
     SandboxSpec,
     SandboxUnavailable,
+    SandboxUsage,
     SnapshotTaken,
 )
 from orchestrator.sandbox.repos import HostRepos, RepoError
@@ -64,6 +65,8 @@ SOCKET_NAME = "agent.sock"
 PACKED_NAME = "packed.tar"
 FREEZING = "freezing"
 PACK_TIMEOUT_S = 120.0
+USAGE_SAMPLE_S = 0.2
+"""How long a sandbox's CPU use is measured over, for its usage now."""
 # Built into the base image (sandbox_images/base/gvisor-compat): makes coreutils work on
 # old gVisor releases.
 GVISOR_COMPAT_PRELOAD = "/opt/orchestrator/lib/statx_compat.so"
@@ -405,6 +408,39 @@ class DockerBackend(agent.AgentBackend):
             if fs.f_bavail * fs.f_frsize < 1 << 20:
                 hit.append("disk_limit")
         return hit
+
+    def usage(self, handle: SandboxHandle) -> SandboxUsage:
+        """From the container's cgroups (CPU over :data:`USAGE_SAMPLE_S`, memory) and its
+        /workspace filesystem (its own, when capped)."""
+        try:
+            info = self.client.api.inspect_container(self._resource_name(handle.sandbox_id))
+        except NotFound as exc:
+            raise SandboxUnavailable(f"sandbox {handle.sandbox_id} is gone") from exc
+        except DOCKER_FAILURES as exc:
+            raise _docker_fault("inspect the sandbox", exc) from exc
+        container_id, config = info["Id"], info.get("HostConfig") or {}
+        cpus = (config.get("NanoCpus") or 0) / 1e9 or float(os.cpu_count() or 1)
+        before, started = cgroups.container_cpu_s(container_id), time.monotonic()
+        time.sleep(USAGE_SAMPLE_S)
+        after, elapsed = cgroups.container_cpu_s(container_id), time.monotonic() - started
+        used = 0.0 if before is None or after is None else (after - before) / elapsed
+        memory, cache = cgroups.container_memory(container_id)
+        disk_used = disk_total = 0
+        top = self.workspaces.uppers / handle.sandbox_id
+        if top.is_mount():
+            fs = os.statvfs(top)
+            disk_total = fs.f_blocks * fs.f_frsize
+            disk_used = disk_total - fs.f_bfree * fs.f_frsize
+        return SandboxUsage(
+            at=datetime.now(UTC),
+            cpu_count=cpus,
+            cpu_used_pct=round(min(100.0, 100 * used / cpus), 2),
+            mem_used=memory,
+            mem_total=int(config.get("Memory") or 0),
+            mem_cache=cache,
+            disk_used=disk_used,
+            disk_total=disk_total,
+        )
 
     def manifest(self, handle: SandboxHandle) -> dict[str, Any]:
         """The agent's account of everywhere state can persist in the sandbox (processes,

@@ -17,6 +17,7 @@ from orchestrator.sandbox.backend import (
     FileOpResult,
     SandboxHandle,
     SandboxSpec,
+    SandboxUsage,
     SnapshotTaken,
 )
 from orchestrator.sandbox.testrun import TestRun, TestRunResult
@@ -38,6 +39,7 @@ class TaskName(StrEnum):
     REFILL_POOLS = "orchestrator.refill_pools"
     CHECK_COMMIT = "orchestrator.check_commit"
     SNAPSHOT_SANDBOX = "orchestrator.snapshot_sandbox"
+    MEASURE_SANDBOX = "orchestrator.measure_sandbox"
     DROP_SNAPSHOT = "orchestrator.drop_snapshot"
     REAP = "orchestrator.reap"
 
@@ -68,6 +70,14 @@ class SnapshotMade(BaseModel):
 
     taken: SnapshotTaken | None = None
     refused: str | None = None
+    error: str | None = None
+
+
+class SandboxMeasured(BaseModel):
+    """A ``measure_sandbox`` reply (its payload: :class:`ProbeSandbox`): what the sandbox
+    uses now, or why it could not be told."""
+
+    usage: SandboxUsage | None = None
     error: str | None = None
 
 

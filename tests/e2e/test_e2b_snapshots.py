@@ -177,3 +177,16 @@ def test_a_paused_sandbox_is_killed_and_a_memory_pause_refused(
     assert Sandbox.kill(sbx.sandbox_id) is False
     with pytest.raises(SandboxException):
         Sandbox.connect(sbx.sandbox_id)
+
+
+def test_metrics_say_what_a_sandbox_uses_now(e2b_stack: Stack, made: list[Sandbox]) -> None:
+    sbx = _set_up(made, e2b_stack.codebase)
+    sbx.commands.run("head -c 5000000 /dev/zero > /workspace/blob")
+    busy = sbx.commands.run("timeout 3 sh -c 'while :; do :; done'", background=True)
+    (metric,) = sbx.get_metrics()
+    assert metric.cpu_count >= 1 and metric.cpu_used_pct > 20, metric
+    assert 0 < metric.mem_used < metric.mem_total
+    assert metric.disk_total > metric.disk_used >= 5_000_000, metric
+    busy.kill()
+    assert sbx.pause() is True
+    assert Sandbox.get_metrics(sbx.sandbox_id) == []  # paused: nothing runs
