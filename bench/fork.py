@@ -2,8 +2,9 @@
 set-up step, made by forking one set-up sandbox against G × (create + set-up); and the
 fork of a sandbox with a large /workspace change against a cold create, side by side.
 
-Through the stock ``e2b`` SDK against a local stack (``orchestrator up``), as a harness
-would: ``Sandbox.create``, ``commands.run`` (the set-up), ``fork(count=G)``.
+Through the stock ``e2b`` SDK against a local stack (``orchestrator up``, no warm pool: every
+create is cold, as a fork's sandboxes are), as a harness would: ``Sandbox.create``,
+``commands.run`` (the set-up), ``fork(count=G)``.
 
 - ``group``: per round, in an order turned by one each round, (a) fork: create one
   sandbox, run the set-up in it, fork it G ways, until every fork answers a command; (b)
@@ -202,7 +203,8 @@ def main() -> None:
     parser.add_argument("--forks", type=int, default=10)
     args = parser.parse_args()
     settings = throwaway_stack_settings(f"bench-fork-{uuid.uuid4().hex[:6]}", STACK_ENVIRONMENTS)
-    settings = settings.model_copy(update={"e2b_default_timeout_s": 1800})
+    # No warm pool: every create here is cold, as a fork's sandboxes are.
+    settings = settings.model_copy(update={"e2b_default_timeout_s": 1800, "pool_autosize": False})
     setup = SET_UP.format(cpu=args.setup_cpu)
     ensure_bench_codebase(settings)
     with local_stack(settings, log=settings.state_dir / "stack.log", forget=True) as base:
