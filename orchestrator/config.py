@@ -148,6 +148,13 @@ class Settings(BaseSettings):
         description="Sandboxes a worker creates at once to refill warm pools (only while no "
         "rollout waits for one): few, so running rollouts' calls keep their share of the CPU.",
     )
+    background_yield_s: float = Field(
+        30.0,
+        ge=0,
+        description="How long a pool refill's creation and a recycled sandbox's reset wait, "
+        "at most, for this host's tool calls to pause (none for 0.3 s): live calls first "
+        "(a reset a new rollout waits for goes at once); 0: they never wait.",
+    )
     agent_rft_call_bound_s: float = Field(
         600.0,
         gt=0,

@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
+from orchestrator.config import Settings
+from orchestrator.queue import worker
 from orchestrator.queue.lane import GroupedLane
 from orchestrator.rollouts.models import rollout_group
 from orchestrator.state.models import RolloutSource
-from orchestrator.state.tasks import CreateSandbox
+from orchestrator.state.tasks import CreateSandbox, ToolCall
 
 
 class Recorder:
@@ -107,3 +111,32 @@ def test_rollouts_of_one_item_have_one_group() -> None:
         {"rollout_id": "r", "spec": {"image": "img", "rollout_id": "r"}, "group": group}
     )
     assert wire.group == group
+
+
+class _Pools:
+    """The pool filler's one question here: does a new rollout wait for this pool?"""
+
+    def __init__(self, awaited: set[str]) -> None:
+        self._awaited = awaited
+
+    def awaited(self, pool: str) -> bool:
+        return pool in self._awaited
+
+
+def test_background_work_waits_for_the_hosts_calls_to_pause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A refill or a reset waits while a call runs (and just after one), goes at once when
+    a new rollout waits for the reset's pool, and waits no longer than its bound."""
+    monkeypatch.setattr(worker, "get_settings", lambda: Settings(background_yield_s=0.6))
+    monkeypatch.setattr(worker, "pool_filler", lambda: _Pools({"awaited-pool"}))
+    calls = worker._InFlight()
+    monkeypatch.setattr(worker, "in_flight", calls)
+    call = cast(ToolCall, SimpleNamespace(ticket="t1"))  # (only its ticket is read)
+    assert worker.yield_to_calls("refill") < 0.05  # nothing runs
+    with calls.running(call):
+        assert 0.55 < worker.yield_to_calls("refill") < 1.5  # its bound
+        assert worker.yield_to_calls("reset", "awaited-pool") < 0.05
+    # Just after a call: the host is not quiet yet, then it is.
+    waited = worker.yield_to_calls("reset", "other-pool")
+    assert 0.2 < waited < 0.55, waited

@@ -27,14 +27,15 @@ def test_a_directory_bound_onto_itself_is_counted(point: Path) -> None:
     assert mounts.mounted_at(point) == 0
     mounts.bind_shared(point)
     assert not point.is_mount() and mounts.mounted_at(point) == 1
+    assert not mounts.covered(point)  # its own filesystem still shows
     shared = [
         line for line in Path("/proc/self/mountinfo").read_text().splitlines() if "shared:" in line
     ]
     assert any("with\\040space\\011and\\040tab" in line for line in shared)
     mounts.mount("tmpfs", point, "tmpfs", 0, "size=1m")
-    assert mounts.mounted_at(point) == 2
-    mounts.unmount_all(point)
-    assert mounts.mounted_at(point) == 0
+    assert mounts.mounted_at(point) == 2 and mounts.covered(point)
+    mounts.unmount_all(point)  # both, without reading the table
+    assert mounts.mounted_at(point) == 0 and not mounts.covered(point)
 
 
 def test_a_busy_mount_is_refused_or_detached(point: Path) -> None:

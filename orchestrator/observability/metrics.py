@@ -116,6 +116,14 @@ SANDBOXES_RECYCLED = Counter(
     "limit_hit, audit_failed or reset_failed (queue/tasks.RecycleResult).",
     ["result"],
 )
+BACKGROUND_YIELD_SECONDS = Histogram(
+    "orchestrator_background_yield_seconds",
+    "How long background work waited for the host's tool calls to pause before it ran "
+    "(queue/worker.yield_to_calls), by work: refill (a pool sandbox's creation), reset (a "
+    "recycled sandbox's).",
+    ["work"],
+    buckets=(0.001, 0.05, 0.1, 0.3, 1, 2, 5, 10, 20, 30, 60),
+)
 SNAPSHOT_SECONDS = Histogram(
     "orchestrator_snapshot_seconds",
     "Time to take a sandbox's filesystem snapshot on its host (sandbox/snapshots.py), by "

@@ -106,6 +106,7 @@ def _on_shutting_down(**_: Any) -> None:
     # Creations not started yet are dropped: their callers hear of it through the retired
     # heartbeat instead of waiting for a burst's worth of sandboxes to be made first.
     worker.creations().close()
+    worker.recycles().close()  # (their sandboxes, unreset, go with the host's sweep)
     worker.creation_gate().close()
     worker.pool_creations().shutdown(wait=False, cancel_futures=True)
 
@@ -446,13 +447,14 @@ def destroy_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
 @task(TaskName.RECYCLE_SANDBOX)
 def recycle_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     """Reset a sandbox whose rollout ended cleanly and put it in its pool, or destroy it
-    (rollouts/recycling.py says when). Through the rollouts' creation lane, as one of
-    theirs: the sandbox it makes is one a rollout of the next burst takes, so it goes
-    before refills (which would make new ones beside it) and beside rollouts' creations.
-    (In the pool lane, one at a time and behind every cold create, a second burst found
-    33 of its 256 rollouts' sandboxes reset in time, and 504 sandboxes ran at once.)"""
+    (rollouts/recycling.py says when). In the recycle lane, counted as one of the rollouts'
+    creations at the creation gate: the sandbox it makes is one a rollout of the next
+    burst takes, so it goes before refills (which would make new ones beside it). (In the
+    pool lane, one at a time and behind every cold create, a second burst found 33 of its
+    256 rollouts' sandboxes reset in time, and 504 sandboxes ran at once.) The reset waits
+    for the host's calls to pause, unless a new rollout waits for it (yield_to_calls)."""
     request = RecycleSandbox.model_validate(payload)
-    worker.create_for_rollout(_recycle, request)
+    worker.create_for_rollout(_recycle, request, lane=worker.recycles())
     return {"accepted": True}
 
 
@@ -492,6 +494,7 @@ def _recycle(request: RecycleSandbox) -> None:
                 result, why = RecycleResult.POOL_FULL, "its pool is full"
             else:
                 reserved = True
+                worker.yield_to_calls("reset", request.pool)
                 hit = backend.limits_hit(handle)
                 if hit:
                     result, why = RecycleResult.LIMIT_HIT, f"it hit {', '.join(hit)}"
@@ -634,6 +637,7 @@ def _fill_one(pool: PoolTarget) -> bool:
     if not worker.creation_gate().pool_turn():
         filler.deliver(pool, None)  # stopping: the reservation is freed
         return False
+    worker.yield_to_calls("refill")
     transit = filler.take_slot(f"create:{uuid.uuid4().hex}")
     if transit is None:
         filler.deliver(pool, None)

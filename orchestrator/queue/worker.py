@@ -18,6 +18,7 @@ from orchestrator.environments.loader import (
     ResolvedEnvironment,
     load_environments,
 )
+from orchestrator.observability import metrics
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Cause
 from orchestrator.queue.lane import GroupedLane
@@ -153,9 +154,11 @@ def creation_gate() -> CreationGate:
     return CreationGate()
 
 
-def create_for_rollout(fn: Callable[..., None], *args: Any, group: str | None = None) -> None:
-    """Run ``fn(*args)`` (a rollout's sandbox creation, or a reset) in :func:`creations`,
-    seated with ``group``'s other rollouts, and counted as waiting at
+def create_for_rollout(
+    fn: Callable[..., None], *args: Any, group: str | None = None, lane: GroupedLane | None = None
+) -> None:
+    """Run ``fn(*args)`` (a rollout's sandbox creation, or a reset) in :func:`creations`
+    (or ``lane``), seated with ``group``'s other rollouts, and counted as waiting at
     :func:`creation_gate` from now until it is done (or dropped unrun by a shutdown)."""
     gate = creation_gate()
     gate.rollout_queued()
@@ -166,7 +169,15 @@ def create_for_rollout(fn: Callable[..., None], *args: Any, group: str | None = 
         finally:
             gate.rollout_done()
 
-    creations().submit(run, group, dropped=gate.rollout_done)
+    (lane or creations()).submit(run, group, dropped=gate.rollout_done)
+
+
+@lru_cache(maxsize=1)
+def recycles() -> GroupedLane:
+    """The lane of recycled sandboxes' resets: apart from :func:`creations`, since a reset
+    waits for the host's calls to pause (:func:`yield_to_calls`) and must not hold up a
+    rollout's creation meanwhile; as many at once as creations."""
+    return GroupedLane(get_settings().create_concurrency, "recycle")
 
 
 @lru_cache(maxsize=1)
@@ -187,6 +198,7 @@ class _InFlight:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._calls: dict[str, ToolCall] = {}
+        self._last_end = 0.0
         self.draining = False
 
     @contextmanager
@@ -198,6 +210,13 @@ class _InFlight:
         finally:
             with self._lock:
                 self._calls.pop(call.ticket, None)
+                self._last_end = time.monotonic()
+
+    def busy(self, quiet_s: float) -> bool:
+        """A call runs, or one ended less than ``quiet_s`` ago (its rollout thinks, and
+        calls again)."""
+        with self._lock:
+            return bool(self._calls) or time.monotonic() - self._last_end < quiet_s
 
     def snapshot(self) -> list[ToolCall]:
         with self._lock:
@@ -205,6 +224,27 @@ class _InFlight:
 
 
 in_flight = _InFlight()
+
+CALLS_QUIET_S = 0.3
+"""No tool call here for this long: the host's live calls have paused (a step boundary)."""
+YIELD_POLL_S = 0.05
+
+
+def yield_to_calls(work: str, pool: str | None = None) -> float:
+    """Background work (``work``: a pool refill's creation, a recycled sandbox's reset)
+    waits while this host runs tool calls, so they keep the CPU: until none ran for
+    :data:`CALLS_QUIET_S`, or a new rollout waits for ``pool``'s recycled sandbox, or
+    ``background_yield_s`` passed. Returns how long it waited."""
+    limit = get_settings().background_yield_s
+    started = time.monotonic()
+    waited = 0.0
+    while waited < limit and in_flight.busy(CALLS_QUIET_S) and not in_flight.draining:
+        if pool is not None and pool_filler().awaited(pool):
+            break
+        time.sleep(YIELD_POLL_S)
+        waited = time.monotonic() - started
+    metrics.BACKGROUND_YIELD_SECONDS.labels(work).observe(waited)
+    return waited
 
 
 def host_status(previous: HostFinding) -> HostFinding:

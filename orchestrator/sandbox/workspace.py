@@ -125,7 +125,7 @@ class Workspaces:
         sandbox's may hold a file there (its processes are gone): a busy mount raises."""
         top = self.uppers / sandbox_id
         point = top / MERGED
-        if mounts.mounted_at(point) < 2:  # the bind, and the overlay on it
+        if not mounts.covered(point):  # the overlay, on the bind of the point
             raise SandboxError(f"/workspace of {sandbox_id} is not mounted")
         try:
             mounts.unmount(point, detach_if_busy=False)
@@ -247,13 +247,15 @@ class Workspaces:
         merged = top / MERGED
         # A failed unmount is logged, never raised (as the `umount` children before it
         # were): a destroy must go on, and a later sweep tries again.
+        stuck = False
         try:
             mounts.unmount_all(merged)
             if top.is_mount():
                 mounts.unmount(top)
         except mounts.MountError as exc:
+            stuck = True
             log.warning("sandbox.workspace_umount_failed", sandbox_id=sandbox_id, error=str(exc))
-        if top.is_mount() or (merged.is_dir() and mounts.mounted_at(merged)):
+        if stuck or top.is_mount():
             # Still mounted: rmtree would empty a filesystem something still uses.
             log.warning("sandbox.workspace_busy", sandbox_id=sandbox_id, path=str(top))
         else:

@@ -348,6 +348,10 @@ class PoolFiller:
         self._take_slot = client.register_script(TAKE_SLOT)
         self._trim = client.register_script(_TRIM)
 
+    def awaited(self, pool: str) -> bool:
+        """Whether a new rollout waits for a sandbox being reset for ``pool``."""
+        return int(self.client.get(self.keys.pool(pool, "awaiting")) or 0) > 0
+
     def demand(self) -> dict[str, PoolDemand]:
         """Every pool's recent demand (one round trip), for :func:`targets`."""
         return parse_demand(self.client.hgetall(self.keys.pool_demand))
