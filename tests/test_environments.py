@@ -118,6 +118,7 @@ class SpyBackend(SandboxBackend):
         env: dict[str, str] | None = None,
         exec_id: str | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
+        stdin: bool = False,
     ) -> ExecResult:
         self.calls.append(command)
         return self._forward().exec(

@@ -135,6 +135,7 @@ class FakeBackend(SandboxBackend):
         env: dict[str, str] | None = None,
         exec_id: str | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
+        stdin: bool = False,
     ) -> ExecResult:
         self.calls.append(
             ("exec", {"command": command, "timeout_s": timeout_s, "budget": output_budget_bytes})

@@ -38,6 +38,7 @@ from orchestrator.e2b.models import (
     MoveRequest,
     PathRequest,
     SelectorRequest,
+    SendInputRequest,
     SendSignalRequest,
     StartRequest,
     data_event,
@@ -158,6 +159,14 @@ async def process(method: str, request: Request, svc: Sandboxes) -> Response:
             return JSONResponse(
                 {"processes": [_info(p) for p in await svc.processes(rollout.rollout_id)]}
             )
+        if method in ("SendInput", "CloseStdin"):
+            sent = _message(SendInputRequest, raw)
+            pid = await svc.find_process(rollout.rollout_id, sent.process.pid, sent.process.tag)
+            if sent.input is not None and sent.input.pty is not None:
+                raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not supported here")
+            data = base64.b64decode(sent.input.stdin or "") if sent.input is not None else b""
+            await svc.send_input(rollout, pid, data, close=method == "CloseStdin")
+            return JSONResponse({})
         if method == "SendSignal":
             signal = _message(SendSignalRequest, raw)
             pid = await svc.find_process(rollout.rollout_id, signal.process.pid, signal.process.tag)
@@ -167,7 +176,7 @@ async def process(method: str, request: Request, svc: Sandboxes) -> Response:
             return JSONResponse({})
         raise ConnectError(
             Code.UNIMPLEMENTED,
-            f"process.Process/{method} is not supported here (no stdin, no PTY)",
+            f"process.Process/{method} is not supported here (no PTY)",
         )
     except ConnectError as exc:
         if stream:  # a stream's error is its end-of-stream message
@@ -185,8 +194,6 @@ async def _start(
     _user(svc, rollout, request)
     if start.pty is not None:
         raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not supported here")
-    if start.stdin:
-        raise ConnectError(Code.UNIMPLEMENTED, "stdin is not supported here: run with stdin=False")
     config = start.process
     started = await svc.start_process(
         rollout,
@@ -196,6 +203,7 @@ async def _start(
         cwd=config.cwd,
         timeout_s=_timeout_s(request),
         tag=start.tag,
+        stdin=bool(start.stdin),
     )
     return _stream(_events(svc, rollout.rollout_id, started.pid))
 

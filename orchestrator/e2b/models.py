@@ -177,6 +177,18 @@ class SelectorRequest(_Wire):
     process: ProcessSelector = Field(default_factory=ProcessSelector)
 
 
+class ProcessInput(_Wire):
+    stdin: str | None = Field(None, description="Bytes, base64.")
+    pty: str | None = None
+
+
+class SendInputRequest(_Wire):
+    """``SendInput`` (``commands.send_stdin``) and ``CloseStdin`` (``close_stdin``)."""
+
+    process: ProcessSelector = Field(default_factory=ProcessSelector)
+    input: ProcessInput | None = None
+
+
 class SendSignalRequest(_Wire):
     process: ProcessSelector = Field(default_factory=ProcessSelector)
     signal: str | int = "SIGNAL_SIGKILL"

@@ -46,8 +46,10 @@ from orchestrator.state.streams import follow
 from orchestrator.state.tasks import (
     FileOpReply,
     FileOpRequest,
+    InputSent,
     ProbeSandbox,
     SandboxMeasured,
+    SendInput,
     SignalExec,
     SignalReply,
     TaskName,
@@ -92,6 +94,7 @@ class Process:
     argv: list[str]
     cwd: str
     tag: str | None = None
+    stdin: bool = False
 
 
 class E2BSandboxes:
@@ -451,8 +454,10 @@ class E2BSandboxes:
     async def start_process(
         self, rollout: Rollout, state: E2BState, argv: list[str], *,
         envs: dict[str, str], cwd: str | None, timeout_s: float | None, tag: str | None,
+        stdin: bool = False,
     ) -> Process:  # fmt: skip
-        """Number a new command (its pid) and remember it; :meth:`run` runs it."""
+        """Number a new command (its pid) and remember it; :meth:`run` runs it (``stdin``:
+        with its input a pipe :meth:`send_input` writes)."""
         left = state.end_at - time.time()
         cap = min(left, self.settings.command_timeout_max_s)
         timeout = min(timeout_s, cap) if timeout_s else cap
@@ -466,6 +471,7 @@ class E2BSandboxes:
             argv=argv,
             cwd=cwd or "/workspace",
             tag=tag,
+            stdin=stdin,
         )
         record = {**process.__dict__, "envs": {**state.env_vars, **envs}, "timeout_s": timeout}
         await self.processes_table.put(rollout.rollout_id, pid, record)
@@ -481,6 +487,7 @@ class E2BSandboxes:
             "cwd": record["cwd"],
             "timeout_s": record["timeout_s"],
             "exec_id": record["exec_id"],
+            "stdin": bool(record.get("stdin")),
         }
         try:
             return await self.service.call_tool(
@@ -530,6 +537,30 @@ class E2BSandboxes:
                 raise InfraError(reply.infra_error, rollout_id=rollout.rollout_id)
             if reply.found or time.monotonic() > deadline:
                 return reply.found
+            await asyncio.sleep(0.05)
+
+    async def send_input(self, rollout: Rollout, pid: int, data: bytes, *, close: bool) -> None:
+        """Write ``data`` to command ``pid``'s input (and close it, with ``close``).
+        ConnectError NOT_FOUND when it is not running; FAILED_PRECONDITION when it has no
+        input to write to. Sent again until the agent has started it, as a signal is."""
+        deadline = time.monotonic() + SIGNAL_UNTIL_STARTED_S
+        while True:
+            record = await self.processes_table.get(rollout.rollout_id, pid)
+            if record is None or rollout.sandbox is None:
+                raise ConnectError(Code.NOT_FOUND, f"process {pid} not found")
+            payload = SendInput(
+                handle=rollout.sandbox, exec_id=record["exec_id"], data=data, close=close
+            )
+            raw = await self._worker(TaskName.SEND_INPUT, rollout, payload.model_dump(mode="json"))
+            sent = InputSent.model_validate(raw)
+            if sent.infra_error is not None:
+                raise InfraError(sent.infra_error, rollout_id=rollout.rollout_id)
+            if sent.closed is not None:
+                raise ConnectError(Code.FAILED_PRECONDITION, f"process {pid}: {sent.closed}")
+            if sent.found:
+                return
+            if time.monotonic() > deadline:
+                raise ConnectError(Code.NOT_FOUND, f"process {pid} is not running")
             await asyncio.sleep(0.05)
 
     async def file_op(

@@ -32,6 +32,7 @@ from orchestrator.sandbox import testrun
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
     FileError,
+    InputClosed,
     ProbeResult,
     SandboxError,
     SandboxHandle,
@@ -53,12 +54,14 @@ from orchestrator.state.tasks import (
     DropSnapshot,
     FileOpReply,
     FileOpRequest,
+    InputSent,
     ProbeSandbox,
     RecycleSandbox,
     RunTests,
     RunTestsReply,
     SandboxCreated,
     SandboxMeasured,
+    SendInput,
     SignalExec,
     SignalReply,
     SnapshotMade,
@@ -415,6 +418,24 @@ def drop_snapshot(payload: dict[str, Any]) -> dict[str, Any]:
         return {"removed": worker.backend().drop_snapshot(request.snapshot_id)}
     except SandboxError as exc:
         return {"removed": False, "error": str(exc)}
+
+
+@task(TaskName.SEND_INPUT)
+@replies
+def send_input(payload: dict[str, Any]) -> dict[str, Any]:
+    """Write to a sandbox's running command's standard input by its exec id."""
+    request = SendInput.model_validate(payload)
+    with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
+        try:
+            found = worker.backend().send_input(
+                request.handle, request.exec_id, request.data, close=request.close
+            )
+            reply = InputSent(found=found)
+        except InputClosed as exc:
+            reply = InputSent(found=True, closed=str(exc))
+        except SandboxError as exc:
+            reply = InputSent(infra_error=f"{type(exc).__name__}: {exc}")
+        return reply.model_dump(mode="json")
 
 
 @task(TaskName.SIGNAL_EXEC)

@@ -425,6 +425,10 @@ class SandboxUsage(BaseModel):
     disk_total: int = Field(0, description="Its /workspace cap in bytes (0: uncapped).")
 
 
+class InputClosed(Exception):
+    """A command's input cannot be written: it was started without one, or it closed."""
+
+
 class SnapshotRefused(Exception):
     """A snapshot that cannot be taken for a reason of the caller's: not a fault of ours."""
 
@@ -520,13 +524,24 @@ class SandboxBackend(ABC):
         env: dict[str, str] | None = None,
         exec_id: str | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
+        stdin: bool = False,
     ) -> ExecResult:
         """Run ``command`` as the unprivileged user: a string is a bash command line, a list
         is an argv run as is (arguments never pass through a shell parser). The timeout is
         enforced in the sandbox by killing the command's whole process group. ``env``: more
         environment variables; ``exec_id``: a name :meth:`signal_exec` can reach it by;
         ``on_output``: given ("stdout" or "stderr", bytes) as the command prints them, up
-        to ``output_budget_bytes`` a stream (the result keeps what it keeps either way)."""
+        to ``output_budget_bytes`` a stream (the result keeps what it keeps either way);
+        ``stdin``: its standard input a pipe :meth:`send_input` writes (with ``exec_id``),
+        else /dev/null."""
+
+    def send_input(
+        self, handle: SandboxHandle, exec_id: str, data: bytes, *, close: bool = False
+    ) -> bool:
+        """Write ``data`` to the standard input of the running command ``exec_id`` (started
+        with ``stdin``), and close it after with ``close``; False when no such command
+        runs. :class:`InputClosed` when it has no input to write to (the caller's doing)."""
+        raise SandboxError(f"the {self.name} backend cannot write to a command's input")
 
     @abstractmethod
     def signal_exec(self, handle: SandboxHandle, exec_id: str, *, kill: bool = True) -> bool:

@@ -33,6 +33,7 @@ class TaskName(StrEnum):
     RUN_TESTS = "orchestrator.run_tests"
     FILE_OP = "orchestrator.file_op"
     SIGNAL_EXEC = "orchestrator.signal_exec"
+    SEND_INPUT = "orchestrator.send_input"
     DESTROY_SANDBOX = "orchestrator.destroy_sandbox"
     RECYCLE_SANDBOX = "orchestrator.recycle_sandbox"
     SWEEP_HOST = "orchestrator.sweep_host"
@@ -229,4 +230,25 @@ class SignalExec(BaseModel):
 
 class SignalReply(BaseModel):
     found: bool = False
+    infra_error: str | None = None
+
+
+class SendInput(BaseModel):
+    """Write to a running command's standard input by its exec id, and close it after with
+    ``close`` (the E2B API's ``send_stdin``, ``close_stdin``)."""
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+
+    handle: SandboxHandle
+    exec_id: str
+    data: bytes = b""
+    close: bool = False
+
+
+class InputSent(BaseModel):
+    """A :class:`SendInput`'s reply: ``found`` False when no such command runs (yet);
+    ``closed`` when it has no input to write to (started without, or closed)."""
+
+    found: bool = False
+    closed: str | None = None
     infra_error: str | None = None

@@ -35,6 +35,7 @@ class CommandArgs(BaseModel):
     cwd: str = "/workspace"
     timeout_s: float = Field(gt=0)
     exec_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,100}$")
+    stdin: bool = Field(False, description="Its input a pipe the client writes (exec_id too).")
 
     @field_validator("argv")
     @classmethod
@@ -145,6 +146,7 @@ class CommandTool(Tool[CommandArgs]):
             env=args.env,
             exec_id=args.exec_id,
             on_output=on_output,
+            stdin=args.stdin and args.exec_id is not None,
         )
         output = CommandOutput.of(result)
         return ToolResult(

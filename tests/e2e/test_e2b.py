@@ -107,6 +107,22 @@ def test_output_streams_as_it_is_printed(sbx: Sandbox) -> None:
     assert big.stdout == "x" * 300_000
 
 
+def test_stdin_is_sent_and_closed(sbx: Sandbox) -> None:
+    """send_stdin writes to a command started with stdin=True, close_stdin is its EOF; a
+    command started without stdin refuses input, saying so."""
+    handle = sbx.commands.run("cat; echo done", background=True, stdin=True, timeout=60)
+    sbx.commands.send_stdin(handle.pid, "first line\n")
+    sbx.commands.send_stdin(handle.pid, b"second\n")
+    sbx.commands.close_stdin(handle.pid)
+    assert handle.wait().stdout == "first line\nsecond\ndone\n"
+    plain = sbx.commands.run("sleep 30", background=True, timeout=60)
+    with pytest.raises(SandboxException, match="not started with stdin"):
+        sbx.commands.send_stdin(plain.pid, "x")
+    plain.kill()
+    # Without stdin, a command reading its input finds it empty at once (not a hang).
+    assert sbx.commands.run("cat; echo eof").stdout == "eof\n"
+
+
 def test_files(sbx: Sandbox) -> None:
     payload = bytes(range(256)) * 40
     info = sbx.files.write("notes/data.bin", payload)

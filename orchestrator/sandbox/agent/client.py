@@ -16,6 +16,7 @@ from orchestrator.sandbox.backend import (
     FileAction,
     FileError,
     FileOpResult,
+    InputClosed,
     ProbeResult,
     ReadFileResult,
     SandboxBackend,
@@ -214,12 +215,16 @@ def exec_request(
     env: dict[str, str] | None = None,
     exec_id: str | None = None,
     stream: bool = False,
+    stdin: bool = False,
 ) -> dict[str, Any]:
     """A shell command line (str), or an argv run without any shell parsing (list);
-    ``stream``: its output sent as it is printed, before the reply."""
+    ``stream``: its output sent as it is printed, before the reply; ``stdin``: its input a
+    pipe an ``input`` request writes."""
     request: dict[str, Any] = {"op": "exec", "timeout_s": timeout_s, "budget": budget, "cwd": cwd}
     if stream:
         request["stream"] = True
+    if stdin:
+        request["stdin"] = True
     request["argv" if isinstance(command, list) else "command"] = command
     if env:
         request["env"] = env
@@ -428,10 +433,24 @@ class AgentBackend(SandboxBackend):
         env: dict[str, str] | None = None,
         exec_id: str | None = None,
         on_output: OnChunk | None = None,
+        stdin: bool = False,
     ) -> ExecResult:
         stream = on_output is not None
-        request = exec_request(command, timeout_s, output_budget_bytes, cwd, env, exec_id, stream)
+        request = exec_request(
+            command, timeout_s, output_budget_bytes, cwd, env, exec_id, stream, stdin
+        )
         return exec_result(self._call(handle, request, timeout_s + REPLY_SLACK_S, on_output))
+
+    def send_input(
+        self, handle: SandboxHandle, exec_id: str, data: bytes, *, close: bool = False
+    ) -> bool:
+        request = {"op": "input", "exec_id": exec_id, "close": close}
+        if data:
+            request["data"] = base64.b64encode(data).decode()
+        done = self._call(handle, request, REPLY_SLACK_S)
+        if "error" in done:
+            raise InputClosed(str(done["error"]))
+        return bool(done["found"])
 
     def signal_exec(self, handle: SandboxHandle, exec_id: str, *, kill: bool = True) -> bool:
         request = {"op": "signal", "exec_id": exec_id, "signal": "kill" if kill else "term"}

@@ -586,10 +586,11 @@ class Spawned:
     signal, as Popen's). ``poll`` and ``wait`` may be called from two threads (a
     ``signal`` request polls while the exec's own thread waits)."""
 
-    def __init__(self, pid: int, stdout: Any, stderr: Any) -> None:
+    def __init__(self, pid: int, stdout: Any, stderr: Any, stdin: Any = None) -> None:
         self.pid = pid
         self.stdout = stdout
         self.stderr = stderr
+        self.stdin = stdin
         self.returncode: int | None = None
         self._lock = threading.Lock()
 
@@ -613,22 +614,30 @@ class Spawned:
             return self.returncode
 
 
-def spawn_as(run_as: str, uid: int, gid: int, argv: list[str], env: dict[str, str]) -> Spawned:
+def spawn_as(
+    run_as: str, uid: int, gid: int, argv: list[str], env: dict[str, str], stdin: bool = False
+) -> Spawned:
     """Start ``argv`` as ``uid``:``gid`` in a new session, through run-as (posix_spawn:
-    the agent is vforked, not forked), with standard input from /dev/null and standard
-    output and error piped: what the Popen in :meth:`Agent.exec` does. A failure to start
-    (EAGAIN at the pids limit, a failed exec) raises the OSError Popen would."""
+    the agent is vforked, not forked), with standard input from /dev/null (or a pipe, its
+    ``stdin``) and standard output and error piped: what the Popen in :meth:`Agent.exec`
+    does. A failure to start (EAGAIN at the pids limit, a failed exec) raises the OSError
+    Popen would."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     errpipe_r, errpipe_w = os.pipe()
     out_w, err_w, errpipe_w = above_stdio(out_w), above_stdio(err_w), above_stdio(errpipe_w)
+    in_r, in_w = os.pipe() if stdin else (-1, -1)
+    source: tuple[Any, ...] = (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)
+    if stdin:
+        in_r = above_stdio(in_r)
+        source = (os.POSIX_SPAWN_DUP2, in_r, 0)
     try:
         pid = os.posix_spawn(
             run_as,
             [run_as, str(uid), str(gid), *argv],
             env,
             file_actions=[
-                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                source,
                 (os.POSIX_SPAWN_DUP2, out_w, 1),
                 (os.POSIX_SPAWN_DUP2, err_w, 2),
                 (os.POSIX_SPAWN_DUP2, errpipe_w, RUN_AS_ERROR_FD),
@@ -639,21 +648,29 @@ def spawn_as(run_as: str, uid: int, gid: int, argv: list[str], env: dict[str, st
             setsigmask=(),
         )
     except BaseException:
-        for fd in (out_r, err_r, errpipe_r):
-            os.close(fd)
+        for fd in (out_r, err_r, errpipe_r, in_w):
+            if fd >= 0:
+                os.close(fd)
         raise
     finally:
-        for fd in (out_w, err_w, errpipe_w):
-            os.close(fd)
+        for fd in (out_w, err_w, errpipe_w, in_r):
+            if fd >= 0:
+                os.close(fd)
     with os.fdopen(errpipe_r, "rb", buffering=0) as errpipe:
         failed = errpipe.read(4)  # empty once the exec succeeded (close-on-exec)
     if failed:
         os.waitpid(pid, 0)
-        for fd in (out_r, err_r):
-            os.close(fd)
+        for fd in (out_r, err_r, in_w):
+            if fd >= 0:
+                os.close(fd)
         code = int.from_bytes(failed, sys.byteorder)
         raise OSError(code, f"{os.strerror(code)}: {argv[0]!r} as uid {uid}")
-    return Spawned(pid, os.fdopen(out_r, "rb", buffering=0), os.fdopen(err_r, "rb", buffering=0))
+    return Spawned(
+        pid,
+        os.fdopen(out_r, "rb", buffering=0),
+        os.fdopen(err_r, "rb", buffering=0),
+        os.fdopen(in_w, "wb", buffering=0) if stdin else None,
+    )
 
 
 class Agent:
@@ -787,7 +804,7 @@ class Agent:
         started = time.monotonic()
         before = self.limits.snapshot()
         try:
-            proc = self._start(["/bin/bash", "-c", *args], env)
+            proc = self._start(["/bin/bash", "-c", *args], env, stdin=bool(req.get("stdin")))
         except OSError as exc:
             # EAGAIN here is usually the sandbox's pids limit, hit by the agent's own
             # processes; spawn_failure says whether they fill it.
@@ -834,16 +851,17 @@ class Agent:
             "limit_details": details,
         }
 
-    def _start(self, argv: list[str], env: dict[str, str]) -> Command:
+    def _start(self, argv: list[str], env: dict[str, str], stdin: bool = False) -> Command:
         """``argv`` as the agent's user, in a new session, in /: through run-as when the
-        image has a trusted one, else by subprocess (a fork of the agent)."""
+        image has a trusted one, else by subprocess (a fork of the agent). ``stdin``: its
+        standard input a pipe the ``input`` request writes (else /dev/null)."""
         if self.run_as is not None:
-            return spawn_as(self.run_as, self.uid, self.gid, argv, env)
+            return spawn_as(self.run_as, self.uid, self.gid, argv, env, stdin)
         return subprocess.Popen(
             argv,
             cwd="/",
             env=env,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
@@ -943,6 +961,11 @@ class Agent:
             kill_group(proc.pid)
             for stream in captures:
                 stream.close()
+            if proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass  # a write racing it: the command is over either way
         if flooded:
             return "output", nproc_full
         return ("timeout" if running else None), nproc_full
@@ -962,6 +985,26 @@ class Agent:
                 return {"found": False}
         else:
             kill_tree(proc.pid)
+        return {"found": True}
+
+    def input(self, req: dict[str, object]) -> dict[str, object]:
+        """Write ``data`` (base64) to the standard input of the command named ``exec_id``
+        (started with ``stdin``), then, with ``close``, close it (its EOF). ``found``:
+        False when no command of that name runs; ``error`` when it has no such input."""
+        with self.running_lock:
+            proc = self.running.get(str(req["exec_id"]))
+        if proc is None:
+            return {"found": False}
+        if proc.stdin is None:
+            return {"found": True, "error": "the command was not started with stdin"}
+        try:
+            data = req.get("data")
+            if data:
+                proc.stdin.write(base64.b64decode(str(data)))
+            if req.get("close"):
+                proc.stdin.close()
+        except (OSError, ValueError) as exc:  # it ended, or closed its input: as a pipe says
+            return {"found": True, "error": f"its input is closed: {exc}"}
         return {"found": True}
 
     def read_file(self, req: dict[str, object]) -> dict[str, object]:
@@ -1623,6 +1666,7 @@ class Handler(socketserver.StreamRequestHandler):
                 "scrub": agent.scrub,
                 "stage": agent.stage,
                 "pack": agent.pack,
+                "input": agent.input,
                 "unpack": agent.unpack,
             }
             reply = {"ok": True, "result": methods[op](req)}
