@@ -119,6 +119,7 @@ class SpyBackend(SandboxBackend):
         exec_id: str | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
         stdin: bool = False,
+        pty: tuple[int, int] | None = None,
     ) -> ExecResult:
         self.calls.append(command)
         return self._forward().exec(

@@ -136,6 +136,7 @@ class FakeBackend(SandboxBackend):
         exec_id: str | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
         stdin: bool = False,
+        pty: tuple[int, int] | None = None,
     ) -> ExecResult:
         self.calls.append(
             ("exec", {"command": command, "timeout_s": timeout_s, "budget": output_budget_bytes})

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -41,6 +41,7 @@ from orchestrator.e2b.models import (
     SendInputRequest,
     SendSignalRequest,
     StartRequest,
+    UpdateRequest,
     data_event,
     entry_json,
     process_event,
@@ -162,10 +163,18 @@ async def process(method: str, request: Request, svc: Sandboxes) -> Response:
         if method in ("SendInput", "CloseStdin"):
             sent = _message(SendInputRequest, raw)
             pid = await svc.find_process(rollout.rollout_id, sent.process.pid, sent.process.tag)
-            if sent.input is not None and sent.input.pty is not None:
-                raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not supported here")
-            data = base64.b64decode(sent.input.stdin or "") if sent.input is not None else b""
-            await svc.send_input(rollout, pid, data, close=method == "CloseStdin")
+            given = sent.input
+            encoded = (given.stdin or given.pty or "") if given is not None else ""
+            await svc.send_input(
+                rollout, pid, base64.b64decode(encoded), close=method == "CloseStdin"
+            )
+            return JSONResponse({})
+        if method == "Update":
+            update = _message(UpdateRequest, raw)
+            pid = await svc.find_process(rollout.rollout_id, update.process.pid, update.process.tag)
+            if update.pty is not None:
+                size = (update.pty.size.rows, update.pty.size.cols)
+                await svc.send_input(rollout, pid, b"", resize=size)
             return JSONResponse({})
         if method == "SendSignal":
             signal = _message(SendSignalRequest, raw)
@@ -176,7 +185,7 @@ async def process(method: str, request: Request, svc: Sandboxes) -> Response:
             return JSONResponse({})
         raise ConnectError(
             Code.UNIMPLEMENTED,
-            f"process.Process/{method} is not supported here (no PTY)",
+            f"process.Process/{method} is not supported here",
         )
     except ConnectError as exc:
         if stream:  # a stream's error is its end-of-stream message
@@ -192,8 +201,6 @@ async def _start(
     request: Request, svc: E2BSandboxes, rollout: Rollout, e2b: E2BState, start: StartRequest
 ) -> Response:
     _user(svc, rollout, request)
-    if start.pty is not None:
-        raise ConnectError(Code.UNIMPLEMENTED, "PTYs are not supported here")
     config = start.process
     started = await svc.start_process(
         rollout,
@@ -204,6 +211,7 @@ async def _start(
         timeout_s=_timeout_s(request),
         tag=start.tag,
         stdin=bool(start.stdin),
+        pty=(start.pty.size.rows, start.pty.size.cols) if start.pty is not None else None,
     )
     return _stream(_events(svc, rollout.rollout_id, started.pid))
 
@@ -224,10 +232,10 @@ async def _events(svc: E2BSandboxes, rollout_id: str, pid: int) -> AsyncIterator
     its result is the rollout's call result, so a client that reattaches (``Connect``)
     gets it, and its output from the start."""
     yield connect.envelope(process_event("start", {"pid": pid}))
-    pieces = await svc.output(rollout_id, pid, lambda: running.done())
+    pieces, terminal = await svc.output(rollout_id, pid, lambda: running.done())
     running = asyncio.ensure_future(svc.run(rollout_id, pid))
     running.add_done_callback(_retrieve)
-    streamed: dict[str, bytearray] = {"stdout": bytearray(), "stderr": bytearray()}
+    streamed = {"stdout": bytearray(), "stderr": bytearray(), "pty": bytearray()}
     try:
         async for stream, data in _with_keepalives(pieces):
             if not stream:
@@ -250,10 +258,14 @@ async def _events(svc: E2BSandboxes, rollout_id: str, pid: int) -> AsyncIterator
         yield connect.end_stream(ConnectError(Code.INVALID_ARGUMENT, reply.output))
         return
     output = CommandOutput.model_validate_json(reply.output)
-    for name, kept in (("stdout", output.stdout), ("stderr", output.stderr)):
-        rest = _not_streamed(kept, bytes(streamed[name]))
+    kept: list[tuple[Literal["stdout", "stderr", "pty"], str]] = [
+        ("pty" if terminal else "stdout", output.stdout),
+        ("stderr", output.stderr),
+    ]
+    for name, text in kept:
+        rest = _not_streamed(text, bytes(streamed[name]))
         if rest:
-            yield connect.envelope(data_event("stdout" if name == "stdout" else "stderr", rest))
+            yield connect.envelope(data_event(name, rest))
     if output.timed_out:
         yield connect.end_stream(
             ConnectError(Code.DEADLINE_EXCEEDED, "the command ran past its timeout and was killed")

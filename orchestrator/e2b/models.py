@@ -159,9 +159,18 @@ class ProcessConfig(_Wire):
     cwd: str | None = None
 
 
+class PtySize(_Wire):
+    rows: int = Field(ge=1, le=10_000)
+    cols: int = Field(ge=1, le=10_000)
+
+
+class Pty(_Wire):
+    size: PtySize
+
+
 class StartRequest(_Wire):
     process: ProcessConfig
-    pty: dict[str, Any] | None = None
+    pty: Pty | None = None
     tag: str | None = None
     stdin: bool | None = None
 
@@ -187,6 +196,13 @@ class SendInputRequest(_Wire):
 
     process: ProcessSelector = Field(default_factory=ProcessSelector)
     input: ProcessInput | None = None
+
+
+class UpdateRequest(_Wire):
+    """``Update`` (``pty.resize``)."""
+
+    process: ProcessSelector = Field(default_factory=ProcessSelector)
+    pty: Pty | None = None
 
 
 class SendSignalRequest(_Wire):
@@ -232,5 +248,5 @@ def process_event(kind: str, body: dict[str, Any]) -> dict[str, Any]:
     return {"event": {kind: body}}
 
 
-def data_event(stream: Literal["stdout", "stderr"], text: str) -> dict[str, Any]:
+def data_event(stream: Literal["stdout", "stderr", "pty"], text: str) -> dict[str, Any]:
     return process_event("data", {stream: base64.b64encode(text.encode()).decode()})

@@ -95,6 +95,7 @@ class Process:
     cwd: str
     tag: str | None = None
     stdin: bool = False
+    pty: tuple[int, int] | None = None
 
 
 class E2BSandboxes:
@@ -454,10 +455,11 @@ class E2BSandboxes:
     async def start_process(
         self, rollout: Rollout, state: E2BState, argv: list[str], *,
         envs: dict[str, str], cwd: str | None, timeout_s: float | None, tag: str | None,
-        stdin: bool = False,
+        stdin: bool = False, pty: tuple[int, int] | None = None,
     ) -> Process:  # fmt: skip
         """Number a new command (its pid) and remember it; :meth:`run` runs it (``stdin``:
-        with its input a pipe :meth:`send_input` writes)."""
+        with its input a pipe :meth:`send_input` writes; ``pty``: on a terminal of (rows,
+        cols))."""
         left = state.end_at - time.time()
         cap = min(left, self.settings.command_timeout_max_s)
         timeout = min(timeout_s, cap) if timeout_s else cap
@@ -472,6 +474,7 @@ class E2BSandboxes:
             cwd=cwd or "/workspace",
             tag=tag,
             stdin=stdin,
+            pty=pty,
         )
         record = {**process.__dict__, "envs": {**state.env_vars, **envs}, "timeout_s": timeout}
         await self.processes_table.put(rollout.rollout_id, pid, record)
@@ -488,6 +491,7 @@ class E2BSandboxes:
             "timeout_s": record["timeout_s"],
             "exec_id": record["exec_id"],
             "stdin": bool(record.get("stdin")),
+            "pty": record.get("pty"),
         }
         try:
             return await self.service.call_tool(
@@ -501,12 +505,14 @@ class E2BSandboxes:
         finally:
             await self.processes_table.drop(rollout_id, pid)
 
-    async def output(self, rollout_id: str, pid: int, done: Callable[[], bool]) -> Pieces:
+    async def output(
+        self, rollout_id: str, pid: int, done: Callable[[], bool]
+    ) -> tuple[Pieces, bool]:
         """Command ``pid``'s output as it is printed (state/streams.py), from its start,
-        until ``done()``."""
+        until ``done()``; and whether it runs on a terminal (its output is then "pty")."""
         record = await self._process_record(rollout_id, pid)
         key = self.store.keys.output_stream(rollout_id, record["call_id"])
-        return follow(self.store.redis, key, done)
+        return follow(self.store.redis, key, done), bool(record.get("pty"))
 
     async def processes(self, rollout_id: str) -> list[dict[str, Any]]:
         """The commands running now, by pid."""
@@ -539,17 +545,30 @@ class E2BSandboxes:
                 return reply.found
             await asyncio.sleep(0.05)
 
-    async def send_input(self, rollout: Rollout, pid: int, data: bytes, *, close: bool) -> None:
-        """Write ``data`` to command ``pid``'s input (and close it, with ``close``).
-        ConnectError NOT_FOUND when it is not running; FAILED_PRECONDITION when it has no
-        input to write to. Sent again until the agent has started it, as a signal is."""
+    async def send_input(
+        self,
+        rollout: Rollout,
+        pid: int,
+        data: bytes,
+        *,
+        close: bool = False,
+        resize: tuple[int, int] | None = None,
+    ) -> None:
+        """Write ``data`` to command ``pid``'s input (and close it, with ``close``), or set
+        its terminal's size. ConnectError NOT_FOUND when it is not running;
+        FAILED_PRECONDITION when it has no such input. Sent again until the agent has
+        started it, as a signal is."""
         deadline = time.monotonic() + SIGNAL_UNTIL_STARTED_S
         while True:
             record = await self.processes_table.get(rollout.rollout_id, pid)
             if record is None or rollout.sandbox is None:
                 raise ConnectError(Code.NOT_FOUND, f"process {pid} not found")
             payload = SendInput(
-                handle=rollout.sandbox, exec_id=record["exec_id"], data=data, close=close
+                handle=rollout.sandbox,
+                exec_id=record["exec_id"],
+                data=data,
+                close=close,
+                resize=resize,
             )
             raw = await self._worker(TaskName.SEND_INPUT, rollout, payload.model_dump(mode="json"))
             sent = InputSent.model_validate(raw)

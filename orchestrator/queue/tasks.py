@@ -428,7 +428,11 @@ def send_input(payload: dict[str, Any]) -> dict[str, Any]:
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
             found = worker.backend().send_input(
-                request.handle, request.exec_id, request.data, close=request.close
+                request.handle,
+                request.exec_id,
+                request.data,
+                close=request.close,
+                resize=request.resize,
             )
             reply = InputSent(found=found)
         except InputClosed as exc:

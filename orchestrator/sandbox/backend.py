@@ -525,6 +525,7 @@ class SandboxBackend(ABC):
         exec_id: str | None = None,
         on_output: Callable[[str, bytes], None] | None = None,
         stdin: bool = False,
+        pty: tuple[int, int] | None = None,
     ) -> ExecResult:
         """Run ``command`` as the unprivileged user: a string is a bash command line, a list
         is an argv run as is (arguments never pass through a shell parser). The timeout is
@@ -533,14 +534,22 @@ class SandboxBackend(ABC):
         ``on_output``: given ("stdout" or "stderr", bytes) as the command prints them, up
         to ``output_budget_bytes`` a stream (the result keeps what it keeps either way);
         ``stdin``: its standard input a pipe :meth:`send_input` writes (with ``exec_id``),
-        else /dev/null."""
+        else /dev/null; ``pty``: (rows, cols) of a pseudo-terminal it runs on, its input
+        and output (given to ``on_output`` as "pty", kept as stdout)."""
 
     def send_input(
-        self, handle: SandboxHandle, exec_id: str, data: bytes, *, close: bool = False
+        self,
+        handle: SandboxHandle,
+        exec_id: str,
+        data: bytes,
+        *,
+        close: bool = False,
+        resize: tuple[int, int] | None = None,
     ) -> bool:
         """Write ``data`` to the standard input of the running command ``exec_id`` (started
-        with ``stdin``), and close it after with ``close``; False when no such command
-        runs. :class:`InputClosed` when it has no input to write to (the caller's doing)."""
+        with ``stdin`` or on a ``pty``), and close it after with ``close``; or set its
+        terminal's size to ``resize`` (rows, cols). False when no such command runs.
+        :class:`InputClosed` when it has no input to write to (the caller's doing)."""
         raise SandboxError(f"the {self.name} backend cannot write to a command's input")
 
     @abstractmethod

@@ -243,6 +243,7 @@ class SendInput(BaseModel):
     exec_id: str
     data: bytes = b""
     close: bool = False
+    resize: tuple[int, int] | None = Field(None, description="A terminal's new (rows, cols).")
 
 
 class InputSent(BaseModel):

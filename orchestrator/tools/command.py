@@ -36,6 +36,16 @@ class CommandArgs(BaseModel):
     timeout_s: float = Field(gt=0)
     exec_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]{1,100}$")
     stdin: bool = Field(False, description="Its input a pipe the client writes (exec_id too).")
+    pty: tuple[int, int] | None = Field(
+        None, description="(rows, cols) of a pseudo-terminal it runs on (exec_id too)."
+    )
+
+    @field_validator("pty")
+    @classmethod
+    def _sane_size(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is not None and not all(1 <= n <= 10_000 for n in value):
+            raise ValueError("a terminal has 1 to 10,000 rows and columns")
+        return value
 
     @field_validator("argv")
     @classmethod
@@ -147,6 +157,7 @@ class CommandTool(Tool[CommandArgs]):
             exec_id=args.exec_id,
             on_output=on_output,
             stdin=args.stdin and args.exec_id is not None,
+            pty=args.pty if args.exec_id is not None else None,
         )
         output = CommandOutput.of(result)
         return ToolResult(

@@ -28,6 +28,7 @@ from e2b import (
     CommandExitException,
     FileNotFoundException,
     FileType,
+    PtySize,
     Sandbox,
     SandboxException,
     SandboxNotRunningException,
@@ -38,6 +39,7 @@ from e2b import (
 
 from orchestrator.state.keys import Keys
 from orchestrator.tls import tls
+from tests.conftest import runsc_available
 from tests.e2e.helpers import sandboxes_of, wait_for
 from tests.stacks import TOKEN, Stack
 
@@ -121,6 +123,32 @@ def test_stdin_is_sent_and_closed(sbx: Sandbox) -> None:
     plain.kill()
     # Without stdin, a command reading its input finds it empty at once (not a hang).
     assert sbx.commands.run("cat; echo eof").stdout == "eof\n"
+
+
+@pytest.mark.parametrize("template", ["base", "acts-runsc/{codebase}"])
+def test_a_pty_runs_an_interactive_shell(e2b_stack: Stack, template: str) -> None:
+    """pty.create: an interactive login shell on a terminal of the size asked, its output
+    streamed as typed (on_pty), its size changed by resize, ended by its own exit."""
+    if "runsc" in template and not runsc_available():
+        pytest.skip("gVisor (runsc) is not registered with dockerd")
+    sbx = Sandbox.create(template=template.format(codebase=e2b_stack.codebase), timeout=120)
+    try:
+        seen: list[bytes] = []
+        terminal = sbx.pty.create(PtySize(rows=24, cols=80), timeout=60)
+        sbx.pty.send_stdin(
+            terminal.pid, b"tty; stty size > /tmp/before; echo sum=$((40+2)); read x\n"
+        )
+        wait_for(lambda: sbx.files.exists("/tmp/before"), timeout_s=30, what="the shell ran")
+        sbx.pty.resize(terminal.pid, PtySize(rows=40, cols=100))
+        sbx.pty.send_stdin(terminal.pid, b"\nstty size; id -u; exit 7\n")
+        with pytest.raises(CommandExitException) as ended:
+            terminal.wait(on_pty=seen.append)
+        text = b"".join(seen).decode()
+        assert sbx.files.read("/tmp/before") == "24 80\n"
+        assert "/dev/pts/" in text and "sum=42" in text and "40 100" in text, text
+        assert "1000" in text and ended.value.exit_code == 7, text
+    finally:
+        sbx.kill()
 
 
 def test_files(sbx: Sandbox) -> None:

@@ -216,15 +216,19 @@ def exec_request(
     exec_id: str | None = None,
     stream: bool = False,
     stdin: bool = False,
+    pty: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """A shell command line (str), or an argv run without any shell parsing (list);
     ``stream``: its output sent as it is printed, before the reply; ``stdin``: its input a
-    pipe an ``input`` request writes."""
+    pipe an ``input`` request writes; ``pty``: (rows, cols) of a pseudo-terminal it runs on
+    (its input and output: the output stream is named "pty")."""
     request: dict[str, Any] = {"op": "exec", "timeout_s": timeout_s, "budget": budget, "cwd": cwd}
     if stream:
         request["stream"] = True
     if stdin:
         request["stdin"] = True
+    if pty is not None:
+        request["pty"] = {"rows": pty[0], "cols": pty[1]}
     request["argv" if isinstance(command, list) else "command"] = command
     if env:
         request["env"] = env
@@ -434,19 +438,28 @@ class AgentBackend(SandboxBackend):
         exec_id: str | None = None,
         on_output: OnChunk | None = None,
         stdin: bool = False,
+        pty: tuple[int, int] | None = None,
     ) -> ExecResult:
         stream = on_output is not None
         request = exec_request(
-            command, timeout_s, output_budget_bytes, cwd, env, exec_id, stream, stdin
+            command, timeout_s, output_budget_bytes, cwd, env, exec_id, stream, stdin, pty
         )
         return exec_result(self._call(handle, request, timeout_s + REPLY_SLACK_S, on_output))
 
     def send_input(
-        self, handle: SandboxHandle, exec_id: str, data: bytes, *, close: bool = False
+        self,
+        handle: SandboxHandle,
+        exec_id: str,
+        data: bytes,
+        *,
+        close: bool = False,
+        resize: tuple[int, int] | None = None,
     ) -> bool:
-        request = {"op": "input", "exec_id": exec_id, "close": close}
+        request: dict[str, Any] = {"op": "input", "exec_id": exec_id, "close": close}
         if data:
             request["data"] = base64.b64encode(data).decode()
+        if resize is not None:
+            request["resize"] = list(resize)
         done = self._call(handle, request, REPLY_SLACK_S)
         if "error" in done:
             raise InputClosed(str(done["error"]))

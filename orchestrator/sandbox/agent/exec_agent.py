@@ -586,11 +586,14 @@ class Spawned:
     signal, as Popen's). ``poll`` and ``wait`` may be called from two threads (a
     ``signal`` request polls while the exec's own thread waits)."""
 
-    def __init__(self, pid: int, stdout: Any, stderr: Any, stdin: Any = None) -> None:
+    def __init__(
+        self, pid: int, stdout: Any, stderr: Any, stdin: Any = None, terminal: bool = False
+    ) -> None:
         self.pid = pid
         self.stdout = stdout
         self.stderr = stderr
         self.stdin = stdin
+        self.terminal = terminal  # on a PTY: stdin and stdout are its master
         self.returncode: int | None = None
         self._lock = threading.Lock()
 
@@ -612,6 +615,69 @@ class Spawned:
                 if pid:
                     self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
+
+
+def spawn_on_terminal(
+    run_as: str, uid: int, gid: int, argv: list[str], env: dict[str, str], rows: int, cols: int
+) -> Spawned:
+    """Start ``argv`` as ``uid``:``gid`` through run-as on a new pseudo-terminal of
+    ``rows`` x ``cols``, its controlling terminal (a new session opens it: posix_spawn's
+    setsid comes before its file actions): its input and output are the terminal's master
+    (``stdin``, ``stdout``; ``stderr`` is empty), its size set by :func:`set_terminal_size`."""
+    master, slave = os.openpty()
+    try:
+        set_terminal_size(master, rows, cols)
+        path = os.ttyname(slave)
+    finally:
+        os.close(slave)
+    err_r, err_w = os.pipe()
+    errpipe_r, errpipe_w = os.pipe()
+    errpipe_w = above_stdio(errpipe_w)
+    os.close(err_w)  # no standard error of its own: the terminal has both
+    try:
+        pid = os.posix_spawn(
+            run_as,
+            [run_as, str(uid), str(gid), *argv],
+            env,
+            file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, path, os.O_RDWR, 0),
+                (os.POSIX_SPAWN_DUP2, 0, 1),
+                (os.POSIX_SPAWN_DUP2, 0, 2),
+                (os.POSIX_SPAWN_DUP2, errpipe_w, RUN_AS_ERROR_FD),
+            ],
+            setsid=True,
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+            setsigmask=(),
+        )
+    except BaseException:
+        for fd in (master, err_r, errpipe_r):
+            os.close(fd)
+        raise
+    finally:
+        os.close(errpipe_w)
+    with os.fdopen(errpipe_r, "rb", buffering=0) as errpipe:
+        failed = errpipe.read(4)
+    if failed:
+        os.waitpid(pid, 0)
+        for fd in (master, err_r):
+            os.close(fd)
+        code = int.from_bytes(failed, sys.byteorder)
+        raise OSError(code, f"{os.strerror(code)}: {argv[0]!r} as uid {uid}")
+    return Spawned(
+        pid,
+        os.fdopen(master, "rb", buffering=0),
+        os.fdopen(err_r, "rb", buffering=0),
+        os.fdopen(os.dup(master), "wb", buffering=0),
+        terminal=True,
+    )
+
+
+def set_terminal_size(fd: int, rows: int, cols: int) -> None:
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
 def spawn_as(
@@ -803,8 +869,17 @@ class Agent:
         exec_id = req.get("exec_id")
         started = time.monotonic()
         before = self.limits.snapshot()
+        terminal = req.get("pty")
         try:
-            proc = self._start(["/bin/bash", "-c", *args], env, stdin=bool(req.get("stdin")))
+            if isinstance(terminal, dict):
+                if self.run_as is None:
+                    raise ValueError("a PTY needs the image's run-as (a newer base image)")
+                proc: Command = spawn_on_terminal(
+                    self.run_as, self.uid, self.gid, ["/bin/bash", "-c", *args], env,
+                    int(terminal["rows"]), int(terminal["cols"]),
+                )  # fmt: skip
+            else:
+                proc = self._start(["/bin/bash", "-c", *args], env, stdin=bool(req.get("stdin")))
         except OSError as exc:
             # EAGAIN here is usually the sandbox's pids limit, hit by the agent's own
             # processes; spawn_failure says whether they fill it.
@@ -814,7 +889,7 @@ class Agent:
             with self.running_lock:
                 self.running[exec_id] = proc
         try:
-            names = {proc.stdout: "stdout", proc.stderr: "stderr"}
+            names = {proc.stdout: "pty" if terminal else "stdout", proc.stderr: "stderr"}
             streams = (names, budget, emit) if emit is not None else None
             killed_for, nproc_full = self._wait(proc, captures, started + timeout, streams)
         finally:
@@ -931,6 +1006,10 @@ class Agent:
                         data = os.read(key.fd, READ_CHUNK)
                     except BlockingIOError:
                         continue
+                    except OSError as exc:  # a terminal whose last user closed it: its end
+                        if exc.errno != errno.EIO:
+                            raise
+                        data = b""
                     if data:
                         capture = captures[key.fileobj]
                         if streams is not None and capture.total < streams[1]:
@@ -995,6 +1074,15 @@ class Agent:
             proc = self.running.get(str(req["exec_id"]))
         if proc is None:
             return {"found": False}
+        size = req.get("resize")
+        if isinstance(size, list) and len(size) == 2:
+            if not getattr(proc, "terminal", False) or proc.stdin is None:
+                return {"found": True, "error": "the command has no terminal to resize"}
+            try:  # through its input, the master's copy: closed (ValueError) once it ended
+                set_terminal_size(proc.stdin.fileno(), int(size[0]), int(size[1]))
+            except (OSError, ValueError) as exc:
+                return {"found": True, "error": f"its terminal is closed: {exc}"}
+            return {"found": True}
         if proc.stdin is None:
             return {"found": True, "error": "the command was not started with stdin"}
         try:
