@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal
 
@@ -42,6 +43,8 @@ from orchestrator.e2b.models import (
     SendSignalRequest,
     StartRequest,
     UpdateRequest,
+    WatcherRequest,
+    WatchRequest,
     data_event,
     entry_json,
     process_event,
@@ -56,6 +59,8 @@ from orchestrator.tools.command import CommandOutput
 router = APIRouter(include_in_schema=False)
 # An idle stream gets a keepalive event this often (proxies drop silent connections).
 KEEPALIVE_S = 20.0
+WATCH_POLL_S = 0.5
+"""How often a ``WatchDir`` stream looks at its directory."""
 # FileProblem kinds as Connect codes, and as /files HTTP statuses.
 _FILE_CODES = {
     "not_found": Code.NOT_FOUND,
@@ -346,26 +351,69 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 
 @router.post("/filesystem.Filesystem/{method}")
 async def filesystem(method: str, request: Request, svc: Sandboxes) -> Response:
+    stream = method == "WatchDir"
     try:
-        raw = connect.parse(await request.body())
+        body = await request.body()
+        raw = connect.read_envelope(body) if stream else connect.parse(body)
         rollout, _ = await _sandbox(request, svc)
         _user(svc, rollout, request)
+        if stream:
+            watch = _message(WatchRequest, raw)
+            watcher_id = await svc.watch(rollout, watch.path, watch.recursive)
+            return _stream(_watching(svc, rollout, watcher_id))
         return JSONResponse(await _filesystem(svc, rollout, method, raw))
-    except ConnectError as exc:
-        return exc.response()
-    except InfraError as exc:
-        return failed(exc).response()
-    except SandboxGone as exc:
-        return gone(exc).response()
-    except FileProblem as exc:
-        return ConnectError(
-            _FILE_CODES.get(exc.kind, Code.INVALID_ARGUMENT), exc.message
-        ).response()
+    except (ConnectError, InfraError, SandboxGone, FileProblem) as exc:
+        error = _connect_error(exc)
+        return _stream(_just(error)) if stream else error.response()
+
+
+def _connect_error(exc: ConnectError | InfraError | SandboxGone | FileProblem) -> ConnectError:
+    if isinstance(exc, InfraError):
+        return failed(exc)
+    if isinstance(exc, SandboxGone):
+        return gone(exc)
+    if isinstance(exc, FileProblem):
+        return ConnectError(_FILE_CODES.get(exc.kind, Code.INVALID_ARGUMENT), exc.message)
+    return exc
+
+
+async def _watching(svc: E2BSandboxes, rollout: Rollout, watcher_id: str) -> AsyncIterator[bytes]:
+    """``WatchDir`` (the async SDK's ``watch_dir``): its start, then what changes, looked
+    for every :data:`WATCH_POLL_S` (E2BSandboxes.watched), keepalives between; over when
+    the client goes, or the sandbox does."""
+    yield connect.envelope({"start": {}})
+    quiet_since = time.monotonic()
+    try:
+        while True:
+            await asyncio.sleep(WATCH_POLL_S)
+            events = await svc.watched(rollout, watcher_id)
+            for event in events:
+                yield connect.envelope({"filesystem": event})
+            if events:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > KEEPALIVE_S:
+                yield connect.envelope({"keepalive": {}})
+                quiet_since = time.monotonic()
+    except (ConnectError, InfraError, SandboxGone, FileProblem) as exc:
+        yield connect.end_stream(_connect_error(exc))
+    finally:
+        await svc.unwatch(rollout, watcher_id)
 
 
 async def _filesystem(
     svc: E2BSandboxes, rollout: Rollout, method: str, raw: dict[str, Any]
 ) -> dict[str, Any]:
+    if method == "CreateWatcher":
+        watch = _message(WatchRequest, raw)
+        return {"watcherId": await svc.watch(rollout, watch.path, watch.recursive)}
+    if method == "GetWatcherEvents":
+        watcher = _message(WatcherRequest, raw)
+        return {"events": await svc.watched(rollout, watcher.watcher_id)}
+    if method == "RemoveWatcher":
+        watcher = _message(WatcherRequest, raw)
+        if not await svc.unwatch(rollout, watcher.watcher_id):
+            raise ConnectError(Code.NOT_FOUND, f"watcher {watcher.watcher_id} not found")
+        return {}
     if method == "Move":
         move = _message(MoveRequest, raw)
         moved = await svc.file_op(rollout, "move", move.source, target=move.destination)

@@ -210,6 +210,19 @@ class SendSignalRequest(_Wire):
     signal: str | int = "SIGNAL_SIGKILL"
 
 
+class WatchRequest(_Wire):
+    """``CreateWatcher`` (``files.watch_dir``)."""
+
+    path: str = Field(min_length=1)
+    recursive: bool = False
+
+
+class WatcherRequest(_Wire):
+    """``GetWatcherEvents`` and ``RemoveWatcher``."""
+
+    watcher_id: str = Field(alias="watcherId", min_length=1, max_length=100)
+
+
 class PathRequest(_Wire):
     """``Stat``, ``MakeDir``, ``Remove``, ``ListDir`` (with ``depth``)."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import posixpath
 import secrets
 import time
 import uuid
@@ -37,7 +38,7 @@ from orchestrator.rollouts.models import CallReply
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.sandbox.agent.client import READ_FILE_TIMEOUT_S, REPLY_SLACK_S
 from orchestrator.sandbox.backend import FileAction, FileOpResult
-from orchestrator.state.e2b import E2BProcesses
+from orchestrator.state.e2b import E2BProcesses, E2BWatchers
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout
 from orchestrator.state.replies import QueueTimeout
@@ -107,6 +108,7 @@ class E2BSandboxes:
         self.settings = service.settings
         self.store = service.store
         self.processes_table = E2BProcesses(service.store.redis, service.store.keys)
+        self.watchers = E2BWatchers(service.store.redis, service.store.keys)
 
     # -- the control plane ----------------------------------------------------------------
 
@@ -582,6 +584,42 @@ class E2BSandboxes:
                 raise ConnectError(Code.NOT_FOUND, f"process {pid} is not running")
             await asyncio.sleep(0.05)
 
+    # -- directory watchers (files.watch_dir) ----------------------------------------------
+
+    async def watch(self, rollout: Rollout, path: str, recursive: bool) -> str:
+        """A new watcher of directory ``path``: its tree now, to tell later changes by."""
+        tree = await self._tree(rollout, path, recursive)
+        record = {"path": path, "recursive": recursive, "tree": tree}
+        return await self.watchers.create(rollout.rollout_id, record)
+
+    async def watched(self, rollout: Rollout, watcher_id: str) -> list[dict[str, Any]]:
+        """What changed under the watcher's directory since it last looked: a file or
+        directory made (create), gone (remove), written (write: its size or time changed)
+        or its mode changed (chmod). Told by comparing the tree as listed then and now: a
+        file made and removed between two looks is not seen; a rename is a remove and a
+        create."""
+        record = await self.watchers.get(rollout.rollout_id, watcher_id)
+        if record is None:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id} not found")
+        tree = await self._tree(rollout, record["path"], record["recursive"])
+        events = watch_events(record["tree"], tree)
+        if events:
+            await self.watchers.put(rollout.rollout_id, watcher_id, {**record, "tree": tree})
+        return events
+
+    async def unwatch(self, rollout: Rollout, watcher_id: str) -> bool:
+        return await self.watchers.remove(rollout.rollout_id, watcher_id)
+
+    async def _tree(self, rollout: Rollout, path: str, recursive: bool) -> dict[str, Any]:
+        found = await self.file_op(rollout, "list", path, depth=WATCH_DEPTH if recursive else 1)
+        top = path.rstrip("/") or "/"
+        return {
+            posixpath.relpath(entry.path, top): [
+                entry.type, entry.size, entry.modified.timestamp(), entry.mode
+            ]
+            for entry in found.entries
+        }  # fmt: skip
+
     async def file_op(
         self,
         rollout: Rollout,
@@ -699,6 +737,23 @@ class E2BSandboxes:
             state="paused" if rollout.state == RolloutState.PAUSED else "running",
             metadata=state.metadata,
         )
+
+
+WATCH_DEPTH = 32
+"""How deep a recursive watcher looks."""
+
+
+def watch_events(before: dict[str, Any], after: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``FilesystemEvent`` messages between two listings of a watched tree."""
+    events = [{"name": n, "type": "EVENT_TYPE_CREATE"} for n in sorted(after.keys() - before)]
+    events += [{"name": n, "type": "EVENT_TYPE_REMOVE"} for n in sorted(before.keys() - after)]
+    for name in sorted(after.keys() & before.keys()):
+        (kind, size, mtime, mode), old = after[name], before[name]
+        if kind == "file" and (size, mtime) != (old[1], old[2]):
+            events.append({"name": name, "type": "EVENT_TYPE_WRITE"})
+        elif mode != old[3]:
+            events.append({"name": name, "type": "EVENT_TYPE_CHMOD"})
+    return events
 
 
 class FileProblem(Exception):

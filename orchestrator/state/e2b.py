@@ -1,10 +1,12 @@
 """The E2B API's per-sandbox process table (docs/e2b.md): the pid counter and the record
 of each command started and not finished yet, so a client that reattaches to a pid, or
-signals it, reaches the command whichever API process started it."""
+signals it, reaches the command whichever API process started it; and its directory
+watchers, each with the tree as last seen, whichever API process a poll reaches."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -39,3 +41,30 @@ class E2BProcesses:
     async def running(self, rollout_id: str) -> list[dict[str, Any]]:
         raw = await self._redis.hgetall(self._keys.e2b_processes(rollout_id))
         return [json.loads(v) for v in raw.values()]
+
+
+class E2BWatchers:
+    """Directory watchers of E2B sandboxes (``files.watch_dir``), as JSON objects by id:
+    the path, whether recursive, and the tree as last seen (name -> what it was)."""
+
+    def __init__(self, client: aioredis.Redis, keys: Keys) -> None:
+        self._redis = client
+        self._keys = keys
+
+    async def create(self, rollout_id: str, record: dict[str, Any]) -> str:
+        watcher_id = uuid.uuid4().hex
+        await self.put(rollout_id, watcher_id, record)
+        return watcher_id
+
+    async def put(self, rollout_id: str, watcher_id: str, record: dict[str, Any]) -> None:
+        await self._redis.hset(self._keys.e2b_watchers(rollout_id), watcher_id, json.dumps(record))
+
+    async def get(self, rollout_id: str, watcher_id: str) -> dict[str, Any] | None:
+        raw = await self._redis.hget(self._keys.e2b_watchers(rollout_id), watcher_id)
+        if raw is None:
+            return None
+        found: dict[str, Any] = json.loads(raw)
+        return found
+
+    async def remove(self, rollout_id: str, watcher_id: str) -> bool:
+        return bool(await self._redis.hdel(self._keys.e2b_watchers(rollout_id), watcher_id))

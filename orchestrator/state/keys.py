@@ -20,6 +20,7 @@ key                             type   holds
 ``rollout:<id>:grading``        string the lease of the one grade working in its sandbox
 ``rollout:<id>:e2b:pid``        string the E2B processes' pid counter
 ``rollout:<id>:e2b:processes``  hash   pid -> the E2B process record
+``rollout:<id>:e2b:watchers``   hash   watcher id -> an E2B directory watcher
 =============================== ====== ===================================================
 
 Deployment-wide: the live set and the index of rollouts, recent infrastructure failures,
@@ -81,6 +82,10 @@ class Keys:
 
     def e2b_processes(self, rollout_id: str) -> str:
         return f"{self.prefix}rollout:{rollout_id}:e2b:processes"
+
+    def e2b_watchers(self, rollout_id: str) -> str:
+        """Hash: watcher id -> a directory watcher of the sandbox (state/e2b.E2BWatchers)."""
+        return f"{self.prefix}rollout:{rollout_id}:e2b:watchers"
 
     # Rollouts, deployment-wide.
 

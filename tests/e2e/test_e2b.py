@@ -13,6 +13,7 @@ user ``root``, the sandbox user under another name (Harbor's calls; no privilege
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import signal
@@ -25,6 +26,7 @@ from pathlib import Path
 import docker
 import pytest
 from e2b import (
+    AsyncSandbox,
     CommandExitException,
     FileNotFoundException,
     FileType,
@@ -149,6 +151,52 @@ def test_a_pty_runs_an_interactive_shell(e2b_stack: Stack, template: str) -> Non
         assert "1000" in text and ended.value.exit_code == 7, text
     finally:
         sbx.kill()
+
+
+def test_a_directory_is_watched(sbx: Sandbox) -> None:
+    """files.watch_dir: what was made, written, removed or had its mode changed under a
+    directory since the last look, recursively when asked; a stopped watcher is gone."""
+    sbx.files.make_dir("/tmp/watched/deep")
+    sbx.files.write("/tmp/watched/old.txt", "old")
+    watcher = sbx.files.watch_dir("/tmp/watched", recursive=True)
+    assert watcher.get_new_events() == []
+    sbx.commands.run(
+        "cd /tmp/watched && echo new > new.txt && echo more >> old.txt && "
+        "echo inner > deep/inner.txt && chmod 751 deep"
+    )
+    seen = {(e.name, e.type.value) for e in watcher.get_new_events()}
+    assert seen == {
+        ("new.txt", "create"), ("deep/inner.txt", "create"), ("old.txt", "write"),
+        ("deep", "chmod"),
+    }, seen  # fmt: skip
+    sbx.files.remove("/tmp/watched/new.txt")
+    assert [(e.name, e.type.value) for e in watcher.get_new_events()] == [("new.txt", "remove")]
+    watcher.stop()
+    with pytest.raises(SandboxException):
+        watcher.get_new_events()
+
+
+def test_a_directory_is_watched_as_a_stream(e2b_stack: Stack) -> None:
+    """The async SDK's watch_dir: a stream of events as they are seen."""
+
+    async def watch() -> list[tuple[str, str]]:
+        sbx = await AsyncSandbox.create(template=e2b_stack.codebase, timeout=120)
+        try:
+            seen: list[tuple[str, str]] = []
+            handle = await sbx.files.watch_dir(
+                "/workspace", lambda e: seen.append((e.name, e.type.value))
+            )
+            await sbx.commands.run("echo x > streamed.txt")
+            for _ in range(100):
+                if seen:
+                    break
+                await asyncio.sleep(0.05)
+            await handle.stop()  # type: ignore[no-untyped-call]  # (the SDK leaves it untyped)
+            return seen
+        finally:
+            await sbx.kill()
+
+    assert asyncio.run(watch()) == [("streamed.txt", "create")]
 
 
 def test_files(sbx: Sandbox) -> None:
