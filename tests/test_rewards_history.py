@@ -101,8 +101,10 @@ async def test_the_whole_history_is_read_and_listed_past_10000(store: RolloutSto
     ]
     assert await every_page(997) == newest_first
     failed = [i for i in newest_first if int(i[1:]) % 7 == 0]
-    for n in range(0, count, 7):
-        await store.update(f"r{n:06d}", state=RolloutState.INFRA_FAILED)
+    marked = [f"r{n:06d}" for n in range(0, count, 7)]
+    for start in range(0, len(marked), 50):
+        chunk = marked[start : start + 50]
+        await asyncio.gather(*(store.update(i, state=RolloutState.INFRA_FAILED) for i in chunk))
     assert await every_page(400, state="infra_failed") == failed
     # A time as the cursor: every rollout created before it.
     before = await list_rollouts(
