@@ -49,10 +49,11 @@ from orchestrator.e2b.models import (
     entry_json,
     process_event,
 )
-from orchestrator.e2b.sandboxes import E2BSandboxes, FileProblem, Pieces, SandboxGone
+from orchestrator.e2b.sandboxes import E2BSandboxes, FileProblem, Pieces, Process, SandboxGone
 from orchestrator.environments.models import E2BRootUser
 from orchestrator.outcomes import Outcome
-from orchestrator.rollouts.errors import InfraError
+from orchestrator.rollouts.errors import InfraError, Rejected
+from orchestrator.state.admission import AtCapacity
 from orchestrator.state.records import Rollout
 from orchestrator.tools.command import CommandOutput
 
@@ -103,6 +104,10 @@ async def _sandbox(request: Request, svc: E2BSandboxes) -> tuple[Rollout, E2BSta
         raise gone(exc) from exc
     except InfraError as exc:
         raise failed(exc) from exc
+    except AtCapacity as exc:  # a paused sandbox's resume found no slot on its host
+        raise ConnectError(Code.RESOURCE_EXHAUSTED, f"{exc.message}; try again") from exc
+    except Rejected as exc:
+        raise ConnectError(Code.FAILED_PRECONDITION, exc.message) from exc
 
 
 def _user(svc: E2BSandboxes, rollout: Rollout, request: Request, name: str | None = None) -> None:
@@ -160,7 +165,8 @@ async def process(method: str, request: Request, svc: Sandboxes) -> Response:
         if method == "Connect":
             selector = _message(SelectorRequest, raw).process
             pid = await svc.find_process(rollout.rollout_id, selector.pid, selector.tag)
-            return _stream(_events(svc, rollout.rollout_id, pid))
+            record = await svc.process(rollout.rollout_id, pid)
+            return _stream(_events(svc, rollout.rollout_id, record))
         if method == "List":
             return JSONResponse(
                 {"processes": [_info(p) for p in await svc.processes(rollout.rollout_id)]}
@@ -218,7 +224,7 @@ async def _start(
         stdin=bool(start.stdin),
         pty=(start.pty.size.rows, start.pty.size.cols) if start.pty is not None else None,
     )
-    return _stream(_events(svc, rollout.rollout_id, started.pid))
+    return _stream(_events(svc, rollout.rollout_id, started))
 
 
 def _stream(events: AsyncIterator[bytes]) -> StreamingResponse:
@@ -230,16 +236,20 @@ async def _just(error: ConnectError) -> AsyncIterator[bytes]:
     yield connect.end_stream(error)
 
 
-async def _events(svc: E2BSandboxes, rollout_id: str, pid: int) -> AsyncIterator[bytes]:
+async def _events(svc: E2BSandboxes, rollout_id: str, process: Process) -> AsyncIterator[bytes]:
     """A command's stream: its start event at once (a background command's handle waits
     for it), its output as it is printed (state/streams.py), keepalives while it prints
     nothing, then its end. The command runs to its end whether or not this client stays:
     its result is the rollout's call result, so a client that reattaches (``Connect``)
     gets it, and its output from the start."""
-    yield connect.envelope(process_event("start", {"pid": pid}))
-    pieces, terminal = await svc.output(rollout_id, pid, lambda: running.done())
-    running = asyncio.ensure_future(svc.run(rollout_id, pid))
+    yield connect.envelope(process_event("start", {"pid": process.pid}))
+    # Started before anything is awaited: a client gone right after the start event (a
+    # background handle dropped) cancels this generator at its next await, and the
+    # command must run all the same.
+    running = asyncio.ensure_future(svc.run(rollout_id, process.pid))
     running.add_done_callback(_retrieve)
+    pieces = svc.output(rollout_id, process.call_id, running.done)
+    terminal = process.pty is not None
     streamed = {"stdout": bytearray(), "stderr": bytearray(), "pty": bytearray()}
     try:
         async for stream, data in _with_keepalives(pieces):

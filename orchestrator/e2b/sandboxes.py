@@ -507,14 +507,25 @@ class E2BSandboxes:
         finally:
             await self.processes_table.drop(rollout_id, pid)
 
-    async def output(
-        self, rollout_id: str, pid: int, done: Callable[[], bool]
-    ) -> tuple[Pieces, bool]:
-        """Command ``pid``'s output as it is printed (state/streams.py), from its start,
-        until ``done()``; and whether it runs on a terminal (its output is then "pty")."""
+    def output(self, rollout_id: str, call_id: str, done: Callable[[], bool]) -> Pieces:
+        """The output of the command run as call ``call_id`` as it is printed
+        (state/streams.py), from its start, until ``done()``."""
+        return follow(self.store.redis, self.store.keys.output_stream(rollout_id, call_id), done)
+
+    async def process(self, rollout_id: str, pid: int) -> Process:
+        """Command ``pid`` as it was started (ConnectError NOT_FOUND when it is over)."""
         record = await self._process_record(rollout_id, pid)
-        key = self.store.keys.output_stream(rollout_id, record["call_id"])
-        return follow(self.store.redis, key, done), bool(record.get("pty"))
+        size = record.get("pty")
+        return Process(
+            pid=int(record["pid"]),
+            call_id=str(record["call_id"]),
+            exec_id=str(record["exec_id"]),
+            argv=list(record["argv"]),
+            cwd=str(record["cwd"]),
+            tag=record.get("tag"),
+            stdin=bool(record.get("stdin")),
+            pty=(int(size[0]), int(size[1])) if size else None,
+        )
 
     async def processes(self, rollout_id: str) -> list[dict[str, Any]]:
         """The commands running now, by pid."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import signal
 import subprocess
@@ -109,6 +110,21 @@ def test_output_streams_as_it_is_printed(sbx: Sandbox) -> None:
     # Whole, far past a model's output budget (16 KB), up to ORCH_E2B_OUTPUT_MB.
     big = sbx.commands.run("head -c 300000 /dev/zero | tr '\\0' x")
     assert big.stdout == "x" * 300_000
+
+
+def test_a_background_command_whose_client_leaves_at_once_still_runs(sbx: Sandbox) -> None:
+    """A handle dropped right after its start event closes its stream: the command runs
+    all the same (its call is started before the stream waits on anything), and ends."""
+    for n in range(5):
+        handle = sbx.commands.run(f"sleep 0.3; echo {n} > /tmp/ran-{n}", background=True)
+        del handle
+        gc.collect()
+    wait_for(
+        lambda: all(sbx.files.exists(f"/tmp/ran-{n}") for n in range(5)),
+        timeout_s=30,
+        what="every dropped command to have run",
+    )
+    wait_for(lambda: sbx.commands.list() == [], timeout_s=30, what="every command over")
 
 
 def test_stdin_is_sent_and_closed(sbx: Sandbox) -> None:
