@@ -28,7 +28,7 @@ from tests.judge_models import VERDICTS
 from tests.judge_server import JudgeServer
 from tests.stacks import Stack
 
-pytestmark = pytest.mark.xdist_group("e2e")
+pytestmark = pytest.mark.xdist_group("judge")  # the side stack and its judge: not held to e2e
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -44,7 +44,7 @@ from tests.e2e.helpers import (
 )
 from tests.stacks import Stack
 
-pytestmark = pytest.mark.xdist_group("e2e")
+pytestmark = pytest.mark.xdist_group("integrity")  # its own stack: not held to the e2e group
 
 IDLE = "integrity-idle"
 SHORT_LIFE = "integrity-short-life"
