@@ -51,13 +51,15 @@ def commit_all(repo: Path, message: str) -> str:
     return git(repo, "rev-parse", "HEAD").strip()
 
 
-def build(root: Path) -> History:
+def build(root: Path, title: str = "history") -> History:
+    """The history under ``root``. Commits take the clock's second: two built in one second
+    with one ``title`` are the same commits (give another ``title`` for another history)."""
     repo = root / "history"
     (repo / "src").mkdir(parents=True)
     (repo / "docs").mkdir()
     (repo / "data").mkdir()
     (repo / "scripts").mkdir()
-    (repo / "README.md").write_text("# history\n")
+    (repo / "README.md").write_text(f"# {title}\n")
     (repo / ".config").mkdir()
     (repo / ".config" / "old.toml").write_text("old = true\n")
     (repo / ".config" / "kept.toml").write_text("kept = true\n")

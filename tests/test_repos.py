@@ -252,7 +252,8 @@ def test_sources_and_commits_are_checked(tmp_path: Path, history: History) -> No
 def test_another_source_under_the_same_name_starts_a_new_store(
     repos: HostRepos, history: History, tmp_path: Path
 ) -> None:
-    other = repo_history.build(tmp_path / "other")
+    # (another title: built in the same second as ``history``, it would be the same commits)
+    other = repo_history.build(tmp_path / "other", title="other")
     repos.fetch(NAME, str(history.repo))
     assert repos.has_commit(NAME, str(history.repo), history.later)
     assert not repos.has_commit(NAME, str(other.repo), history.later)
