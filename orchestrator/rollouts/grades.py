@@ -140,10 +140,6 @@ class Grading:
         grader = self._grader(resolved)
         if not grader.uses_sandbox():
             return await self._graded(rollout, resolved, grader, answer, item, sample, None)
-        # Only a grader that reads the sandbox needs it alive; one that scores the answer
-        # against the row and the trajectory (file_f1, numeric_match) does not, so a
-        # sandbox that is slow, or dead after its last call, changes nothing.
-        await self._probe_before_grading(rollout)
         if rollout.sandbox is None or rollout.closed_at is not None:
             return await self._graded(rollout, resolved, grader, answer, item, sample, None)
         # One grade at a time works in the sandbox: a retry that came while the first still
@@ -166,6 +162,12 @@ class Grading:
             await self.closer.refuse_failed(current, "rollout failed")
             if current.score is not None:
                 return GradeReply(score=current.score, details=current.grade_details or {})
+            # Only a grader that reads the sandbox needs it alive; one that scores the
+            # answer against the row and the trajectory (file_f1, numeric_match) does not.
+            # Probed under the lease: a racing grade's staging ends every process of the
+            # agent's user, a probe's `true` too (exit 137: seen failing a rollout whose
+            # first grade then scored it).
+            await self._probe_before_grading(current)
             sandbox = QueuedSandbox(self.starter, rollout.sandbox, asyncio.get_running_loop())
             # Not idle while it is judged: the reaper leaves it alone for as long as the
             # grader may work in it (the grade sets the activity again when it is done).
