@@ -617,6 +617,52 @@ class Spawned:
             return self.returncode
 
 
+def _spawn_through_run_as(
+    run_as: str,
+    uid: int,
+    gid: int,
+    argv: list[str],
+    env: dict[str, str],
+    stdio: list[tuple[Any, ...]],
+    child_ends: tuple[int, ...],
+    parent_ends: tuple[int, ...],
+) -> int:
+    """posix_spawn run-as (the agent is vforked, not forked) in a new session with the
+    ``stdio`` file actions, and wait for its exec: the pid once it succeeded. The
+    descriptors the child took (``child_ends``) are closed here either way; on a failure
+    to start (EAGAIN at the pids limit, a failed switch or exec), ``parent_ends`` are
+    closed too and the OSError Popen would raise is raised."""
+    errpipe_r, errpipe_w = os.pipe()
+    errpipe_w = above_stdio(errpipe_w)
+    try:
+        pid = os.posix_spawn(
+            run_as,
+            [run_as, str(uid), str(gid), *argv],
+            env,
+            file_actions=[*stdio, (os.POSIX_SPAWN_DUP2, errpipe_w, RUN_AS_ERROR_FD)],
+            setsid=True,
+            # What Popen's restore_signals gives back: Python ignores both.
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+            setsigmask=(),
+        )
+    except BaseException:
+        for fd in (*parent_ends, errpipe_r):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (*child_ends, errpipe_w):
+            os.close(fd)
+    with os.fdopen(errpipe_r, "rb", buffering=0) as errpipe:
+        failed = errpipe.read(4)  # empty once the exec succeeded (close-on-exec)
+    if failed:
+        os.waitpid(pid, 0)
+        for fd in parent_ends:
+            os.close(fd)
+        code = int.from_bytes(failed, sys.byteorder)
+        raise OSError(code, f"{os.strerror(code)}: {argv[0]!r} as uid {uid}")
+    return pid
+
+
 def spawn_on_terminal(
     run_as: str, uid: int, gid: int, argv: list[str], env: dict[str, str], rows: int, cols: int
 ) -> Spawned:
@@ -631,38 +677,13 @@ def spawn_on_terminal(
     finally:
         os.close(slave)
     err_r, err_w = os.pipe()
-    errpipe_r, errpipe_w = os.pipe()
-    errpipe_w = above_stdio(errpipe_w)
     os.close(err_w)  # no standard error of its own: the terminal has both
-    try:
-        pid = os.posix_spawn(
-            run_as,
-            [run_as, str(uid), str(gid), *argv],
-            env,
-            file_actions=[
-                (os.POSIX_SPAWN_OPEN, 0, path, os.O_RDWR, 0),
-                (os.POSIX_SPAWN_DUP2, 0, 1),
-                (os.POSIX_SPAWN_DUP2, 0, 2),
-                (os.POSIX_SPAWN_DUP2, errpipe_w, RUN_AS_ERROR_FD),
-            ],
-            setsid=True,
-            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
-            setsigmask=(),
-        )
-    except BaseException:
-        for fd in (master, err_r, errpipe_r):
-            os.close(fd)
-        raise
-    finally:
-        os.close(errpipe_w)
-    with os.fdopen(errpipe_r, "rb", buffering=0) as errpipe:
-        failed = errpipe.read(4)
-    if failed:
-        os.waitpid(pid, 0)
-        for fd in (master, err_r):
-            os.close(fd)
-        code = int.from_bytes(failed, sys.byteorder)
-        raise OSError(code, f"{os.strerror(code)}: {argv[0]!r} as uid {uid}")
+    terminal = [
+        (os.POSIX_SPAWN_OPEN, 0, path, os.O_RDWR, 0),
+        (os.POSIX_SPAWN_DUP2, 0, 1),
+        (os.POSIX_SPAWN_DUP2, 0, 2),
+    ]
+    pid = _spawn_through_run_as(run_as, uid, gid, argv, env, terminal, (), (master, err_r))
     return Spawned(
         pid,
         os.fdopen(master, "rb", buffering=0),
@@ -683,54 +704,24 @@ def set_terminal_size(fd: int, rows: int, cols: int) -> None:
 def spawn_as(
     run_as: str, uid: int, gid: int, argv: list[str], env: dict[str, str], stdin: bool = False
 ) -> Spawned:
-    """Start ``argv`` as ``uid``:``gid`` in a new session, through run-as (posix_spawn:
-    the agent is vforked, not forked), with standard input from /dev/null (or a pipe, its
-    ``stdin``) and standard output and error piped: what the Popen in :meth:`Agent.exec`
-    does. A failure to start (EAGAIN at the pids limit, a failed exec) raises the OSError
+    """Start ``argv`` as ``uid``:``gid`` in a new session, through run-as, with standard
+    input from /dev/null (or a pipe, its ``stdin``) and standard output and error piped:
+    what the Popen in :meth:`Agent.exec` does. A failure to start raises the OSError
     Popen would."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    errpipe_r, errpipe_w = os.pipe()
-    out_w, err_w, errpipe_w = above_stdio(out_w), above_stdio(err_w), above_stdio(errpipe_w)
-    in_r, in_w = os.pipe() if stdin else (-1, -1)
+    out_w, err_w = above_stdio(out_w), above_stdio(err_w)
     source: tuple[Any, ...] = (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)
+    child_ends: tuple[int, ...] = (out_w, err_w)
+    parent_ends: tuple[int, ...] = (out_r, err_r)
+    in_w = -1
     if stdin:
+        in_r, in_w = os.pipe()
         in_r = above_stdio(in_r)
         source = (os.POSIX_SPAWN_DUP2, in_r, 0)
-    try:
-        pid = os.posix_spawn(
-            run_as,
-            [run_as, str(uid), str(gid), *argv],
-            env,
-            file_actions=[
-                source,
-                (os.POSIX_SPAWN_DUP2, out_w, 1),
-                (os.POSIX_SPAWN_DUP2, err_w, 2),
-                (os.POSIX_SPAWN_DUP2, errpipe_w, RUN_AS_ERROR_FD),
-            ],
-            setsid=True,
-            # What Popen's restore_signals gives back: Python ignores both.
-            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
-            setsigmask=(),
-        )
-    except BaseException:
-        for fd in (out_r, err_r, errpipe_r, in_w):
-            if fd >= 0:
-                os.close(fd)
-        raise
-    finally:
-        for fd in (out_w, err_w, errpipe_w, in_r):
-            if fd >= 0:
-                os.close(fd)
-    with os.fdopen(errpipe_r, "rb", buffering=0) as errpipe:
-        failed = errpipe.read(4)  # empty once the exec succeeded (close-on-exec)
-    if failed:
-        os.waitpid(pid, 0)
-        for fd in (out_r, err_r, in_w):
-            if fd >= 0:
-                os.close(fd)
-        code = int.from_bytes(failed, sys.byteorder)
-        raise OSError(code, f"{os.strerror(code)}: {argv[0]!r} as uid {uid}")
+        child_ends, parent_ends = (*child_ends, in_r), (*parent_ends, in_w)
+    stdio = [source, (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+    pid = _spawn_through_run_as(run_as, uid, gid, argv, env, stdio, child_ends, parent_ends)
     return Spawned(
         pid,
         os.fdopen(out_r, "rb", buffering=0),
