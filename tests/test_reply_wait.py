@@ -1,4 +1,4 @@
-"""A reply's wait outlives a Redis restart (state/replies.QueueClient.call), against a real
+"""A reply's wait outlives a Redis restart (state/replies.WorkerClient.call), against a real
 redis-server killed and started again on its port: the wait asks again until its deadline,
 and takes the reply the worker pushes once Redis is back. Before, the wait raised on the
 lost connection, and a sandbox's creation awaited in the background was dropped half-way:
@@ -20,8 +20,8 @@ from orchestrator.local import free_port
 from orchestrator.state.broker import celery_app
 from orchestrator.state.errors import StateError, outlasting_an_outage
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.replies import QueueClient, QueueTimeout
-from orchestrator.state.tasks import TaskName
+from orchestrator.state.replies import QueueTimeout, WorkerClient
+from orchestrator.state.tasks import DropSnapshot, SnapshotDropped, Tasks
 from tests.faults.infra import RedisServer
 
 pytestmark = pytest.mark.anyio
@@ -42,10 +42,10 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
         started.stop()
 
 
-def _client(settings: Settings, server: RedisServer) -> tuple[QueueClient, RolloutStore]:
+def _client(settings: Settings, server: RedisServer) -> tuple[WorkerClient, RolloutStore]:
     own = settings.model_copy(update={"redis_url": server.url})
     store = RolloutStore.connect(own)
-    return QueueClient(own, celery_app(), store), store
+    return WorkerClient(own, celery_app(), store), store
 
 
 async def test_a_wait_outlives_a_redis_restart_and_takes_the_reply(
@@ -57,18 +57,19 @@ async def test_a_wait_outlives_a_redis_restart_and_takes_the_reply(
     sync = redis.Redis.from_url(server.url)
     try:
         waiting = asyncio.ensure_future(
-            queue.call(TaskName.PROBE_SANDBOX, {}, queue="q", timeout_s=30)
+            queue.call(Tasks.DROP_SNAPSHOT, DropSnapshot(snapshot_id="s"), host=None, timeout_s=30)
         )
         # Until the task is sent (a blocking move of its message back where it was): the
         # wait has begun.
-        assert await asyncio.to_thread(sync.blmove, "q", "q", 10, "RIGHT", "RIGHT")
+        shared = queue.keys.shared_queue
+        assert await asyncio.to_thread(sync.blmove, shared, shared, 10, "RIGHT", "RIGHT")
         await asyncio.sleep(0.2)
         await asyncio.to_thread(server.kill)
         await asyncio.sleep(1.0)  # the wait meets a Redis that is not there
         assert not waiting.done()
         await asyncio.to_thread(server.start)
-        await asyncio.to_thread(sync.rpush, key, json.dumps({"alive": True}))
-        assert await asyncio.wait_for(waiting, 10) == {"alive": True}
+        await asyncio.to_thread(sync.rpush, key, json.dumps({"removed": True}))
+        assert await asyncio.wait_for(waiting, 10) == SnapshotDropped(removed=True)
     finally:
         sync.close()
         await store.close()
@@ -80,7 +81,7 @@ async def test_a_wait_through_an_outage_still_ends_at_its_deadline(
     queue, store = _client(settings, server)
     try:
         waiting = asyncio.ensure_future(
-            queue.call(TaskName.PROBE_SANDBOX, {}, queue="q", timeout_s=2)
+            queue.call(Tasks.DROP_SNAPSHOT, DropSnapshot(snapshot_id="s"), host=None, timeout_s=2)
         )
         await asyncio.sleep(0.3)
         await asyncio.to_thread(server.kill)

@@ -22,7 +22,7 @@ from orchestrator.state.broker import celery_app
 from orchestrator.state.forget import forget_deployment
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout, RolloutStore
-from orchestrator.state.replies import QueueClient
+from orchestrator.state.replies import WorkerClient
 
 pytestmark = pytest.mark.anyio
 
@@ -39,7 +39,7 @@ async def service(settings: Settings) -> AsyncIterator[RolloutService]:
         update={"deployment": f"{settings.deployment}-vn{uuid.uuid4().hex[:4]}"}
     )
     store = RolloutStore.connect(own)
-    queue = QueueClient(own, celery_app(), store)
+    queue = WorkerClient(own, celery_app(), store)
     yield RolloutService(own, store, load_environments(own), queue)
     await store.close()
     forget_deployment(own.redis_url, own.deployment)

@@ -27,7 +27,7 @@ from orchestrator.rollouts.service import RolloutService
 from orchestrator.state.broker import make_celery
 from orchestrator.state.collector import StateCollector
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.replies import QueueClient
+from orchestrator.state.replies import WorkerClient
 
 
 class RequestGuard:
@@ -154,7 +154,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = RolloutStore.connect(settings)
-        queue = QueueClient(settings, make_celery(settings), store)
+        queue = WorkerClient(settings, make_celery(settings), store)
         rollouts = RolloutService(settings, store, environments, queue)
         app.state.orchestrator = AppState(
             settings=settings,

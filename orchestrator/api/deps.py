@@ -10,14 +10,14 @@ from orchestrator.config import Settings
 from orchestrator.e2b.sandboxes import E2BSandboxes
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.replies import QueueClient
+from orchestrator.state.replies import WorkerClient
 
 
 @dataclass
 class AppState:
     settings: Settings
     store: RolloutStore
-    queue: QueueClient
+    queue: WorkerClient
     service: RolloutService
     e2b: E2BSandboxes
 

@@ -22,9 +22,9 @@ from orchestrator.sandbox.backend import RepoSetup
 from orchestrator.sandbox.repos import HostRepos, RepoError, check_source
 from orchestrator.state.broker import celery_app
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.replies import QueueClient, QueueTimeout
+from orchestrator.state.replies import QueueTimeout, WorkerClient
 from orchestrator.state.repos import RepoRecord, RepoRegistry
-from orchestrator.state.tasks import CheckCommit, CommitChecked, TaskName
+from orchestrator.state.tasks import CheckCommit, CommitChecked, Tasks
 
 app = typer.Typer(
     help="Register repositories that dataset rows name at a commit.", no_args_is_help=True
@@ -176,7 +176,7 @@ async def _prepare(
     settings: Settings, plan: Plan, parallel: int, progress: Progress
 ) -> tuple[list[RowProblem], int]:
     store = RolloutStore.connect(settings, role="cli")
-    queue = QueueClient(settings, celery_app(), store)
+    queue = WorkerClient(settings, celery_app(), store)
     registry = RepoRegistry(store.redis, store.keys)
     problems: list[RowProblem] = []
     try:
@@ -200,16 +200,14 @@ async def _prepare(
         async def ask(host: str, record: RepoRecord, commit: str, build: bool) -> CommitChecked:
             request = CheckCommit(workspace=record.at(commit), materialise=build)
             try:
-                raw = await queue.call(
-                    TaskName.CHECK_COMMIT,
-                    request.model_dump(mode="json"),
-                    queue=store.keys.host_queue(host),
+                return await queue.call(
+                    Tasks.CHECK_COMMIT,
+                    request,
+                    host=host,
                     timeout_s=settings.sandbox_create_timeout_s * 10,
-                    host_id=host,
                 )
             except QueueTimeout as exc:
                 return CommitChecked(host=host, error=f"no answer: {exc}")
-            return CommitChecked.model_validate(raw)
 
         def problem(checked: CommitChecked, record: RepoRecord, commit: str) -> str | None:
             if checked.error is not None:

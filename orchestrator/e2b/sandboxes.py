@@ -45,15 +45,14 @@ from orchestrator.state.replies import QueueTimeout
 from orchestrator.state.snapshots import SnapshotKind, SnapshotRecord
 from orchestrator.state.streams import follow
 from orchestrator.state.tasks import (
-    FileOpReply,
     FileOpRequest,
-    InputSent,
-    ProbeSandbox,
-    SandboxMeasured,
+    MeasureSandbox,
+    ReplyT,
+    RequestT,
     SendInput,
     SignalExec,
-    SignalReply,
-    TaskName,
+    Task,
+    Tasks,
 )
 from orchestrator.tools.command import COMMAND_TOOL
 
@@ -392,9 +391,8 @@ class E2BSandboxes:
         rollout, _ = await self.alive(sandbox_id)
         if rollout.sandbox is None or rollout.state == RolloutState.PAUSED:
             return []
-        payload = ProbeSandbox(handle=rollout.sandbox).model_dump(mode="json")
-        measured = SandboxMeasured.model_validate(
-            await self._worker(TaskName.MEASURE_SANDBOX, rollout, payload)
+        measured = await self._worker(
+            Tasks.MEASURE_SANDBOX, rollout, MeasureSandbox(handle=rollout.sandbox)
         )
         if measured.usage is None:
             raise InfraError(
@@ -550,8 +548,7 @@ class E2BSandboxes:
             if record is None or rollout.sandbox is None:
                 return False
             payload = SignalExec(handle=rollout.sandbox, exec_id=record["exec_id"], kill=kill)
-            raw = await self._worker(TaskName.SIGNAL_EXEC, rollout, payload.model_dump(mode="json"))
-            reply = SignalReply.model_validate(raw)
+            reply = await self._worker(Tasks.SIGNAL_EXEC, rollout, payload)
             if reply.infra_error is not None:
                 raise InfraError(reply.infra_error, rollout_id=rollout.rollout_id)
             if reply.found or time.monotonic() > deadline:
@@ -583,8 +580,7 @@ class E2BSandboxes:
                 close=close,
                 resize=resize,
             )
-            raw = await self._worker(TaskName.SEND_INPUT, rollout, payload.model_dump(mode="json"))
-            sent = InputSent.model_validate(raw)
+            sent = await self._worker(Tasks.SEND_INPUT, rollout, payload)
             if sent.infra_error is not None:
                 raise InfraError(sent.infra_error, rollout_id=rollout.rollout_id)
             if sent.closed is not None:
@@ -657,8 +653,7 @@ class E2BSandboxes:
             data=data,
             max_bytes=limit if action == "read" else 0,
         )
-        raw = await self._worker(TaskName.FILE_OP, rollout, request.model_dump(mode="json"))
-        reply = FileOpReply.model_validate(raw)
+        reply = await self._worker(Tasks.FILE_OP, rollout, request)
         if reply.infra_error is not None:
             raise await self.service.fail(
                 rollout.rollout_id, Cause.TOOL_CALL_FAILED, reply.infra_error, reply.evidence
@@ -671,17 +666,15 @@ class E2BSandboxes:
     # -- helpers -------------------------------------------------------------------------
 
     async def _worker(
-        self, task: TaskName, rollout: Rollout, payload: dict[str, Any]
-    ) -> dict[str, Any]:
+        self, task: Task[RequestT, ReplyT], rollout: Rollout, request: RequestT
+    ) -> ReplyT:
         assert rollout.sandbox is not None
-        host = rollout.sandbox.host
         try:
             return await self.service.queue.call(
                 task,
-                payload,
-                queue=self.service.keys.host_queue(host),
+                request,
+                host=rollout.sandbox.host,
                 timeout_s=self.settings.queue_wait_s + REPLY_SLACK_S + 2 * READ_FILE_TIMEOUT_S,
-                host_id=host,
             )
         except QueueTimeout as exc:
             # Never run (or its answer lost with its worker): the sandbox may be fine.

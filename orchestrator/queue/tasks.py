@@ -1,10 +1,10 @@
-"""The tasks workers run. Each takes and returns a JSON payload (the models of
-state/tasks.py); an infrastructure fault comes back as data, with its evidence, not as a
-Celery exception."""
+"""The tasks workers run: one handler per task of state/tasks.Tasks, registered by
+:func:`handles` under its name, taking the task's request model and returning its reply
+model; an infrastructure fault comes back as data, with its evidence, not as a Celery
+exception."""
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
@@ -41,12 +41,13 @@ from orchestrator.sandbox.backend import (
 )
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.repos import RepoError
-from orchestrator.state.broker import celery_app, task
+from orchestrator.state import broker
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import POOL_LABEL, PoolTarget, same_spec, targets
 from orchestrator.state.snapshots import kept_snapshots
 from orchestrator.state.streams import OutputSink
 from orchestrator.state.tasks import (
+    Accepted,
     CheckCommit,
     CommitChecked,
     CreateSandbox,
@@ -55,18 +56,25 @@ from orchestrator.state.tasks import (
     FileOpReply,
     FileOpRequest,
     InputSent,
+    MeasureSandbox,
+    Nothing,
     ProbeSandbox,
     RecycleSandbox,
+    ReplyT,
+    RequestT,
     RunTests,
     RunTestsReply,
     SandboxCreated,
+    SandboxDestroyed,
     SandboxMeasured,
     SendInput,
     SignalExec,
     SignalReply,
+    SnapshotDropped,
     SnapshotMade,
     SnapshotSandbox,
-    TaskName,
+    Task,
+    Tasks,
     ToolCall,
     ToolCallDone,
 )
@@ -94,7 +102,7 @@ def _on_worker_ready(**_: Any) -> None:
 
 def _sweep_at_start() -> None:
     try:
-        log.info("worker.start_sweep", **sweep_host({}))
+        log.info("worker.start_sweep", **_sweep())
     except Exception:  # the periodic sweep tries again
         log.exception("worker.start_sweep_failed")
 
@@ -137,31 +145,22 @@ worker_shutting_down.connect(_on_shutting_down, weak=False)
 worker_shutdown.connect(_on_shutdown, weak=False)
 
 
-def replies(
-    fn: Callable[[dict[str, Any]], dict[str, Any]],
-) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """Push the task's result to the caller's reply list as well as returning it."""
-
-    @functools.wraps(fn)
-    def wrapper(payload: dict[str, Any]) -> dict[str, Any]:
-        result = fn(payload)
-        worker.reply(payload, result)
-        return result
-
-    return wrapper
+def handles(
+    task: Task[RequestT, ReplyT],
+) -> Callable[[broker.Handler[RequestT, ReplyT]], broker.Handler[RequestT, ReplyT]]:
+    """Register a handler of ``task``; the reply it returns goes to its caller's list."""
+    return broker.handles(task, worker.reply)
 
 
-@task(TaskName.CREATE_SANDBOX)
-def create_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.CREATE_SANDBOX)
+def create_sandbox(request: CreateSandbox) -> None:
     """Hand the creation to the host's creation lane and return at once: the reply goes
     to the caller's list when the sandbox is ready. Tool calls queued behind a burst of
     creations so wait for a Celery thread for microseconds, not for the creations."""
-    request = CreateSandbox.model_validate(payload)
-    worker.create_for_rollout(_create_and_reply, payload, request, group=request.group)
-    return {"accepted": True}
+    worker.create_for_rollout(_create_and_reply, request, group=request.group)
 
 
-def _create_and_reply(payload: dict[str, Any], request: CreateSandbox) -> None:
+def _create_and_reply(request: CreateSandbox) -> None:
     with rollout_context(request.rollout_id, trace_id=request.trace_id):
         try:
             _set_up(request.spec)
@@ -174,7 +173,7 @@ def _create_and_reply(payload: dict[str, Any], request: CreateSandbox) -> None:
         except Exception as exc:
             log.exception("sandbox.create_crashed", rollout_id=request.rollout_id)
             created = SandboxCreated(error=f"{type(exc).__name__}: {exc}")
-        worker.reply(payload, created.model_dump(mode="json"))
+        worker.reply(request, created)
 
 
 def _set_up(spec: SandboxSpec) -> None:
@@ -192,13 +191,12 @@ def _set_up(spec: SandboxSpec) -> None:
         raise SandboxError(f"cannot set {wanted.label} up on this host: {exc}") from exc
 
 
-@task(TaskName.RUN_TOOL)
-def run_tool(payload: dict[str, Any]) -> None:
+@handles(Tasks.RUN_TOOL)
+def run_tool(call: ToolCall) -> None:
     """Run one tool call, at most once: only after claiming its ticket, whose result then
     outlives this process (state/tickets.py). The reply goes to the attempt the ticket
     names, which may be a retry of the one that sent this message."""
     started = time.time()
-    call = ToolCall.model_validate(payload)
     with rollout_context(
         call.rollout_id, trace_id=call.trace_id, sandbox_id=call.handle.sandbox_id
     ):
@@ -314,21 +312,17 @@ def _probe(handle: SandboxHandle) -> ProbeResult:
         return ProbeResult(alive=False, state="unknown", agent_ok=False, detail=f"probe: {exc}")
 
 
-@task(TaskName.PROBE_SANDBOX)
-@replies
-def probe_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.PROBE_SANDBOX)
+def probe_sandbox(request: ProbeSandbox) -> ProbeResult:
     """Is this sandbox alive and does a trivial command run (before grading)."""
-    request = ProbeSandbox.model_validate(payload)
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
-        return _probe(request.handle).model_dump(mode="json")
+        return _probe(request.handle)
 
 
-@task(TaskName.RUN_TESTS)
-@replies
-def run_tests(payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.RUN_TESTS)
+def run_tests(request: RunTests) -> RunTestsReply:
     """A grader's tests in the rollout's sandbox (sandbox/testrun.py). A backend failure
     comes back with a probe of the sandbox as evidence: no verdict."""
-    request = RunTests.model_validate(payload)
     handle = request.handle
     with rollout_context(handle.rollout_id, sandbox_id=handle.sandbox_id):
         try:
@@ -339,22 +333,20 @@ def run_tests(payload: dict[str, Any]) -> dict[str, Any]:
             return RunTestsReply(
                 infra_error=f"{type(exc).__name__}: {exc}",
                 evidence={"probe": probe.model_dump(mode="json")},
-            ).model_dump(mode="json")
+            )
         log.info(
             "grade.tests_ran",
             tests=len(request.run.tests),
             passed=sum(1 for o in result.outcomes.values() if o == testrun.TestOutcome.PASSED),
             timed_out=result.timed_out,
         )
-        return RunTestsReply(result=result).model_dump(mode="json")
+        return RunTestsReply(result=result)
 
 
-@task(TaskName.FILE_OP)
-@replies
-def file_op(payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.FILE_OP)
+def file_op(request: FileOpRequest) -> FileOpReply:
     """A filesystem operation in a sandbox, for a client that drives it (the E2B API). A
     backend failure comes back with a probe of the sandbox as evidence."""
-    request = FileOpRequest.model_validate(payload)
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
             result = worker.backend().file_op(
@@ -375,14 +367,12 @@ def file_op(payload: dict[str, Any]) -> dict[str, Any]:
                 infra_error=f"{type(exc).__name__}: {exc}",
                 evidence={"probe": probe.model_dump(mode="json")},
             )
-        return reply.model_dump(mode="json")
+        return reply
 
 
-@task(TaskName.SNAPSHOT_SANDBOX)
-@replies
-def snapshot_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.SNAPSHOT_SANDBOX)
+def snapshot_sandbox(request: SnapshotSandbox) -> SnapshotMade:
     """Keep a sandbox's filesystem state on this host (sandbox/snapshots.py)."""
-    request = SnapshotSandbox.model_validate(payload)
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
             made = SnapshotMade(
@@ -393,38 +383,31 @@ def snapshot_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
         except SandboxError as exc:
             log.error("sandbox.snapshot_failed", snapshot_id=request.snapshot_id, error=str(exc))
             made = SnapshotMade(error=f"{type(exc).__name__}: {exc}")
-        return made.model_dump(mode="json")
+        return made
 
 
-@task(TaskName.MEASURE_SANDBOX)
-@replies
-def measure_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.MEASURE_SANDBOX)
+def measure_sandbox(request: MeasureSandbox) -> SandboxMeasured:
     """What a sandbox uses now (E2B's ``get_metrics``)."""
-    request = ProbeSandbox.model_validate(payload)
     try:
-        measured = SandboxMeasured(usage=worker.backend().usage(request.handle))
+        return SandboxMeasured(usage=worker.backend().usage(request.handle))
     except SandboxError as exc:
-        measured = SandboxMeasured(error=f"{type(exc).__name__}: {exc}")
-    return measured.model_dump(mode="json")
+        return SandboxMeasured(error=f"{type(exc).__name__}: {exc}")
 
 
-@task(TaskName.DROP_SNAPSHOT)
-@replies
-def drop_snapshot(payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.DROP_SNAPSHOT)
+def drop_snapshot(request: DropSnapshot) -> SnapshotDropped:
     """Remove a snapshot's files from this host, unless a sandbox or another snapshot is
     made over it (the sweep removes it then, once it is free)."""
-    request = DropSnapshot.model_validate(payload)
     try:
-        return {"removed": worker.backend().drop_snapshot(request.snapshot_id)}
+        return SnapshotDropped(removed=worker.backend().drop_snapshot(request.snapshot_id))
     except SandboxError as exc:
-        return {"removed": False, "error": str(exc)}
+        return SnapshotDropped(error=str(exc))
 
 
-@task(TaskName.SEND_INPUT)
-@replies
-def send_input(payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.SEND_INPUT)
+def send_input(request: SendInput) -> InputSent:
     """Write to a sandbox's running command's standard input by its exec id."""
-    request = SendInput.model_validate(payload)
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
             found = worker.backend().send_input(
@@ -439,38 +422,34 @@ def send_input(payload: dict[str, Any]) -> dict[str, Any]:
             reply = InputSent(found=True, closed=str(exc))
         except SandboxError as exc:
             reply = InputSent(infra_error=f"{type(exc).__name__}: {exc}")
-        return reply.model_dump(mode="json")
+        return reply
 
 
-@task(TaskName.SIGNAL_EXEC)
-@replies
-def signal_exec(payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.SIGNAL_EXEC)
+def signal_exec(request: SignalExec) -> SignalReply:
     """Kill (or SIGTERM) a sandbox's running command by its exec id."""
-    request = SignalExec.model_validate(payload)
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
             found = worker.backend().signal_exec(request.handle, request.exec_id, kill=request.kill)
             reply = SignalReply(found=found)
         except SandboxError as exc:
             reply = SignalReply(infra_error=f"{type(exc).__name__}: {exc}")
-        return reply.model_dump(mode="json")
+        return reply
 
 
-@task(TaskName.DESTROY_SANDBOX)
-@replies
-def destroy_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
-    request = DestroySandbox.model_validate(payload)
+@handles(Tasks.DESTROY_SANDBOX)
+def destroy_sandbox(request: DestroySandbox) -> SandboxDestroyed:
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
             worker.backend().destroy(request.handle)
         except SandboxError as exc:
-            return {"destroyed": False, "error": str(exc)}
+            return SandboxDestroyed(error=str(exc))
         log.info("sandbox.reaped", reason=request.reason)
-        return {"destroyed": True}
+        return SandboxDestroyed(destroyed=True)
 
 
-@task(TaskName.RECYCLE_SANDBOX)
-def recycle_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.RECYCLE_SANDBOX)
+def recycle_sandbox(request: RecycleSandbox) -> Accepted:
     """Reset a sandbox whose rollout ended cleanly and put it in its pool, or destroy it
     (rollouts/recycling.py says when). In the recycle lane, counted as one of the rollouts'
     creations at the creation gate: the sandbox it makes is one a rollout of the next
@@ -478,9 +457,8 @@ def recycle_sandbox(payload: dict[str, Any]) -> dict[str, Any]:
     pool lane, one at a time and behind every cold create, a second burst found 33 of its
     256 rollouts' sandboxes reset in time, and 504 sandboxes ran at once.) The reset waits
     for the host's calls to pause, unless a new rollout waits for it (yield_to_calls)."""
-    request = RecycleSandbox.model_validate(payload)
     worker.create_for_rollout(_recycle, request, lane=worker.recycles())
-    return {"accepted": True}
+    return Accepted()
 
 
 class RecycleResult(StrEnum):
@@ -562,10 +540,14 @@ def _recycle(request: RecycleSandbox) -> None:
         worker.release_slot(handle.host, request.transit)
 
 
-@task(TaskName.SWEEP_HOST)
-def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.SWEEP_HOST)
+def sweep_host(_request: Nothing) -> None:
     """Destroy this host's expired sandboxes and leftovers by label, and every sandbox
     whose rollout is over or unknown to Redis (orphans)."""
+    log.info("worker.swept", **_sweep())
+
+
+def _sweep() -> dict[str, Any]:
     settings = get_settings()
     swept = collect_expired(worker.backend()).model_dump(mode="json")
     swept["orphans"] = sweep_orphans(worker.backend(), worker.redis_client(), settings)
@@ -580,21 +562,19 @@ def sweep_host(_payload: dict[str, Any]) -> dict[str, Any]:
     return swept
 
 
-@task(TaskName.CHECK_COMMIT)
-@replies
-def check_commit(payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.CHECK_COMMIT)
+def check_commit(request: CheckCommit) -> CommitChecked:
     """Whether a repository has a commit, fetching it on this host when the store lacks
     it, and the commit's set-up image (built here when missing); with ``materialise``, the
     commit's layer built here too (sandbox/repos.py). A commit the source lacks, and a
     set-up that does not build, are answers; a source or store that fails is an error."""
-    request = CheckCommit.model_validate(payload)
     wanted = request.workspace
     repos = worker.host_repos()
     settings = get_settings()
     host = settings.host_id
     try:
         if not repos.has_commit(wanted.repo, wanted.source, wanted.commit):
-            return CommitChecked(found=False, host=host).model_dump(mode="json")
+            return CommitChecked(found=False, host=host)
         image = ""
         if wanted.setup is not None:
             image, _ = ensure_setup_image(settings, repos, wanted)
@@ -603,29 +583,27 @@ def check_commit(payload: dict[str, Any]) -> dict[str, Any]:
             built = repos.materialise(wanted.repo, wanted.source, wanted.commit).built
     except SetupFailed as exc:
         log.warning("repo.setup_failed", repo=wanted.repo, commit=wanted.commit, error=str(exc))
-        checked = CommitChecked(found=True, host=host, setup_error=str(exc))
-        return checked.model_dump(mode="json")
+        return CommitChecked(found=True, host=host, setup_error=str(exc))
     except (RepoError, BackendUnavailable, OSError) as exc:
         log.warning("repo.check_failed", repo=wanted.repo, commit=wanted.commit, error=str(exc))
-        return CommitChecked(host=host, error=str(exc)).model_dump(mode="json")
-    checked = CommitChecked(
+        return CommitChecked(host=host, error=str(exc))
+    return CommitChecked(
         found=True,
         built=built,
         host=host,
         setup_image=image,
         committed_at=repos.committed_at(wanted.repo, wanted.commit),
     )
-    return checked.model_dump(mode="json")
 
 
-@task(TaskName.REFILL_POOLS)
-def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.REFILL_POOLS)
+def refill_pools(_request: Nothing) -> None:
     """Top every warm pool up to its size now (state/pools.py: demand-sized) with sandboxes
     on this host, within this host's capacity; drop pool sandboxes too close to their
     expiry, and those past their pool's size (its demand fell). The creations wait while
     any rollout's creation is waiting (queue/worker.py's pool lane)."""
     if not worker.host_schedulable():
-        return {"created": 0, "skipped": "host not schedulable"}
+        return
     settings = get_settings()
     filler = worker.pool_filler()
     jobs: list[PoolTarget] = []
@@ -638,8 +616,8 @@ def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
         for handle, reason in stale:
             dropped += 1
             payload = DestroySandbox(handle=handle, reason=reason)
-            celery_app().send_task(
-                TaskName.DESTROY_SANDBOX.value,
+            broker.celery_app().send_task(
+                Tasks.DESTROY_SANDBOX.name.value,
                 args=[payload.model_dump(mode="json")],
                 queue=worker.keys().host_queue(handle.host),
                 ignore_result=True,
@@ -648,13 +626,14 @@ def refill_pools(_payload: dict[str, Any]) -> dict[str, Any]:
         size = filler.refill_size(pool)
         jobs += [pool] * filler.reserve(pool, size, size)
     if not jobs:
-        return {"created": 0, "dropped": dropped}
+        if dropped:
+            log.info("pool.refilled", created=0, wanted=0, dropped=dropped)
+        return
     # Through the pool lane: never while a rollout's own sandbox waits to be made.
     created = sum(
         future.result() for future in [worker.pool_creations().submit(_fill_one, p) for p in jobs]
     )
     log.info("pool.refilled", created=created, wanted=len(jobs), dropped=dropped)
-    return {"created": created, "wanted": len(jobs), "dropped": dropped}
 
 
 def _fill_one(pool: PoolTarget) -> bool:

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
+from pydantic import BaseModel
+
 from orchestrator.config import get_settings
 from orchestrator.environments.loader import (
     EnvironmentRegistry,
@@ -30,7 +32,7 @@ from orchestrator.state.heartbeat import Heartbeat, HeartbeatWriter, HostFinding
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import PoolFiller
 from orchestrator.state.records import pinned_environment
-from orchestrator.state.tasks import ToolCall, ToolCallDone
+from orchestrator.state.tasks import Request, ToolCall, ToolCallDone
 from orchestrator.state.tickets import WorkerTickets
 
 log = get_logger(__name__)
@@ -75,11 +77,10 @@ def environment_of(call: ToolCall) -> ResolvedEnvironment:
     )
 
 
-def reply(payload: dict[str, Any], result: dict[str, Any]) -> None:
-    """Push a task's reply to the list its caller waits on (see state/replies.py)."""
-    key = payload.get("reply_to")
-    if key:
-        replies.push_reply(redis_client(), str(key), result)
+def reply(request: Request, result: BaseModel) -> None:
+    """Push a task's reply to the list its caller waits on, if one does (see
+    state/replies.py)."""
+    replies.push_reply(redis_client(), request, result)
 
 
 # This worker process, as named in the heartbeat and on the tickets it claims: a worker

@@ -44,7 +44,7 @@ from orchestrator.rollouts.models import CallReply
 from orchestrator.rollouts.starts import Starter
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
 from orchestrator.state.records import CallStartStatus, DispatchOutcome, Rollout, RolloutStore
-from orchestrator.state.replies import QueueClient
+from orchestrator.state.replies import WorkerClient
 from orchestrator.state.tasks import ToolCall, ToolCallDone
 from orchestrator.state.tickets import TicketState
 from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
@@ -87,7 +87,7 @@ class ToolCalls:
         self,
         settings: Settings,
         store: RolloutStore,
-        queue: QueueClient,
+        queue: WorkerClient,
         dispatcher: CallDispatcher,
         starter: Starter,
         closer: Closer,

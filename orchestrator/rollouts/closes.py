@@ -21,8 +21,8 @@ from orchestrator.state.admission import Admission
 from orchestrator.state.models import RolloutState
 from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
-from orchestrator.state.replies import QueueClient, QueueTimeout
-from orchestrator.state.tasks import DestroySandbox, TaskName
+from orchestrator.state.replies import QueueTimeout, WorkerClient
+from orchestrator.state.tasks import DestroySandbox, Tasks
 
 log = get_logger(__name__)
 
@@ -31,7 +31,7 @@ CLOSE_LEASE_S = 40.0
 
 
 class Closer:
-    def __init__(self, store: RolloutStore, queue: QueueClient, admission: Admission) -> None:
+    def __init__(self, store: RolloutStore, queue: WorkerClient, admission: Admission) -> None:
         self.store = store
         self.queue = queue
         self.keys = store.keys
@@ -87,24 +87,14 @@ class Closer:
                 if recycle.transit:  # else another close of this rollout sent it already
                     if self.pools is not None:  # before the send: the worker's end comes after
                         await self.pools.recycling(recycle.pool, handle.sandbox_id)
-                    await self.queue.send(
-                        TaskName.RECYCLE_SANDBOX,
-                        recycle.model_dump(mode="json"),
-                        queue=self.keys.host_queue(handle.host),
-                    )
+                    await self.queue.send(Tasks.RECYCLE_SANDBOX, recycle, host=handle.host)
             elif destroy and rollout.sandbox is not None and rollout.closed_at is None:
-                payload = DestroySandbox(handle=rollout.sandbox, reason=reason).model_dump(
-                    mode="json"
-                )
-                queue = self.keys.host_queue(rollout.sandbox.host)
+                destroy_it = DestroySandbox(handle=rollout.sandbox, reason=reason)
+                host = rollout.sandbox.host
                 if wait:
                     try:
                         await self.queue.call(
-                            TaskName.DESTROY_SANDBOX,
-                            payload,
-                            queue=queue,
-                            timeout_s=30,
-                            host_id=rollout.sandbox.host,
+                            Tasks.DESTROY_SANDBOX, destroy_it, host=host, timeout_s=30
                         )
                     except QueueTimeout as exc:
                         # The host's label sweep destroys it when the worker is back.
@@ -112,7 +102,7 @@ class Closer:
                             "rollout.destroy_deferred", rollout_id=rollout_id, error=str(exc)
                         )
                 else:
-                    await self.queue.send(TaskName.DESTROY_SANDBOX, payload, queue=queue)
+                    await self.queue.send(Tasks.DESTROY_SANDBOX, destroy_it, host=host)
             if rollout.sandbox is not None and rollout.closed_at is None and recycle is None:
                 await self.admission.release(rollout.sandbox.host)
             if rollout.pool_hit and rollout.closed_at is None and self.pools is not None:

@@ -23,8 +23,8 @@ from orchestrator.rollouts.bounds import call_bound_s
 from orchestrator.rollouts.errors import CallLost, CallNotRun
 from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.records import CallStart, Dispatch, DispatchOutcome, RolloutStore
-from orchestrator.state.replies import QueueClient
-from orchestrator.state.tasks import TaskName, ToolCall, ToolCallDone
+from orchestrator.state.replies import WorkerClient
+from orchestrator.state.tasks import Tasks, ToolCall, ToolCallDone
 from orchestrator.state.tickets import Ticket, TicketState
 
 CHECK_S = 1.0
@@ -34,7 +34,7 @@ HEARTBEAT_GRACE_BEATS = 2.0
 
 
 class CallDispatcher:
-    def __init__(self, settings: Settings, store: RolloutStore, queue: QueueClient) -> None:
+    def __init__(self, settings: Settings, store: RolloutStore, queue: WorkerClient) -> None:
         self.settings = settings
         self.store = store
         self.queue = queue
@@ -42,14 +42,11 @@ class CallDispatcher:
     def prepare(self, call: ToolCall, budget: int | None) -> Dispatch:
         """What :meth:`RolloutStore.begin_call` needs to send ``call`` in its own step."""
         host = call.handle.host
-        queue = self.store.keys.host_queue(host)
         bound = call_bound_s(self.settings, call.command_timeout_max_s)
-        message = self.queue.message(
-            TaskName.RUN_TOOL, call.model_dump_json(), queue=queue, expires=bound
-        )
+        message = self.queue.message(Tasks.RUN_TOOL, call, host=host, expires=bound)
         return Dispatch(
             heartbeat_key=self.store.keys.heartbeat(host),
-            queue=queue,
+            queue=self.queue.queue_of(host),
             message=message,
             budget=budget,
         )

@@ -57,7 +57,7 @@ from orchestrator.state.errors import StateError
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import GradeInputs, Rollout, RolloutStore
 from orchestrator.state.replies import QueueTimeout
-from orchestrator.state.tasks import RunTests, RunTestsReply, TaskName
+from orchestrator.state.tasks import RunTests, Tasks
 
 log = get_logger(__name__)
 
@@ -330,17 +330,15 @@ class QueuedSandbox:
     async def _run_tests(self, run: TestRun) -> TestRunResult:
         handle = self.handle
         try:
-            raw = await self.starter.queue.call(
-                TaskName.RUN_TESTS,
-                RunTests(handle=handle, run=run).model_dump(mode="json"),
-                queue=self.starter.keys.host_queue(handle.host),
+            reply = await self.starter.queue.call(
+                Tasks.RUN_TESTS,
+                RunTests(handle=handle, run=run),
+                host=handle.host,
                 # The run's budget, and its set-up: ending the agent's processes, staging.
                 timeout_s=run.timeout_s + 60 + self.starter.settings.queue_wait_s,
-                host_id=handle.host,
             )
         except QueueTimeout as exc:
             raise SandboxUnusable(f"no worker ran the tests: {exc}") from exc
-        reply = RunTestsReply.model_validate(raw)
         if reply.result is None:
             raise SandboxUnusable(
                 reply.infra_error or "the test run gave no result", reply.evidence

@@ -23,13 +23,12 @@ from orchestrator.observability.logging import bind_sandbox, get_logger, rollout
 from orchestrator.outcomes import Cause
 from orchestrator.rollouts.errors import InfraError
 from orchestrator.rollouts.service import RolloutService
-from orchestrator.state.broker import celery_app, task
-from orchestrator.state.keys import Keys
+from orchestrator.state.broker import celery_app, handles
 from orchestrator.state.models import RolloutState
 from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
-from orchestrator.state.replies import QueueClient
-from orchestrator.state.tasks import TaskName
+from orchestrator.state.replies import WorkerClient
+from orchestrator.state.tasks import Nothing, Tasks
 
 log = get_logger(__name__)
 
@@ -115,16 +114,21 @@ def _environments() -> EnvironmentRegistry:
     return load_environments(get_settings())
 
 
-@task(TaskName.REAP)
-def reap(_payload: dict[str, Any]) -> dict[str, Any]:
+@handles(Tasks.REAP)
+def reap(_request: Nothing) -> None:
     """Periodic (beat): one pass of :func:`reap_once`."""
-    return asyncio.run(reap_once(get_settings(), _environments()))
+    passed = asyncio.run(reap_once(get_settings(), _environments()))
+    log.info(
+        "reaper.passed",
+        ended=len(passed["ended"]),
+        hosts_swept=passed["hosts_swept"],
+        hosts_failing=passed["hosts_failing"],
+    )
 
 
 async def reap_once(settings: Settings, environments: EnvironmentRegistry) -> dict[str, Any]:
-    keys = Keys.of(settings.deployment)
     store = RolloutStore.connect(settings, role="reaper")
-    queue = QueueClient(settings, celery_app(), store)
+    queue = WorkerClient(settings, celery_app(), store)
     service = RolloutService(settings, store, environments, queue)
     ended: dict[str, str] = {}
     try:
@@ -142,8 +146,8 @@ async def reap_once(settings: Settings, environments: EnvironmentRegistry) -> di
         )
         hosts = [beat.host for beat in await queue.heartbeats.live()]
         for host in hosts:
-            await queue.send(TaskName.SWEEP_HOST, {}, queue=keys.host_queue(host))
-        await queue.send(TaskName.REFILL_POOLS, {}, queue=keys.shared_queue)
+            await queue.send(Tasks.SWEEP_HOST, Nothing(), host=host)
+        await queue.send(Tasks.REFILL_POOLS, Nothing(), host=None)
         await store.mark_reaper_pass(time.time())
     finally:
         await store.close()
@@ -210,7 +214,7 @@ async def _forget_vanished(store: RolloutStore, rollout_id: str) -> None:
 
 
 async def _failing_hosts(
-    settings: Settings, store: RolloutStore, queue: QueueClient, now: float
+    settings: Settings, store: RolloutStore, queue: WorkerClient, now: float
 ) -> dict[str, tuple[str, str, dict[str, Any]]]:
     """Hosts whose rollouts cannot go on: silent for ``host_lost_after_s`` (first silence
     remembered in Redis, so the clock survives a beat restart), or whose daemon failed

@@ -32,7 +32,7 @@ from orchestrator.rollouts.starts import Starter
 from orchestrator.state.admission import Admission
 from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.replies import QueueClient
+from orchestrator.state.replies import WorkerClient
 
 
 class RolloutService:
@@ -41,7 +41,7 @@ class RolloutService:
         settings: Settings,
         store: RolloutStore,
         environments: EnvironmentRegistry,
-        queue: QueueClient,
+        queue: WorkerClient,
     ) -> None:
         self.settings = settings
         self.store = store

@@ -29,7 +29,7 @@ from orchestrator.rollouts.starts import Starter
 from orchestrator.sandbox.snapshots import COPY_TIMEOUT_S
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout
-from orchestrator.state.replies import QueueClient, QueueTimeout
+from orchestrator.state.replies import QueueTimeout, WorkerClient
 from orchestrator.state.snapshots import (
     GroupSetup,
     SnapshotKind,
@@ -42,7 +42,7 @@ from orchestrator.state.tasks import (
     DropSnapshot,
     SnapshotMade,
     SnapshotSandbox,
-    TaskName,
+    Tasks,
 )
 from orchestrator.tools.command import COMMAND_TOOL, CommandOutput
 
@@ -65,7 +65,7 @@ class Snapshots:
     def __init__(
         self,
         settings: Settings,
-        queue: QueueClient,
+        queue: WorkerClient,
         starter: Starter,
         call_tool: CallTool,
         close: Close,
@@ -99,14 +99,12 @@ class Snapshots:
             )
         snapshot_id = new_snapshot_id()
         try:
-            raw = await self.queue.call(
-                TaskName.SNAPSHOT_SANDBOX,
-                SnapshotSandbox(handle=handle, snapshot_id=snapshot_id).model_dump(mode="json"),
-                queue=self.keys.host_queue(handle.host),
+            made = await self.queue.call(
+                Tasks.SNAPSHOT_SANDBOX,
+                SnapshotSandbox(handle=handle, snapshot_id=snapshot_id),
+                host=handle.host,
                 timeout_s=self.settings.queue_wait_s + SNAPSHOT_TIMEOUT_S,
-                host_id=handle.host,
             )
-            made = SnapshotMade.model_validate(raw)
         except QueueTimeout as exc:
             made = SnapshotMade(error=f"no worker answered: {exc}")
         if made.refused is not None:
@@ -160,9 +158,7 @@ class Snapshots:
         if record is None or not await self.registry.remove(snapshot_id):
             return False
         await self.queue.send(
-            TaskName.DROP_SNAPSHOT,
-            DropSnapshot(snapshot_id=snapshot_id).model_dump(mode="json"),
-            queue=self.keys.host_queue(record.host),
+            Tasks.DROP_SNAPSHOT, DropSnapshot(snapshot_id=snapshot_id), host=record.host
         )
         return True
 
@@ -322,14 +318,12 @@ class Snapshots:
             paused_at=time.time(),
             **fields,
         )
-        payload = DestroySandbox(handle=handle, reason="paused").model_dump(mode="json")
         try:  # gone when the pause answers: it holds nothing from then on
             await self.queue.call(
-                TaskName.DESTROY_SANDBOX,
-                payload,
-                queue=self.keys.host_queue(handle.host),
+                Tasks.DESTROY_SANDBOX,
+                DestroySandbox(handle=handle, reason="paused"),
+                host=handle.host,
                 timeout_s=DESTROY_WAIT_S,
-                host_id=handle.host,
             )
         except QueueTimeout as exc:  # the host's sweep takes it (its rollout is paused)
             log.warning(

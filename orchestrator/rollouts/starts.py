@@ -36,7 +36,7 @@ from orchestrator.state.errors import outlasting_an_outage
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
-from orchestrator.state.replies import QueueClient, QueueTimeout
+from orchestrator.state.replies import QueueTimeout, WorkerClient
 from orchestrator.state.repos import RepoRegistry
 from orchestrator.state.snapshots import SnapshotRecord
 from orchestrator.state.tasks import (
@@ -44,9 +44,10 @@ from orchestrator.state.tasks import (
     CommitChecked,
     CreateSandbox,
     DestroySandbox,
+    Nothing,
     ProbeSandbox,
     SandboxCreated,
-    TaskName,
+    Tasks,
 )
 
 log = get_logger(__name__)
@@ -73,7 +74,7 @@ class Starter:
         settings: Settings,
         store: RolloutStore,
         environments: EnvironmentRegistry,
-        queue: QueueClient,
+        queue: WorkerClient,
         admission: Admission,
         pools: PoolClaims,
         closer: Closer,
@@ -176,15 +177,14 @@ class Starter:
 
     async def _check_commit(self, workspace: CommitWorkspace) -> CommitChecked:
         try:
-            raw = await self.queue.call(
-                TaskName.CHECK_COMMIT,
-                CheckCommit(workspace=workspace).model_dump(mode="json"),
-                queue=self.keys.shared_queue,
+            checked = await self.queue.call(
+                Tasks.CHECK_COMMIT,
+                CheckCommit(workspace=workspace),
+                host=None,
                 timeout_s=self.settings.sandbox_create_timeout_s,
             )
         except QueueTimeout as exc:
             return CommitChecked(error=f"no worker answered: {exc}")
-        checked = CommitChecked.model_validate(raw)
         if checked.found and checked.setup_error is None:
             await self.repos.remember(workspace.repo, {workspace.commit: checked.setup_image})
         return checked
@@ -389,20 +389,17 @@ class Starter:
     async def probe(self, handle: SandboxHandle) -> ProbeResult:
         """Probe a sandbox through its host's worker; QueueTimeout when none answers
         within the longest a probe takes plus the wait for a worker."""
-        raw = await self.queue.call(
-            TaskName.PROBE_SANDBOX,
-            ProbeSandbox(handle=handle).model_dump(mode="json"),
-            queue=self.keys.host_queue(handle.host),
+        return await self.queue.call(
+            Tasks.PROBE_SANDBOX,
+            ProbeSandbox(handle=handle),
+            host=handle.host,
             timeout_s=PROBE_MAX_S + self.settings.queue_wait_s,
-            host_id=handle.host,
         )
-        return ProbeResult.model_validate(raw)
 
     async def _discard(self, handle: SandboxHandle, reason: str) -> None:
         await self.pools.forget(handle)
-        payload = DestroySandbox(handle=handle, reason=reason).model_dump(mode="json")
         await self.queue.send(
-            TaskName.DESTROY_SANDBOX, payload, queue=self.keys.host_queue(handle.host)
+            Tasks.DESTROY_SANDBOX, DestroySandbox(handle=handle, reason=reason), host=handle.host
         )
         await self.admission.release(handle.host)
 
@@ -469,19 +466,17 @@ class Starter:
         if record.snapshot is not None:
             spec = spec.model_copy(update={"snapshot": record.snapshot})
         try:
-            raw = await self.queue.call(
-                TaskName.CREATE_SANDBOX,
+            created = await self.queue.call(
+                Tasks.CREATE_SANDBOX,
                 CreateSandbox(
                     rollout_id=record.rollout_id,
                     trace_id=record.rollout_id,
                     spec=spec,
                     group=rollout_group(record.source, record.item),
-                ).model_dump(mode="json"),
-                queue=self.keys.host_queue(host),
+                ),
+                host=host,
                 timeout_s=self.settings.sandbox_create_timeout_s,
-                host_id=host,
             )
-            created = SandboxCreated.model_validate(raw)
         except QueueTimeout as exc:
             created = SandboxCreated(error=f"no worker created the sandbox: {exc}")
         if created.handle is None:
@@ -499,7 +494,7 @@ class Starter:
         """Top the pools up after a claim (queue/tasks.refill_pools). One request a second
         at most: the task tops up every pool, a burst of claims needs one of it."""
         if await self.pools.refill_due():
-            await self.queue.send(TaskName.REFILL_POOLS, {}, queue=self.keys.shared_queue)
+            await self.queue.send(Tasks.REFILL_POOLS, Nothing(), host=None)
 
     async def wait_ready(
         self, rollout: Rollout, deadline: Deadline | None = None, reserve_s: float = 0.0

@@ -20,7 +20,7 @@ from orchestrator.outcomes import Cause
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.state.broker import celery_app
 from orchestrator.state.records import Rollout, RolloutStore
-from orchestrator.state.replies import QueueClient
+from orchestrator.state.replies import WorkerClient
 
 log = get_logger(__name__)
 
@@ -45,7 +45,7 @@ async def end_rollouts(settings: Settings, environments: EnvironmentRegistry) ->
     (a graded one keeps its score), its admission slot released, its sandbox left for the
     caller to destroy. Returns how many were ended."""
     store = RolloutStore.connect(settings, role="teardown")
-    queue = QueueClient(settings, celery_app(), store)
+    queue = WorkerClient(settings, celery_app(), store)
     service = RolloutService(settings, store, environments, queue)
     host = settings.host_id
     try:

@@ -29,14 +29,15 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import Any
 
 from celery import Celery
 from celery import shared_task as _shared_task
+from pydantic import BaseModel
 
 from orchestrator.config import Settings, get_settings
 from orchestrator.state.keys import Keys
-from orchestrator.state.tasks import TaskName
+from orchestrator.state.tasks import ReplyT, Request, RequestT, Task, TaskName
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -93,17 +94,43 @@ def celery_app() -> Celery:
     return make_celery(get_settings())
 
 
-Task = Callable[[dict[str, Any]], dict[str, Any] | None]
-TaskT = TypeVar("TaskT", bound=Task)
+Handler = Callable[[RequestT], ReplyT | None]
+Push = Callable[[Request, BaseModel], None]
 
 
-def task(name: TaskName) -> Callable[[TaskT], TaskT]:
-    """Register a task under its name (Celery's ``shared_task``, typed): it takes a JSON
-    payload, a model of state/tasks.py dumped. What it returns is only for Celery's log
-    (results are ignored; replies go to Redis lists, state/replies.py): None, or a small
-    dict, since Celery makes a repr of it after every run."""
-    decorator: Callable[[TaskT], TaskT] = _shared_task(name=name.value)
-    return decorator
+def handles(
+    task: Task[RequestT, ReplyT], push: Push | None = None
+) -> Callable[[Handler[RequestT, ReplyT]], Handler[RequestT, ReplyT]]:
+    """Register ``handler`` as ``task``'s Celery task (``shared_task`` by the task's name):
+    the JSON payload is validated into ``task.request``, and a reply the handler returns
+    is given to ``push`` (the worker's: to the list the caller waits on, state/replies.py);
+    a handler that replies later itself, or never, returns None. Celery gets None back:
+    results are ignored, and it would make a repr of one after every run. The handler is
+    returned as it was, to be called directly."""
+
+    def register(handler: Handler[RequestT, ReplyT]) -> Handler[RequestT, ReplyT]:
+        _shared_task(name=task.name.value)(runner(task, handler, push))
+        return handler
+
+    return register
+
+
+def runner(
+    task: Task[RequestT, ReplyT], handler: Handler[RequestT, ReplyT], push: Push | None
+) -> Callable[[dict[str, Any]], None]:
+    """What Celery runs for ``handler``: the payload validated into ``task.request`` (one
+    that is not raises, and nothing runs), the reply, if any, given to ``push``."""
+
+    def run(payload: dict[str, Any]) -> None:
+        request = task.request.model_validate(payload)
+        reply = handler(request)
+        if reply is not None and push is not None:
+            push(request, reply)
+
+    run.__name__ = run.__qualname__ = handler.__name__
+    run.__doc__ = handler.__doc__
+    run.__module__ = handler.__module__
+    return run
 
 
 def task_message(

@@ -1,5 +1,6 @@
-"""Tasks and their replies: the API publishes a task to a host's queue and awaits its
-reply without blocking the event loop; the worker pushes the reply.
+"""Tasks and their replies: the API asks a host's worker through :class:`WorkerClient`,
+typed by the task's request and reply (state/tasks.Tasks), and awaits the reply without
+blocking the event loop; the worker pushes it.
 
 Replies do not go through Celery's result backend: each task pushes its reply to a Redis
 list named in the payload (``reply_to``), and the API waits on it with BLPOP on its async
@@ -21,6 +22,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 from celery import Celery
+from pydantic import BaseModel
 
 from orchestrator.config import Settings
 from orchestrator.state.broker import task_message
@@ -28,7 +30,7 @@ from orchestrator.state.errors import StateError
 from orchestrator.state.heartbeat import Heartbeats
 from orchestrator.state.keys import Keys, queue_depth_keys
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.tasks import TaskName
+from orchestrator.state.tasks import ReplyT, Request, RequestT, Task
 from orchestrator.state.tickets import REPLY_LIST_TTL_S
 
 HEARTBEAT_CHECK_S = 1.0
@@ -40,8 +42,9 @@ class QueueTimeout(Exception):
     """No reply within the bound, or the host's worker vanished while we waited."""
 
 
-class QueueClient:
-    """The API's side of the queue."""
+class WorkerClient:
+    """The API's side of the queue: a task sent to the host that holds a sandbox (or, a
+    shared task, to any host), its reply awaited."""
 
     def __init__(self, settings: Settings, app: Celery, store: RolloutStore) -> None:
         self.settings = settings
@@ -56,40 +59,41 @@ class QueueClient:
         return self.keys.reply(uuid.uuid4().hex)
 
     async def call(
-        self,
-        task: TaskName,
-        payload: dict[str, Any],
-        *,
-        queue: str,
-        timeout_s: float,
-        host_id: str | None = None,
-    ) -> dict[str, Any]:
-        """Run ``task`` on ``queue`` and return its reply; :class:`QueueTimeout` when none
-        comes within ``timeout_s`` or the worker of ``host_id`` stops beating."""
-        if host_id is not None and not await self._alive(host_id):
-            raise QueueTimeout(f"no live worker on host {host_id!r}")
+        self, task: Task[RequestT, ReplyT], request: RequestT, *, host: str | None, timeout_s: float
+    ) -> ReplyT:
+        """Run ``task`` on ``host``'s queue (None: a shared task, on the shared queue) and
+        return its reply; :class:`QueueTimeout` when none comes within ``timeout_s`` or the
+        host's worker stops beating."""
+        if host is not None and not await self._alive(host):
+            raise QueueTimeout(f"no live worker on host {host!r}")
         reply_key = self.reply_key()
-        payload = {**payload, "reply_to": reply_key}
+        queue = self.queue_of(host)
         # Expiry makes a late worker drop the task instead of running a call whose caller
         # has already been told it failed.
-        await self.send(task, payload, queue=queue, expires=timeout_s)
+        await self.send(
+            task, request.model_copy(update={"reply_to": reply_key}), host=host, expires=timeout_s
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise QueueTimeout(f"{task} got no reply within {timeout_s:.0f} s on {queue}")
+                raise QueueTimeout(f"{task.name} got no reply within {timeout_s:.0f} s on {queue}")
             try:
                 reply = await self.wait_reply(reply_key, min(remaining, HEARTBEAT_CHECK_S))
                 if reply is not None:
-                    return reply
-                alive = host_id is None or await self.heartbeats.alive(host_id)
+                    return task.reply.model_validate(reply)
+                alive = host is None or await self.heartbeats.alive(host)
             except StateError:
                 # Redis is away (restarting, say): the task was sent, so its reply will be
                 # pushed once Redis is back; ask again until the deadline.
                 await asyncio.sleep(min(STATE_RETRY_S, max(0.0, deadline - time.monotonic())))
                 continue
             if not alive:
-                raise QueueTimeout(f"the worker on host {host_id!r} stopped while running {task}")
+                raise QueueTimeout(f"the worker on host {host!r} stopped while running {task.name}")
+
+    def queue_of(self, host: str | None) -> str:
+        """Where a task for ``host`` goes: its queue, or (None) the shared queue."""
+        return self.keys.shared_queue if host is None else self.keys.host_queue(host)
 
     async def _alive(self, host_id: str) -> bool:
         """Whether the host's worker beats; True when Redis cannot tell now (the send that
@@ -100,22 +104,37 @@ class QueueClient:
             return True
 
     async def send(
-        self, task: TaskName, payload: dict[str, Any], *, queue: str, expires: float | None = None
+        self,
+        task: Task[RequestT, Any],
+        request: RequestT,
+        *,
+        host: str | None,
+        expires: float | None = None,
     ) -> None:
-        """Publish without waiting for the task (teardown, or a call whose reply is awaited
-        by :meth:`wait_reply`): Celery's message, pushed by the async client in one round
-        trip (state/broker.task_message), so a burst of publishes never stalls the event
-        loop nor waits for a thread."""
-        payload_json = json.dumps(payload, separators=(",", ":"))
-        message = self.message(task, payload_json, queue=queue, expires=expires)
-        await self.redis.lpush(queue, message)
+        """Publish without waiting for the task (teardown, or a reply awaited by
+        :meth:`wait_reply`): Celery's message, pushed by the async client in one round trip
+        (state/broker.task_message), so a burst of publishes never stalls the event loop
+        nor waits for a thread."""
+        message = self.message(task, request, host=host, expires=expires)
+        await self.redis.lpush(self.queue_of(host), message)
 
     def message(
-        self, task: TaskName, payload_json: str, *, queue: str, expires: float | None
+        self,
+        task: Task[RequestT, Any],
+        request: RequestT,
+        *,
+        host: str | None,
+        expires: float | None,
     ) -> str:
-        """The message :meth:`send` would push (``payload_json``: the task's payload as
-        JSON), for a script that pushes it itself."""
-        return task_message(self.app, task, payload_json, queue=queue, expires_s=expires)
+        """The message :meth:`send` would push, for a script that pushes it itself
+        (state/records.begin_call)."""
+        return task_message(
+            self.app,
+            task.name,
+            request.model_dump_json(),
+            queue=self.queue_of(host),
+            expires_s=expires,
+        )
 
     async def depth(self, queue: str) -> int:
         """Messages waiting in ``queue`` (its priority sub-queues included)."""
@@ -135,9 +154,13 @@ class QueueClient:
         return reply
 
 
-def push_reply(client: redis.Redis, key: str, reply: dict[str, Any]) -> None:
-    """The worker's side: push a task's reply to the list its caller waits on."""
+def push_reply(client: redis.Redis, request: Request, reply: BaseModel) -> None:
+    """The worker's side: push a task's reply to the list its caller waits on, if one
+    does."""
+    if not request.reply_to:
+        return
+    key = request.reply_to
     with client.pipeline(transaction=False) as pipe:
-        pipe.rpush(key, json.dumps(reply))
+        pipe.rpush(key, reply.model_dump_json())
         pipe.expire(key, REPLY_LIST_TTL_S)
         pipe.execute()

@@ -1,11 +1,14 @@
-"""The queue's wire: every Celery task by name, what the API sends a worker and what comes
-back. JSON on the wire; the same models on both ends (the API's rollouts/, the worker's
-queue/), as SWE-ReX shares its request and response models."""
+"""The queue's wire: every task a worker runs, what the API sends and what comes back,
+paired in one table (:class:`Tasks`). JSON on the wire; the same models on both ends: the
+API asks through state/replies.WorkerClient, typed by the pair, and the worker's handler
+(queue/tasks.py, registered by ``handles``) takes the request model and returns the reply
+model, as SWE-ReX shares its request and response models."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,6 +18,7 @@ from orchestrator.sandbox.backend import (
     FileAction,
     FileErrorKind,
     FileOpResult,
+    ProbeResult,
     SandboxHandle,
     SandboxSpec,
     SandboxUsage,
@@ -45,7 +49,29 @@ class TaskName(StrEnum):
     REAP = "orchestrator.reap"
 
 
-class CreateSandbox(BaseModel):
+class Request(BaseModel):
+    """What the API sends a worker: a task's one argument."""
+
+    reply_to: str | None = Field(
+        None,
+        description="The Redis list the worker pushes its reply to (state/replies.py), set "
+        "by WorkerClient.call; None: nobody waits (a tool call's reply goes with its "
+        "ticket, state/tickets.py).",
+    )
+
+
+class Nothing(Request):
+    """The request of a task that takes no argument, or the reply of one that sends none."""
+
+
+class Accepted(BaseModel):
+    """The reply of a task handed to a lane: its outcome comes later, or never to the
+    caller (a recycling)."""
+
+    accepted: bool = True
+
+
+class CreateSandbox(Request):
     rollout_id: str
     trace_id: str | None = Field(
         None, description="The rollout's trace id for logs (Agent RFT's; None: the rollout id)."
@@ -58,7 +84,7 @@ class CreateSandbox(BaseModel):
     )
 
 
-class SnapshotSandbox(BaseModel):
+class SnapshotSandbox(Request):
     """Keep a sandbox's filesystem state on its host (sandbox/snapshots.py)."""
 
     handle: SandboxHandle
@@ -74,21 +100,35 @@ class SnapshotMade(BaseModel):
     error: str | None = None
 
 
+class MeasureSandbox(Request):
+    """What a sandbox uses now (E2B's ``get_metrics``)."""
+
+    handle: SandboxHandle
+
+
 class SandboxMeasured(BaseModel):
-    """A ``measure_sandbox`` reply (its payload: :class:`ProbeSandbox`): what the sandbox
-    uses now, or why it could not be told."""
+    """A :class:`MeasureSandbox`'s reply: what the sandbox uses now, or why it could not
+    be told."""
 
     usage: SandboxUsage | None = None
     error: str | None = None
 
 
-class DropSnapshot(BaseModel):
+class DropSnapshot(Request):
     """Remove a snapshot's files from its host, now unless something is made over it."""
 
     snapshot_id: str
 
 
-class CheckCommit(BaseModel):
+class SnapshotDropped(BaseModel):
+    """A :class:`DropSnapshot`'s reply: ``removed`` False when something is made over it
+    (the sweep removes it once free) or, with ``error``, the host failed to."""
+
+    removed: bool = False
+    error: str | None = None
+
+
+class CheckCommit(Request):
     """Is this commit in this repository? Asked of any host (the shared queue), which
     fetches the repository when its store lacks the commit (sandbox/repos.py)."""
 
@@ -115,7 +155,7 @@ class SandboxCreated(BaseModel):
     error: str | None = Field(None, description="Why creation failed: an infra fault.")
 
 
-class ToolCall(BaseModel):
+class ToolCall(Request):
     rollout_id: str
     trace_id: str | None = Field(
         None, description="The rollout's trace id for logs (Agent RFT's; None: the rollout id)."
@@ -159,12 +199,20 @@ class ToolCallDone(BaseModel):
     exec_ms: float = 0.0
 
 
-class DestroySandbox(BaseModel):
+class DestroySandbox(Request):
     handle: SandboxHandle
     reason: str
 
 
-class RecycleSandbox(BaseModel):
+class SandboxDestroyed(BaseModel):
+    """A :class:`DestroySandbox`'s reply: ``error`` when the backend failed to (the host's
+    sweep destroys it later: its rollout is over)."""
+
+    destroyed: bool = False
+    error: str | None = None
+
+
+class RecycleSandbox(Request):
     """A sandbox whose rollout ended cleanly, to reset and return to ``pool`` (or destroy,
     when its audit or its pool says no). Its slot is counted in transit (``transit``, a
     member of state/keys.Keys.transit) until it is in the pool or gone."""
@@ -176,11 +224,11 @@ class RecycleSandbox(BaseModel):
     reason: str
 
 
-class ProbeSandbox(BaseModel):
+class ProbeSandbox(Request):
     handle: SandboxHandle
 
 
-class RunTests(BaseModel):
+class RunTests(Request):
     """A grader's tests, run in a rollout's sandbox against the agent's work
     (sandbox/testrun.py)."""
 
@@ -196,7 +244,7 @@ class RunTestsReply(BaseModel):
     evidence: dict[str, Any] = Field(default_factory=dict)
 
 
-class FileOpRequest(BaseModel):
+class FileOpRequest(Request):
     """A filesystem operation in a sandbox, for a client that drives it (the E2B API)."""
 
     model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
@@ -220,7 +268,7 @@ class FileOpReply(BaseModel):
     evidence: dict[str, Any] = Field(default_factory=dict)
 
 
-class SignalExec(BaseModel):
+class SignalExec(Request):
     """Signal a running command of a sandbox by its exec id (the E2B API's kill)."""
 
     handle: SandboxHandle
@@ -233,7 +281,7 @@ class SignalReply(BaseModel):
     infra_error: str | None = None
 
 
-class SendInput(BaseModel):
+class SendInput(Request):
     """Write to a running command's standard input by its exec id, and close it after with
     ``close`` (the E2B API's ``send_stdin``, ``close_stdin``)."""
 
@@ -253,3 +301,39 @@ class InputSent(BaseModel):
     found: bool = False
     closed: str | None = None
     infra_error: str | None = None
+
+
+RequestT = TypeVar("RequestT", bound=Request)
+ReplyT = TypeVar("ReplyT", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Task(Generic[RequestT, ReplyT]):
+    """One task of the wire: its name, what the API sends, what the worker replies."""
+
+    name: TaskName
+    request: type[RequestT]
+    reply: type[ReplyT]
+
+
+class Tasks:
+    """Every task, request and reply paired: the one table both ends are built from. A
+    task is sent to one host's queue, or (CHECK_COMMIT, REFILL_POOLS, REAP) to the shared
+    queue, which any host takes from."""
+
+    CREATE_SANDBOX = Task(TaskName.CREATE_SANDBOX, CreateSandbox, SandboxCreated)
+    RUN_TOOL = Task(TaskName.RUN_TOOL, ToolCall, ToolCallDone)
+    PROBE_SANDBOX = Task(TaskName.PROBE_SANDBOX, ProbeSandbox, ProbeResult)
+    RUN_TESTS = Task(TaskName.RUN_TESTS, RunTests, RunTestsReply)
+    FILE_OP = Task(TaskName.FILE_OP, FileOpRequest, FileOpReply)
+    SIGNAL_EXEC = Task(TaskName.SIGNAL_EXEC, SignalExec, SignalReply)
+    SEND_INPUT = Task(TaskName.SEND_INPUT, SendInput, InputSent)
+    DESTROY_SANDBOX = Task(TaskName.DESTROY_SANDBOX, DestroySandbox, SandboxDestroyed)
+    RECYCLE_SANDBOX = Task(TaskName.RECYCLE_SANDBOX, RecycleSandbox, Accepted)
+    SWEEP_HOST = Task(TaskName.SWEEP_HOST, Nothing, Nothing)
+    REFILL_POOLS = Task(TaskName.REFILL_POOLS, Nothing, Nothing)
+    CHECK_COMMIT = Task(TaskName.CHECK_COMMIT, CheckCommit, CommitChecked)
+    SNAPSHOT_SANDBOX = Task(TaskName.SNAPSHOT_SANDBOX, SnapshotSandbox, SnapshotMade)
+    MEASURE_SANDBOX = Task(TaskName.MEASURE_SANDBOX, MeasureSandbox, SandboxMeasured)
+    DROP_SNAPSHOT = Task(TaskName.DROP_SNAPSHOT, DropSnapshot, SnapshotDropped)
+    REAP = Task(TaskName.REAP, Nothing, Nothing)
