@@ -991,7 +991,7 @@ def pool_levels(settings: Settings, codebase: str) -> dict[str, int]:
 
 def recycled_so_far(settings: Settings) -> dict[str, float]:
     """The worker's orchestrator_sandboxes_recycled_total by result (its /metrics;
-    queue/tasks.RecycleResult)."""
+    queue/handlers.RecycleResult)."""
     counts: dict[str, float] = {}
     try:
         text = httpx.get(f"http://127.0.0.1:{settings.worker_metrics_port}/metrics").text

@@ -1,8 +1,8 @@
 """Entry point for ``celery -A orchestrator.celery_main``: the process's Celery app, with
-the tasks of both sides registered (the worker's, queue/tasks.py; the reaper's,
+the tasks of both sides registered (the worker's, queue/handlers.py; the reaper's,
 rollouts/reaper.py). The one module that imports both: the composition root."""
 
-import orchestrator.queue.tasks
+import orchestrator.queue.handlers
 import orchestrator.rollouts.reaper  # noqa: F401 - registers the reaper's task
 from orchestrator.state.broker import celery_app
 

@@ -19,7 +19,7 @@ from orchestrator.config import Settings
 from orchestrator.state.broker import celery_url, make_celery, task_message
 from orchestrator.state.forget import forget_deployment
 from orchestrator.state.keys import Keys
-from orchestrator.state.tasks import TaskName
+from orchestrator.state.wire import TaskName
 
 # Set by each message's own publish: ids, clocks, who sent it.
 _PER_MESSAGE_HEADERS = {"id", "root_id", "expires", "origin", "argsrepr", "kwargsrepr"}

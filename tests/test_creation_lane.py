@@ -1,6 +1,6 @@
 """queue/lane.py: the creation lane seats a group's rollouts together, otherwise first come
 first served, and a shutdown drops what has not started (on real threads); and the group a
-rollout's creation carries (rollouts/models.rollout_group, state/tasks.CreateSandbox). Every
+rollout's creation carries (rollouts/models.rollout_group, state/wire.CreateSandbox). Every
 end-to-end test's cold start goes through the lane with its group."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from orchestrator.queue import worker
 from orchestrator.queue.lane import GroupedLane
 from orchestrator.rollouts.models import rollout_group
 from orchestrator.state.models import RolloutSource
-from orchestrator.state.tasks import CreateSandbox, ToolCall
+from orchestrator.state.wire import CreateSandbox, ToolCall
 
 
 class Recorder:

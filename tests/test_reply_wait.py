@@ -21,7 +21,7 @@ from orchestrator.state.broker import celery_app
 from orchestrator.state.errors import StateError, outlasting_an_outage
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.replies import QueueTimeout, WorkerClient
-from orchestrator.state.tasks import DropSnapshot, SnapshotDropped, Tasks
+from orchestrator.state.wire import DropSnapshot, SnapshotDropped, Tasks
 from tests.faults.infra import RedisServer
 
 pytestmark = pytest.mark.anyio

@@ -24,7 +24,7 @@ from orchestrator.state.broker import celery_app
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.replies import QueueTimeout, WorkerClient
 from orchestrator.state.repos import RepoRecord, RepoRegistry
-from orchestrator.state.tasks import CheckCommit, CommitChecked, Tasks
+from orchestrator.state.wire import CheckCommit, CommitChecked, Tasks
 
 app = typer.Typer(
     help="Register repositories that dataset rows name at a commit.", no_args_is_help=True

@@ -44,7 +44,7 @@ from orchestrator.state.records import Rollout
 from orchestrator.state.replies import QueueTimeout
 from orchestrator.state.snapshots import SnapshotKind, SnapshotRecord
 from orchestrator.state.streams import follow
-from orchestrator.state.tasks import (
+from orchestrator.state.wire import (
     FileOpRequest,
     MeasureSandbox,
     ReplyT,

@@ -113,7 +113,7 @@ SANDBOXES_RECYCLED = Counter(
     "orchestrator_sandboxes_recycled_total",
     "Sandboxes of clean rollouts sent for recycling, by result: recycled (reset, audited "
     "clean, back in their pool), or destroyed because of spec_changed, pool_full, "
-    "limit_hit, audit_failed or reset_failed (queue/tasks.RecycleResult).",
+    "limit_hit, audit_failed or reset_failed (queue/handlers.RecycleResult).",
     ["result"],
 )
 BACKGROUND_YIELD_SECONDS = Histogram(

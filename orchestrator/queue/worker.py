@@ -32,8 +32,8 @@ from orchestrator.state.heartbeat import Heartbeat, HeartbeatWriter, HostFinding
 from orchestrator.state.keys import Keys
 from orchestrator.state.pools import PoolFiller
 from orchestrator.state.records import pinned_environment
-from orchestrator.state.tasks import Request, ToolCall, ToolCallDone
 from orchestrator.state.tickets import WorkerTickets
+from orchestrator.state.wire import Request, ToolCall, ToolCallDone
 
 log = get_logger(__name__)
 

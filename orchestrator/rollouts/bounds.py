@@ -27,7 +27,7 @@ from orchestrator.sandbox.agent.client import PROBE_MAX_S, REPLY_SLACK_S
 from orchestrator.state.models import RolloutSource
 
 PROBE_ALLOWANCE_S = PROBE_MAX_S + 2.0
-"""A failed call is probed before it is answered (queue/tasks.py); a probe takes up to
+"""A failed call is probed before it is answered (queue/handlers.py); a probe takes up to
 PROBE_MAX_S (slow is not dead: a silent agent is asked again before it counts as gone)."""
 
 MIN_AGENT_RFT_COMMAND_S = 10.0

@@ -45,8 +45,8 @@ from orchestrator.rollouts.starts import Starter
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
 from orchestrator.state.records import CallStartStatus, DispatchOutcome, Rollout, RolloutStore
 from orchestrator.state.replies import WorkerClient
-from orchestrator.state.tasks import ToolCall, ToolCallDone
 from orchestrator.state.tickets import TicketState
+from orchestrator.state.wire import ToolCall, ToolCallDone
 from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
 from orchestrator.tools.shell import LIMIT_KINDS
 

@@ -22,7 +22,7 @@ from orchestrator.state.models import RolloutState
 from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueTimeout, WorkerClient
-from orchestrator.state.tasks import DestroySandbox, Tasks
+from orchestrator.state.wire import DestroySandbox, Tasks
 
 log = get_logger(__name__)
 

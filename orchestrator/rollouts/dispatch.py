@@ -24,8 +24,8 @@ from orchestrator.rollouts.errors import CallLost, CallNotRun
 from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.records import CallStart, Dispatch, DispatchOutcome, RolloutStore
 from orchestrator.state.replies import WorkerClient
-from orchestrator.state.tasks import Tasks, ToolCall, ToolCallDone
 from orchestrator.state.tickets import Ticket, TicketState
+from orchestrator.state.wire import Tasks, ToolCall, ToolCallDone
 
 CHECK_S = 1.0
 # A missing heartbeat must stay missing this many intervals before a running call's worker

@@ -57,7 +57,7 @@ from orchestrator.state.errors import StateError
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import GradeInputs, Rollout, RolloutStore
 from orchestrator.state.replies import QueueTimeout
-from orchestrator.state.tasks import RunTests, Tasks
+from orchestrator.state.wire import RunTests, Tasks
 
 log = get_logger(__name__)
 

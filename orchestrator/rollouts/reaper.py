@@ -28,7 +28,7 @@ from orchestrator.state.models import RolloutState
 from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import WorkerClient
-from orchestrator.state.tasks import Nothing, Tasks
+from orchestrator.state.wire import Nothing, Tasks
 
 log = get_logger(__name__)
 

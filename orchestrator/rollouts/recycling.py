@@ -7,7 +7,7 @@ and timeouts are the client's), its environment asks for reuse (``reuse``, defau
 first, and it has half its lifetime left at least (a pool prunes those anyway). The worker
 then says no as well when the sandbox hit a limit (an OOM kill, its process limit, a full
 /workspace), when its pool is full or no longer wants its spec, or when the reset's audit
-finds any difference from a fresh sandbox (queue/tasks.recycle_sandbox): then it is
+finds any difference from a fresh sandbox (queue/handlers.recycle_sandbox): then it is
 destroyed.
 """
 
@@ -23,7 +23,7 @@ from orchestrator.rollouts.errors import InfraError
 from orchestrator.state.models import RolloutState
 from orchestrator.state.pools import POOL_LABEL, pool_name, recycles
 from orchestrator.state.records import Rollout
-from orchestrator.state.tasks import RecycleSandbox
+from orchestrator.state.wire import RecycleSandbox
 
 
 class RecyclePolicy:

@@ -2,7 +2,7 @@
 the host holding it, keep calls idempotent and within budget, record the trajectory,
 grade, and end.
 
-The API calls this; it never talks to Docker. Workers run the tools (queue/tasks.py).
+The API calls this; it never talks to Docker. Workers run the tools (queue/handlers.py).
 
 :class:`RolloutService` is the one object the API, the E2B layer and the reaper hold. It
 owns nothing of its own: it wires the lifecycle's parts, each a module readable alone, and

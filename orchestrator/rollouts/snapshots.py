@@ -37,7 +37,7 @@ from orchestrator.state.snapshots import (
     SnapshotRegistry,
     new_snapshot_id,
 )
-from orchestrator.state.tasks import (
+from orchestrator.state.wire import (
     DestroySandbox,
     DropSnapshot,
     SnapshotMade,

@@ -39,7 +39,7 @@ from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueTimeout, WorkerClient
 from orchestrator.state.repos import RepoRegistry
 from orchestrator.state.snapshots import SnapshotRecord
-from orchestrator.state.tasks import (
+from orchestrator.state.wire import (
     CheckCommit,
     CommitChecked,
     CreateSandbox,
@@ -491,7 +491,7 @@ class Starter:
         return created.handle
 
     async def _request_refill(self) -> None:
-        """Top the pools up after a claim (queue/tasks.refill_pools). One request a second
+        """Top the pools up after a claim (queue/handlers.refill_pools). One request a second
         at most: the task tops up every pool, a burst of claims needs one of it."""
         if await self.pools.refill_due():
             await self.queue.send(Tasks.REFILL_POOLS, Nothing(), host=None)

@@ -37,14 +37,14 @@ from pydantic import BaseModel
 
 from orchestrator.config import Settings, get_settings
 from orchestrator.state.keys import Keys
-from orchestrator.state.tasks import ReplyT, Request, RequestT, Task, TaskName
+from orchestrator.state.wire import ReplyT, Request, RequestT, Task, TaskName
 
 
 def make_celery(settings: Settings) -> Celery:
     keys = Keys.of(settings.deployment)
     # The tasks register themselves where they are defined (:func:`task`): a worker
     # process imports them through celery_main.py; the API publishes by name
-    # (state/tasks.TaskName) and never loads a worker's code.
+    # (state/wire.TaskName) and never loads a worker's code.
     url = celery_url(settings.redis_url)
     app = Celery("orchestrator", broker=url, backend=url)
     app.conf.update(

@@ -21,7 +21,7 @@ in the pool's recycling set, and a new rollout that finds the pool empty waits f
 (:meth:`PoolClaims.take_recycled`, one waiter per reset) rather than making a cold one
 beside it. It holds its host's
 admission slot (state/admission.py) from creation, and hands it to its rollout. Workers
-fill pools (queue/tasks.refill_pools: on every reaper pass, and after every claim); the
+fill pools (queue/handlers.refill_pools: on every reaper pass, and after every claim); the
 API claims with LPOP and probes the sandbox before handing it out.
 """
 
@@ -337,7 +337,7 @@ def targets(
 
 
 class PoolFiller:
-    """The worker's side: top pools up to their size (see queue/tasks.refill_pools)."""
+    """The worker's side: top pools up to their size (see queue/handlers.refill_pools)."""
 
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self.settings = settings

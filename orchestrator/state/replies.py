@@ -1,5 +1,5 @@
 """Tasks and their replies: the API asks a host's worker through :class:`WorkerClient`,
-typed by the task's request and reply (state/tasks.Tasks), and awaits the reply without
+typed by the task's request and reply (state/wire.Tasks), and awaits the reply without
 blocking the event loop; the worker pushes it.
 
 Replies do not go through Celery's result backend: each task pushes its reply to a Redis
@@ -30,8 +30,8 @@ from orchestrator.state.errors import StateError
 from orchestrator.state.heartbeat import Heartbeats
 from orchestrator.state.keys import Keys, queue_depth_keys
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.tasks import ReplyT, Request, RequestT, Task
 from orchestrator.state.tickets import REPLY_LIST_TTL_S
+from orchestrator.state.wire import ReplyT, Request, RequestT, Task
 
 HEARTBEAT_CHECK_S = 1.0
 STATE_RETRY_S = 0.2

@@ -210,7 +210,7 @@ class Tool(ABC, Generic[ArgsT]):
 
     def validated(self, data: dict[str, Any]) -> ArgsT:
         """Arguments :meth:`parse` already validated, from their JSON dump, not validated
-        again: the worker's copy of what the API checked (state/tasks.ToolCall)."""
+        again: the worker's copy of what the API checked (state/wire.ToolCall)."""
         return self.args_model.model_construct(**data)  # type: ignore[return-value]
 
     def run_parsed(

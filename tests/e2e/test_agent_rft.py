@@ -16,8 +16,8 @@ import pytest
 from orchestrator.state.broker import celery_app, task_message
 from orchestrator.state.keys import Keys
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.tasks import TaskName, ToolCall
 from orchestrator.state.tickets import TicketState
+from orchestrator.state.wire import TaskName, ToolCall
 from tests.e2e.helpers import (
     REPLY_KEYS,
     assert_no_rollout,

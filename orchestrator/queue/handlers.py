@@ -1,4 +1,4 @@
-"""The tasks workers run: one handler per task of state/tasks.Tasks, registered by
+"""The tasks workers run: one handler per task of state/wire.Tasks, registered by
 :func:`handles` under its name, taking the task's request model and returning its reply
 model; an infrastructure fault comes back as data, with its evidence, not as a Celery
 exception."""
@@ -46,7 +46,8 @@ from orchestrator.state.keys import Keys
 from orchestrator.state.pools import POOL_LABEL, PoolTarget, same_spec, targets
 from orchestrator.state.snapshots import kept_snapshots
 from orchestrator.state.streams import OutputSink
-from orchestrator.state.tasks import (
+from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState
+from orchestrator.state.wire import (
     Accepted,
     CheckCommit,
     CommitChecked,
@@ -78,7 +79,6 @@ from orchestrator.state.tasks import (
     ToolCall,
     ToolCallDone,
 )
-from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState
 from orchestrator.tools.base import ToolResult, agent_error
 from orchestrator.tools.command import CommandTool
 

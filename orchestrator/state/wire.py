@@ -1,7 +1,7 @@
 """The queue's wire: every task a worker runs, what the API sends and what comes back,
 paired in one table (:class:`Tasks`). JSON on the wire; the same models on both ends: the
 API asks through state/replies.WorkerClient, typed by the pair, and the worker's handler
-(queue/tasks.py, registered by ``handles``) takes the request model and returns the reply
+(queue/handlers.py, registered by ``handles``) takes the request model and returns the reply
 model, as SWE-ReX shares its request and response models."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from orchestrator.tools.base import ToolResult
 
 
 class TaskName(StrEnum):
-    """Every task a worker runs (queue/tasks.py; the reaper's: rollouts/reaper.py)."""
+    """Every task a worker runs (queue/handlers.py; the reaper's: rollouts/reaper.py)."""
 
     CREATE_SANDBOX = "orchestrator.create_sandbox"
     RUN_TOOL = "orchestrator.run_tool"

@@ -1,4 +1,4 @@
-"""The queue's wire as one table (state/tasks.Tasks): every task named once, with its
+"""The queue's wire as one table (state/wire.Tasks): every task named once, with its
 request and reply, and registered on the worker under that name by a handler that takes
 the request model and gives back the reply model (state/broker.handles)."""
 
@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 import orchestrator.celery_main  # noqa: F401  # registers both sides' tasks
 from orchestrator.state import broker
-from orchestrator.state.tasks import (
+from orchestrator.state.wire import (
     DropSnapshot,
     Request,
     SnapshotDropped,
