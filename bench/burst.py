@@ -85,7 +85,7 @@ from orchestrator.sandbox.docker import DockerBackend
 from orchestrator.sandbox.gc import GcReport, collect_expired
 from orchestrator.state.forget import forget_deployment
 from orchestrator.state.keys import Keys
-from orchestrator.state.pools import POOL_LABEL, pool_name
+from orchestrator.state.pool_sizing import POOL_LABEL, pool_name
 
 ENVIRONMENT = "bench-burst"
 # A deployment of its own per run: nothing in Redis (pools, admission slots, rollouts) from

@@ -23,7 +23,8 @@ from orchestrator.sandbox.gc import collect_expired
 from orchestrator.state.connection import worker_client
 from orchestrator.state.forget import forget_deployment
 from orchestrator.state.keys import Keys
-from orchestrator.state.pools import PoolFiller, targets
+from orchestrator.state.pool_sizing import targets
+from orchestrator.state.pools import PoolFiller
 from orchestrator.tls import tls
 
 # Destroys at once at the local stack's end: each mostly waits on dockerd, which takes

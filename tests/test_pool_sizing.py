@@ -1,4 +1,4 @@
-"""How big a warm pool is (state/pools.py) and who goes first at a host's creation lane
+"""How big a warm pool is (state/pool_sizing.py) and who goes first at a host's creation lane
 (queue/worker.py): pure functions and real threads; and, on real Redis, the demand the
 reaper records (rollouts/reaper.py)."""
 
@@ -17,8 +17,7 @@ from orchestrator.queue.worker import CreationGate
 from orchestrator.rollouts.reaper import _record_pool_demand
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutSource, RolloutState
-from orchestrator.state.pools import (
-    PoolClaims,
+from orchestrator.state.pool_sizing import (
     PoolDemand,
     next_demand,
     parse_demand,
@@ -26,6 +25,7 @@ from orchestrator.state.pools import (
     pool_size,
     pooled_codebases,
 )
+from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
 from tests.redis_units import own_deployment, pool_handle
 

@@ -17,7 +17,8 @@ from orchestrator.config import Settings
 from orchestrator.environments.loader import ResolvedEnvironment, load_environments
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.state.keys import Keys
-from orchestrator.state.pools import PoolClaims, PoolFiller, PoolTarget, pool_name
+from orchestrator.state.pool_sizing import PoolTarget, pool_name
+from orchestrator.state.pools import PoolClaims, PoolFiller
 from tests.redis_units import POOLED_ENVIRONMENT, own_deployment, pool_handle
 
 POOL = pool_name("pooled", None)

@@ -18,7 +18,8 @@ from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.state.admission import Admission
 from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.keys import Keys
-from orchestrator.state.pools import PoolClaims, PoolFiller, PoolTarget
+from orchestrator.state.pool_sizing import PoolTarget
+from orchestrator.state.pools import PoolClaims, PoolFiller
 from tests.redis_units import POOLED_ENVIRONMENT, own_deployment, pool_handle
 
 

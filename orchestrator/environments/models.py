@@ -470,7 +470,7 @@ class EnvironmentConfig(BaseModel):
     pool_size: int = Field(
         0,
         ge=0,
-        description="Warm sandboxes to keep ready per codebase at least (state/pools.py); "
+        description="Warm sandboxes to keep ready per codebase at least (state/pool_sizing.py); "
         "a demand-sized pool grows above it.",
     )
     reuse: bool | None = Field(

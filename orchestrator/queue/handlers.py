@@ -43,7 +43,7 @@ from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.repos import RepoError
 from orchestrator.state import broker
 from orchestrator.state.keys import Keys
-from orchestrator.state.pools import POOL_LABEL, PoolTarget, same_spec, targets
+from orchestrator.state.pool_sizing import POOL_LABEL, PoolTarget, same_spec, targets
 from orchestrator.state.snapshots import kept_snapshots
 from orchestrator.state.streams import OutputSink
 from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState

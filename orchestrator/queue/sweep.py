@@ -12,7 +12,8 @@ from orchestrator.sandbox.backend import SandboxBackend, SandboxError
 from orchestrator.state.connection import SyncRedis
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutState
-from orchestrator.state.pools import POOL_LABEL, pool_standings
+from orchestrator.state.pool_sizing import POOL_LABEL
+from orchestrator.state.pools import pool_standings
 from orchestrator.state.records import SandboxOwner, sandbox_owner
 
 log = get_logger(__name__)

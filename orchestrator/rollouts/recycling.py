@@ -21,7 +21,7 @@ from orchestrator.environments.loader import ResolvedEnvironment
 from orchestrator.outcomes import Cause, Outcome
 from orchestrator.rollouts.errors import InfraError
 from orchestrator.state.models import RolloutState
-from orchestrator.state.pools import POOL_LABEL, pool_name, recycles
+from orchestrator.state.pool_sizing import POOL_LABEL, pool_name, recycles
 from orchestrator.state.records import Rollout
 from orchestrator.state.wire import RecycleSandbox
 

@@ -175,7 +175,7 @@ class Keys:
 
     @cached_property
     def pool_demand(self) -> str:
-        """Hash: pool name -> its recent demand (state/pools.PoolDemand JSON)."""
+        """Hash: pool name -> its recent demand (state/pool_sizing.PoolDemand JSON)."""
         return f"{self.prefix}pool-demand"
 
     @cached_property

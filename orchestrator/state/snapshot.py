@@ -31,7 +31,7 @@ from orchestrator.sandbox.backend import SandboxHandle
 from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.keys import Keys, queue_depth_keys
 from orchestrator.state.models import RolloutState
-from orchestrator.state.pools import (
+from orchestrator.state.pool_sizing import (
     PoolDemand,
     parse_demand,
     pool_name,
@@ -92,7 +92,7 @@ class PoolLevel(BaseModel):
     pool: str
     environment: str
     codebase: str | None = None
-    target: int = Field(description="Its size now (state/pools.pool_size).")
+    target: int = Field(description="Its size now (state/pool_sizing.pool_size).")
     ready: list[SandboxHandle] = Field(default_factory=list)
     creating: int = 0
 
@@ -262,7 +262,7 @@ class StateReader:
 
     def _configured_pools(self, demand: dict[str, PoolDemand]) -> list[PoolLevel]:
         """Every pool the environments ask for now, demand-sized ones included (named as
-        state/pools.targets names them, without resolving their images), in name order."""
+        state/pool_sizing.targets names them, without resolving their images), in name order."""
         pools = []
         for name in self.environments.names():
             env = self.environments.get(name)

@@ -17,7 +17,7 @@ import redis
 import yaml
 
 from orchestrator.state.keys import Keys
-from orchestrator.state.pools import parse_demand, pool_name
+from orchestrator.state.pool_sizing import parse_demand, pool_name
 from tests import repo_history
 from tests.e2e.conftest import side_stack
 from tests.e2e.helpers import cli, wait_for

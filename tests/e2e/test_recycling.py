@@ -18,7 +18,7 @@ import redis
 import yaml
 
 from orchestrator.state.keys import Keys
-from orchestrator.state.pools import pool_name
+from orchestrator.state.pool_sizing import pool_name
 from tests.e2e.conftest import side_stack
 from tests.e2e.helpers import function_call, new_trace, orchestrator, wait_for
 from tests.stacks import Stack

@@ -37,7 +37,7 @@ from orchestrator.queue.sweep import POOL_DELIVERY_S, pool_delivery_s
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.k8s import pods
 from orchestrator.state.keys import Keys
-from orchestrator.state.pools import POOL_LABEL, pool_name
+from orchestrator.state.pool_sizing import POOL_LABEL, pool_name
 from tests.e2e.helpers import error_code, file_f1, function_call, new_trace, wait_for
 from tests.k8s.conftest import OUTAGE, POOLED, K8sStack
 from tests.stacks import TOKEN
