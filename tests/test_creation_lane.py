@@ -17,6 +17,7 @@ from orchestrator.queue import worker
 from orchestrator.queue.lane import GroupedLane
 from orchestrator.rollouts.models import rollout_group
 from orchestrator.state.models import RolloutSource
+from orchestrator.state.pools import PoolFiller
 from orchestrator.state.wire import CreateSandbox, ToolCall
 
 
@@ -123,20 +124,16 @@ class _Pools:
         return pool in self._awaited
 
 
-def test_background_work_waits_for_the_hosts_calls_to_pause(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_background_work_waits_for_the_hosts_calls_to_pause() -> None:
     """A refill or a reset waits while a call runs (and just after one), goes at once when
     a new rollout waits for the reset's pool, and waits no longer than its bound."""
-    monkeypatch.setattr(worker, "get_settings", lambda: Settings(background_yield_s=0.6))
-    monkeypatch.setattr(worker, "pool_filler", lambda: _Pools({"awaited-pool"}))
-    calls = worker._InFlight()
-    monkeypatch.setattr(worker, "in_flight", calls)
+    pools = cast(PoolFiller, _Pools({"awaited-pool"}))
+    host = worker.Host(Settings(background_yield_s=0.6), pool_filler=pools)
     call = cast(ToolCall, SimpleNamespace(ticket="t1"))  # (only its ticket is read)
-    assert worker.yield_to_calls("refill") < 0.05  # nothing runs
-    with calls.running(call):
-        assert 0.55 < worker.yield_to_calls("refill") < 1.5  # its bound
-        assert worker.yield_to_calls("reset", "awaited-pool") < 0.05
+    assert host.yield_to_calls("refill") < 0.05  # nothing runs
+    with host.in_flight.running(call):
+        assert 0.55 < host.yield_to_calls("refill") < 1.5  # its bound
+        assert host.yield_to_calls("reset", "awaited-pool") < 0.05
     # Just after a call: the host is not quiet yet, then it is.
-    waited = worker.yield_to_calls("reset", "other-pool")
+    waited = host.yield_to_calls("reset", "other-pool")
     assert 0.2 < waited < 0.55, waited

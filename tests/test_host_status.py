@@ -5,11 +5,12 @@ Docker path (dockerd stopped and started) is in tests/faults/."""
 from __future__ import annotations
 
 import json
+from typing import cast
 
-import pytest
-
-from orchestrator.queue import worker
+from orchestrator.config import Settings
+from orchestrator.queue.worker import Host
 from orchestrator.sandbox.backend import HostHealth
+from orchestrator.sandbox.factory import HostBackend
 from orchestrator.state.heartbeat import Heartbeat, HostFinding
 
 
@@ -21,23 +22,19 @@ class _Backend:
         return self.health
 
 
-def _status(monkeypatch: pytest.MonkeyPatch, health: HostHealth, failures: int) -> HostFinding:
-    monkeypatch.setattr(worker, "backend", lambda: _Backend(health))
-    return worker.host_status(HostFinding(backend_failures=failures))
+def _status(health: HostHealth, failures: int) -> HostFinding:
+    host = Host(Settings(), backend=cast(HostBackend, _Backend(health)))
+    return host.status(HostFinding(backend_failures=failures))
 
 
-def test_a_failed_docker_probe_counts_towards_failing_the_host(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_failed_docker_probe_counts_towards_failing_the_host() -> None:
     down = HostHealth(backend_ok=False, disk_free_bytes=2**40, sandboxes=3, error="refused")
-    status = _status(monkeypatch, down, 2)
+    status = _status(down, 2)
     assert status.backend_failures == 3
     assert any(reason.startswith("daemon: refused") for reason in status.cordon_reasons)
 
 
-def test_an_api_server_outage_cordons_but_never_fails_the_rollouts(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_an_api_server_outage_cordons_but_never_fails_the_rollouts() -> None:
     # Pods run on while the API server is away: new sandboxes wait, live ones are served.
     down = HostHealth(
         backend_ok=False,
@@ -46,14 +43,14 @@ def test_an_api_server_outage_cordons_but_never_fails_the_rollouts(
         error="api server unreachable",
         outage_loses_sandboxes=False,
     )
-    status = _status(monkeypatch, down, 0)
+    status = _status(down, 0)
     assert status.backend_failures == 0
     assert "daemon: api server unreachable" in status.cordon_reasons
 
 
-def test_a_healthy_probe_resets_the_count(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_healthy_probe_resets_the_count() -> None:
     up = HostHealth(backend_ok=True, disk_free_bytes=2**40, sandboxes=0)
-    status = _status(monkeypatch, up, 2)
+    status = _status(up, 2)
     assert status.backend_failures == 0
     assert not any(reason.startswith("daemon") for reason in status.cordon_reasons)
 

@@ -119,7 +119,7 @@ SANDBOXES_RECYCLED = Counter(
 BACKGROUND_YIELD_SECONDS = Histogram(
     "orchestrator_background_yield_seconds",
     "How long background work waited for the host's tool calls to pause before it ran "
-    "(queue/worker.yield_to_calls), by work: refill (a pool sandbox's creation), reset (a "
+    "(queue/worker.Host.yield_to_calls), by work: refill (a pool sandbox's creation), reset (a "
     "recycled sandbox's).",
     ["work"],
     buckets=(0.001, 0.05, 0.1, 0.3, 1, 2, 5, 10, 20, 30, 60),

@@ -15,7 +15,6 @@ from typing import Any
 
 from celery.signals import setup_logging, worker_ready, worker_shutdown, worker_shutting_down
 
-from orchestrator.config import get_settings
 from orchestrator.images.repo_setup import SetupFailed, ensure_setup_image
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import (
@@ -27,7 +26,6 @@ from orchestrator.observability.logging import (
 )
 from orchestrator.observability.metrics import serve_worker_metrics
 from orchestrator.queue import worker
-from orchestrator.queue.sweep import sweep_orphans
 from orchestrator.sandbox import testrun
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
@@ -39,12 +37,9 @@ from orchestrator.sandbox.backend import (
     SandboxSpec,
     SnapshotRefused,
 )
-from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.repos import RepoError
 from orchestrator.state import broker
-from orchestrator.state.keys import Keys
 from orchestrator.state.pool_sizing import POOL_LABEL, PoolTarget, same_spec, targets
-from orchestrator.state.snapshots import kept_snapshots
 from orchestrator.state.streams import OutputSink
 from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState
 from orchestrator.state.wire import (
@@ -85,6 +80,16 @@ from orchestrator.tools.command import CommandTool
 log = get_logger(__name__)
 
 
+def connect_to_celery() -> None:
+    """The worker's lifecycle on Celery's signals: logging set up by us, the host started
+    once the worker is ready, drained on SIGTERM, retired at exit. Called by the Celery
+    process's entry (celery_main.py), not at import."""
+    setup_logging.connect(_on_setup_logging, weak=False)
+    worker_ready.connect(_on_worker_ready, weak=False)
+    worker_shutting_down.connect(_on_shutting_down, weak=False)
+    worker_shutdown.connect(_on_shutdown, weak=False)
+
+
 def _on_setup_logging(**_: Any) -> None:
     """Celery's own logging set-up is skipped (a receiver exists): our one root handler
     formats its lines too, and what Celery prints to stdout becomes log lines as well."""
@@ -93,16 +98,17 @@ def _on_setup_logging(**_: Any) -> None:
 
 
 def _on_worker_ready(**_: Any) -> None:
-    worker.start_heartbeat()
-    serve_worker_metrics(get_settings())
-    log.info("worker.ready", host=get_settings().host_id, instance=worker.INSTANCE)
+    host = worker.current()
+    host.start_heartbeat()
+    serve_worker_metrics(host.settings)
+    log.info("worker.ready", host=host.settings.host_id, instance=host.instance)
     # What a crash or a lost Redis left behind goes now, not at the first reaper pass.
     threading.Thread(target=_sweep_at_start, name="start-sweep", daemon=True).start()
 
 
 def _sweep_at_start() -> None:
     try:
-        log.info("worker.start_sweep", **_sweep())
+        log.info("worker.start_sweep", **worker.current().sweep())
     except Exception:  # the periodic sweep tries again
         log.exception("worker.start_sweep_failed")
 
@@ -111,23 +117,16 @@ def _on_shutting_down(**_: Any) -> None:
     """SIGTERM: take no new sandboxes, let running calls finish within the grace period,
     then settle the rest as infrastructure errors and go (Celery's warm shutdown would
     wait for a 10-minute command)."""
-    worker.in_flight.draining = True
-    settings = get_settings()
-    log.info("worker.draining", running=len(worker.in_flight.snapshot()))
-    # Creations not started yet are dropped: their callers hear of it through the retired
-    # heartbeat instead of waiting for a burst's worth of sandboxes to be made first.
-    worker.creations().close()
-    worker.recycles().close()  # (their sandboxes, unreset, go with the host's sweep)
-    worker.creation_gate().close()
-    worker.pool_creations().shutdown(wait=False, cancel_futures=True)
+    host = worker.current()
+    host.drain()
 
     def give_up() -> None:
-        deadline = time.monotonic() + settings.worker_shutdown_grace_s
-        while worker.in_flight.snapshot() and time.monotonic() < deadline:
+        deadline = time.monotonic() + host.settings.worker_shutdown_grace_s
+        while host.in_flight.snapshot() and time.monotonic() < deadline:
             time.sleep(0.1)
-        aborted = worker.abort_in_flight("the shutdown grace period ran out")
+        aborted = host.abort_in_flight("the shutdown grace period ran out")
         if aborted:
-            worker.retire_heartbeat()
+            host.retire_heartbeat()
             log.error("worker.aborted_calls", calls=aborted)
             os._exit(1)
 
@@ -135,21 +134,16 @@ def _on_shutting_down(**_: Any) -> None:
 
 
 def _on_shutdown(**_: Any) -> None:
-    worker.retire_heartbeat()
-    log.info("worker.stopped", instance=worker.INSTANCE)
-
-
-setup_logging.connect(_on_setup_logging, weak=False)
-worker_ready.connect(_on_worker_ready, weak=False)
-worker_shutting_down.connect(_on_shutting_down, weak=False)
-worker_shutdown.connect(_on_shutdown, weak=False)
+    host = worker.current()
+    host.retire_heartbeat()
+    log.info("worker.stopped", instance=host.instance)
 
 
 def handles(
     task: Task[RequestT, ReplyT],
 ) -> Callable[[broker.Handler[RequestT, ReplyT]], broker.Handler[RequestT, ReplyT]]:
     """Register a handler of ``task``; the reply it returns goes to its caller's list."""
-    return broker.handles(task, worker.reply)
+    return broker.handles(task, lambda request, reply: worker.current().reply(request, reply))
 
 
 @handles(Tasks.CREATE_SANDBOX)
@@ -157,14 +151,15 @@ def create_sandbox(request: CreateSandbox) -> None:
     """Hand the creation to the host's creation lane and return at once: the reply goes
     to the caller's list when the sandbox is ready. Tool calls queued behind a burst of
     creations so wait for a Celery thread for microseconds, not for the creations."""
-    worker.create_for_rollout(_create_and_reply, request, group=request.group)
+    worker.current().create_for_rollout(_create_and_reply, request, group=request.group)
 
 
 def _create_and_reply(request: CreateSandbox) -> None:
+    host = worker.current()
     with rollout_context(request.rollout_id, trace_id=request.trace_id):
         try:
             _set_up(request.spec)
-            handle = worker.backend().create(request.spec)
+            handle = host.backend.create(request.spec)
             bind_sandbox(handle.sandbox_id)
             created = SandboxCreated(handle=handle)
         except SandboxError as exc:
@@ -173,7 +168,7 @@ def _create_and_reply(request: CreateSandbox) -> None:
         except Exception as exc:
             log.exception("sandbox.create_crashed", rollout_id=request.rollout_id)
             created = SandboxCreated(error=f"{type(exc).__name__}: {exc}")
-        worker.reply(request, created)
+        host.reply(request, created)
 
 
 def _set_up(spec: SandboxSpec) -> None:
@@ -182,11 +177,11 @@ def _set_up(spec: SandboxSpec) -> None:
     wanted = spec.workspace
     if wanted is None or wanted.setup is None:
         return
-    repos = worker.host_repos()
+    host = worker.current()
     try:
-        if not repos.has_commit(wanted.repo, wanted.source, wanted.commit):
+        if not host.repos.has_commit(wanted.repo, wanted.source, wanted.commit):
             raise SandboxError(f"{wanted.label} is not in its source any more")
-        ensure_setup_image(get_settings(), repos, wanted)
+        ensure_setup_image(host.settings, host.repos, wanted)
     except (RepoError, SetupFailed) as exc:
         raise SandboxError(f"cannot set {wanted.label} up on this host: {exc}") from exc
 
@@ -204,24 +199,23 @@ def run_tool(call: ToolCall) -> None:
 
 
 def _run_tool(call: ToolCall, started: float) -> None:
+    host = worker.current()
     # This delivery's own claim: a message the broker delivered twice must still run once.
     delivery = uuid.uuid4().hex
-    claimed = worker.tickets().claim(call.ticket, call.attempt, worker.INSTANCE, started, delivery)
+    claimed = host.tickets.claim(call.ticket, call.attempt, host.instance, started, delivery)
     if claimed != TicketState.RUNNING:
         # A duplicate is the broker's doing and never expected: worth a look.
         level = log.warning if claimed == DUPLICATE_DELIVERY else log.info
         level("tool.skipped", rollout_id=call.rollout_id, call_id=call.call_id, ticket=claimed)
         return
-    with worker.in_flight.running(call):
+    with host.in_flight.running(call):
         try:
             done = _run_claimed(call, started)
         except Exception as exc:  # our bug: an infra fault with its evidence, not a hang
             log.exception("tool.crashed", rollout_id=call.rollout_id, call_id=call.call_id)
             done = ToolCallDone(infra_error=f"the worker failed to run the call: {exc!r}")
     # The result goes onto the ticket and to the caller's reply list in one step.
-    state, _ = worker.tickets().finish(
-        call.ticket, worker.INSTANCE, done.model_dump_json(), time.time()
-    )
+    state, _ = host.tickets.finish(call.ticket, host.instance, done.model_dump_json(), time.time())
     if state != TicketState.DONE:
         log.warning("tool.result_too_late", rollout_id=call.rollout_id, ticket=state)
     # Nothing is returned: the result went to the caller with the ticket's finish, and
@@ -234,14 +228,15 @@ _PROBE_AFTER = {"timeout", "memory_limit", "pids_limit", "disk_limit"}
 
 
 def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
+    host = worker.current()
     queue_ms = max(0.0, (started - call.enqueued_at) * 1000)
-    resolved = worker.environment_of(call)
+    resolved = host.environment_of(call)
     # The API let only an E2B client call a client tool (rollouts/calls.py).
     tool = resolved.tool(call.tool, clients=True)
     if tool is None:
         raise LookupError(f"environment {resolved.environment.name!r} has no tool {call.tool!r}")
     tool_settings = resolved.tool_settings(
-        get_settings().with_command_cap(call.command_timeout_max_s)
+        host.settings.with_command_cap(call.command_timeout_max_s)
     )
 
     def finished(**fields: Any) -> ToolCallDone:
@@ -251,14 +246,14 @@ def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
         if call.validated_arguments is not None:  # validated once, by the API
             args = tool.validated(call.validated_arguments)
             if call.stream_key is not None and isinstance(tool, CommandTool):
-                sink = OutputSink(worker.redis_client(), call.stream_key)
+                sink = OutputSink(host.redis, call.stream_key)
                 result = tool.run_parsed(
-                    worker.backend(), call.handle, args, tool_settings, on_output=sink
+                    host.backend, call.handle, args, tool_settings, on_output=sink
                 )
             else:
-                result = tool.run_parsed(worker.backend(), call.handle, args, tool_settings)
+                result = tool.run_parsed(host.backend, call.handle, args, tool_settings)
         else:
-            result = tool.run(worker.backend(), call.handle, call.arguments, tool_settings)
+            result = tool.run(host.backend, call.handle, call.arguments, tool_settings)
     except SandboxError as exc:
         probe = _probe(call.handle)
         if probe.agent_caused:
@@ -307,7 +302,7 @@ def _killed_by_agent(probe: ProbeResult, budget: int) -> ToolResult:
 def _probe(handle: SandboxHandle) -> ProbeResult:
     """The sandbox's probe; a backend that cannot tell is evidence too (state unknown)."""
     try:
-        return worker.backend().probe(handle)
+        return worker.current().backend.probe(handle)
     except SandboxError as exc:
         return ProbeResult(alive=False, state="unknown", agent_ok=False, detail=f"probe: {exc}")
 
@@ -326,7 +321,7 @@ def run_tests(request: RunTests) -> RunTestsReply:
     handle = request.handle
     with rollout_context(handle.rollout_id, sandbox_id=handle.sandbox_id):
         try:
-            result = testrun.run_tests(worker.backend(), handle, request.run)
+            result = testrun.run_tests(worker.current().backend, handle, request.run)
         except SandboxError as exc:
             probe = _probe(handle)
             log.warning("grade.tests_failed", error=str(exc), probe=probe.state)
@@ -349,7 +344,7 @@ def file_op(request: FileOpRequest) -> FileOpReply:
     backend failure comes back with a probe of the sandbox as evidence."""
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
-            result = worker.backend().file_op(
+            result = worker.current().backend.file_op(
                 request.handle,
                 request.action,
                 request.path,
@@ -376,7 +371,7 @@ def snapshot_sandbox(request: SnapshotSandbox) -> SnapshotMade:
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
             made = SnapshotMade(
-                taken=worker.backend().snapshot(request.handle, request.snapshot_id)
+                taken=worker.current().backend.snapshot(request.handle, request.snapshot_id)
             )
         except SnapshotRefused as exc:
             made = SnapshotMade(refused=str(exc))
@@ -390,7 +385,7 @@ def snapshot_sandbox(request: SnapshotSandbox) -> SnapshotMade:
 def measure_sandbox(request: MeasureSandbox) -> SandboxMeasured:
     """What a sandbox uses now (E2B's ``get_metrics``)."""
     try:
-        return SandboxMeasured(usage=worker.backend().usage(request.handle))
+        return SandboxMeasured(usage=worker.current().backend.usage(request.handle))
     except SandboxError as exc:
         return SandboxMeasured(error=f"{type(exc).__name__}: {exc}")
 
@@ -400,7 +395,7 @@ def drop_snapshot(request: DropSnapshot) -> SnapshotDropped:
     """Remove a snapshot's files from this host, unless a sandbox or another snapshot is
     made over it (the sweep removes it then, once it is free)."""
     try:
-        return SnapshotDropped(removed=worker.backend().drop_snapshot(request.snapshot_id))
+        return SnapshotDropped(removed=worker.current().backend.drop_snapshot(request.snapshot_id))
     except SandboxError as exc:
         return SnapshotDropped(error=str(exc))
 
@@ -410,7 +405,7 @@ def send_input(request: SendInput) -> InputSent:
     """Write to a sandbox's running command's standard input by its exec id."""
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
-            found = worker.backend().send_input(
+            found = worker.current().backend.send_input(
                 request.handle,
                 request.exec_id,
                 request.data,
@@ -430,7 +425,9 @@ def signal_exec(request: SignalExec) -> SignalReply:
     """Kill (or SIGTERM) a sandbox's running command by its exec id."""
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
-            found = worker.backend().signal_exec(request.handle, request.exec_id, kill=request.kill)
+            found = worker.current().backend.signal_exec(
+                request.handle, request.exec_id, kill=request.kill
+            )
             reply = SignalReply(found=found)
         except SandboxError as exc:
             reply = SignalReply(infra_error=f"{type(exc).__name__}: {exc}")
@@ -441,7 +438,7 @@ def signal_exec(request: SignalExec) -> SignalReply:
 def destroy_sandbox(request: DestroySandbox) -> SandboxDestroyed:
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
-            worker.backend().destroy(request.handle)
+            worker.current().backend.destroy(request.handle)
         except SandboxError as exc:
             return SandboxDestroyed(error=str(exc))
         log.info("sandbox.reaped", reason=request.reason)
@@ -457,7 +454,8 @@ def recycle_sandbox(request: RecycleSandbox) -> Accepted:
     pool lane, one at a time and behind every cold create, a second burst found 33 of its
     256 rollouts' sandboxes reset in time, and 504 sandboxes ran at once.) The reset waits
     for the host's calls to pause, unless a new rollout waits for it (yield_to_calls)."""
-    worker.create_for_rollout(_recycle, request, lane=worker.recycles())
+    host = worker.current()
+    host.create_for_rollout(_recycle, request, lane=host.recycles)
     return Accepted()
 
 
@@ -474,15 +472,16 @@ class RecycleResult(StrEnum):
 
 
 def _recycle(request: RecycleSandbox) -> None:
+    host = worker.current()
     handle = request.handle
     with rollout_context(handle.rollout_id, sandbox_id=handle.sandbox_id):
-        settings = get_settings()
-        filler = worker.pool_filler()
-        backend = worker.backend()
+        settings = host.settings
+        filler = host.pool_filler
+        backend = host.backend
         pool = next(
             (
                 p
-                for p in targets(worker.environments(), settings, filler.demand())
+                for p in targets(host.environments, settings, filler.demand())
                 if p.name == request.pool
             ),
             None,
@@ -497,7 +496,7 @@ def _recycle(request: RecycleSandbox) -> None:
                 result, why = RecycleResult.POOL_FULL, "its pool is full"
             else:
                 reserved = True
-                worker.yield_to_calls("reset", request.pool)
+                host.yield_to_calls("reset", request.pool)
                 hit = backend.limits_hit(handle)
                 if hit:
                     result, why = RecycleResult.LIMIT_HIT, f"it hit {', '.join(hit)}"
@@ -537,29 +536,14 @@ def _recycle(request: RecycleSandbox) -> None:
             log.warning("sandbox.destroy_failed", error=str(exc))
         if reserved and pool is not None:
             filler.deliver(pool, None)
-        worker.release_slot(handle.host, request.transit)
+        host.release_slot(handle.host, request.transit)
 
 
 @handles(Tasks.SWEEP_HOST)
 def sweep_host(_request: Nothing) -> None:
     """Destroy this host's expired sandboxes and leftovers by label, and every sandbox
     whose rollout is over or unknown to Redis (orphans)."""
-    log.info("worker.swept", **_sweep())
-
-
-def _sweep() -> dict[str, Any]:
-    settings = get_settings()
-    swept = collect_expired(worker.backend()).model_dump(mode="json")
-    swept["orphans"] = sweep_orphans(worker.backend(), worker.redis_client(), settings)
-    kept = kept_snapshots(worker.redis_client(), Keys.of(settings.deployment))
-    swept["snapshots"] = worker.backend().sweep_snapshots(kept)
-    live = {h.sandbox_id for h in worker.backend().list_owned()}
-    filler = worker.pool_filler()
-    swept["pool_entries_dropped"] = sum(
-        filler.forget_missing(pool, settings.host_id, live)
-        for pool in targets(worker.environments(), settings, filler.demand())
-    )
-    return swept
+    log.info("worker.swept", **worker.current().sweep())
 
 
 @handles(Tasks.CHECK_COMMIT)
@@ -569,8 +553,8 @@ def check_commit(request: CheckCommit) -> CommitChecked:
     commit's layer built here too (sandbox/repos.py). A commit the source lacks, and a
     set-up that does not build, are answers; a source or store that fails is an error."""
     wanted = request.workspace
-    repos = worker.host_repos()
-    settings = get_settings()
+    repos = worker.current().repos
+    settings = worker.current().settings
     host = settings.host_id
     try:
         if not repos.has_commit(wanted.repo, wanted.source, wanted.commit):
@@ -602,13 +586,14 @@ def refill_pools(_request: Nothing) -> None:
     on this host, within this host's capacity; drop pool sandboxes too close to their
     expiry, and those past their pool's size (its demand fell). The creations wait while
     any rollout's creation is waiting (queue/worker.py's pool lane)."""
-    if not worker.host_schedulable():
+    host = worker.current()
+    if not host.schedulable():
         return
-    settings = get_settings()
-    filler = worker.pool_filler()
+    settings = host.settings
+    filler = host.pool_filler
     jobs: list[PoolTarget] = []
     dropped = 0
-    for pool in targets(worker.environments(), settings, filler.demand()):
+    for pool in targets(host.environments, settings, filler.demand()):
         stale = [
             (handle, "pool sandbox near its expiry")
             for handle in filler.prune(pool, min_left_s=pool.spec.lifetime_s / 2)
@@ -619,10 +604,10 @@ def refill_pools(_request: Nothing) -> None:
             broker.celery_app().send_task(
                 Tasks.DESTROY_SANDBOX.name.value,
                 args=[payload.model_dump(mode="json")],
-                queue=worker.keys().host_queue(handle.host),
+                queue=host.keys.host_queue(handle.host),
                 ignore_result=True,
             )
-            worker.release_slot(handle.host)
+            host.release_slot(handle.host)
         size = filler.refill_size(pool)
         jobs += [pool] * filler.reserve(pool, size, size)
     if not jobs:
@@ -631,27 +616,28 @@ def refill_pools(_request: Nothing) -> None:
         return
     # Through the pool lane: never while a rollout's own sandbox waits to be made.
     created = sum(
-        future.result() for future in [worker.pool_creations().submit(_fill_one, p) for p in jobs]
+        future.result() for future in [host.pool_creations.submit(_fill_one, p) for p in jobs]
     )
     log.info("pool.refilled", created=created, wanted=len(jobs), dropped=dropped)
 
 
 def _fill_one(pool: PoolTarget) -> bool:
-    filler = worker.pool_filler()
-    if not worker.creation_gate().pool_turn():
+    host = worker.current()
+    filler = host.pool_filler
+    if not host.gate.pool_turn():
         filler.deliver(pool, None)  # stopping: the reservation is freed
         return False
-    worker.yield_to_calls("refill")
+    host.yield_to_calls("refill")
     transit = filler.take_slot(f"create:{uuid.uuid4().hex}")
     if transit is None:
         filler.deliver(pool, None)
         return False
     try:
         _set_up(pool.spec)
-        handle = worker.backend().create(pool.spec)
+        handle = host.backend.create(pool.spec)
     except SandboxError as exc:
         log.warning("pool.create_failed", pool=pool.name, error=str(exc))
-        worker.release_slot(get_settings().host_id)
+        host.release_slot(host.settings.host_id)
         filler.deliver(pool, None, transit)
         return False
     filler.deliver(pool, handle, transit)

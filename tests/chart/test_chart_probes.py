@@ -63,9 +63,9 @@ def test_worker_probe_follows_the_real_heartbeat(
     assert run_probe("worker_probe.py", env, "alive").returncode == 1
     # What a worker publishes, written by the worker's own code in a process of its own.
     beat = (
-        "from orchestrator.queue.worker import publish_heartbeat; "
+        "from orchestrator.queue.worker import current; "
         "from orchestrator.state.heartbeat import HostFinding; "
-        "publish_heartbeat(HostFinding())"
+        "current().publish_heartbeat(HostFinding())"
     )
     subprocess.run([sys.executable, "-c", beat], env=env, check=True, timeout=60)
     ready = run_probe("worker_probe.py", env, "ready")
