@@ -81,7 +81,7 @@ from orchestrator.local import free_port, local_stack
 from orchestrator.sandbox import labels
 from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle, SandboxSpec
 from orchestrator.sandbox.cgroups import container_file
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.gc import GcReport, collect_expired
 from orchestrator.state.forget import forget_deployment
 from orchestrator.state.keys import Keys

@@ -58,7 +58,7 @@ from orchestrator.images.base import build_base_image
 from orchestrator.sandbox import labels
 from orchestrator.sandbox.agent import EXEC_AGENT_PATH
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 
 AGENT_IN_REPO = "orchestrator/sandbox/agent/exec_agent.py"
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")

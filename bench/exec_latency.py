@@ -21,7 +21,7 @@ from bench.common import ensure_bench_codebase, mem_used_mb, summary, write_repo
 from orchestrator.config import Runtime, Settings
 from orchestrator.images.base import build_base_image
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 
 GREP = "grep -rn 'def __init__' --include=*.py . | wc -l"
 # The floor the agent is measured against: `bash -c true` started inside the same sandbox,

@@ -71,7 +71,7 @@ from orchestrator.images.base import INPUTS_HASH_LABEL, build_base_image, run_bu
 from orchestrator.local import local_stack
 from orchestrator.sandbox import labels
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
 
 PEER_REPO = "orchestrator/bench-swerex"

@@ -29,7 +29,7 @@ import pytest
 from orchestrator.config import Runtime, Settings
 from orchestrator.images.base import BaseBuildResult, build_base_image
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.state.forget import forget_deployment
 from tests import agent_caused

@@ -34,7 +34,7 @@ import httpx
 from orchestrator.cli.serve import api_command, beat_command, worker_command
 from orchestrator.config import Settings
 from orchestrator.local import free_port, settings_env
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.state.forget import forget_deployment
 from orchestrator.tls import tls

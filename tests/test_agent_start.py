@@ -12,7 +12,8 @@ import docker
 
 from orchestrator.config import Runtime, Settings
 from orchestrator.sandbox.agent import AGENT_LOADER, EXEC_AGENT_PATH, compiled_agent
-from orchestrator.sandbox.docker import AGENT_CACHE_IN_SANDBOX, AGENT_IN_SANDBOX, DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
+from orchestrator.sandbox.docker.containers import AGENT_CACHE_IN_SANDBOX, AGENT_IN_SANDBOX
 
 FROM_CACHE = f"code object from '{AGENT_CACHE_IN_SANDBOX}/exec_agent."
 

@@ -20,7 +20,7 @@ from orchestrator.cli import sandbox as sandbox_cli
 from orchestrator.config import Runtime, Settings, get_settings
 from orchestrator.local import free_port
 from orchestrator.sandbox.backend import SandboxSpec
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
 
 pytestmark = pytest.mark.xdist_group("cli_sandbox")

@@ -17,7 +17,7 @@ import pytest
 from orchestrator.config import Settings
 from orchestrator.sandbox import cgroups, daemon_share
 from orchestrator.sandbox.backend import SandboxHandle
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 
 pytestmark = pytest.mark.xdist_group("daemon-share")
 

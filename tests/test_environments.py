@@ -44,7 +44,7 @@ from orchestrator.sandbox.backend import (
     SandboxHandle,
     SandboxSpec,
 )
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.tools.base import ToolResult
 
 MakeSandbox = Callable[..., SandboxHandle]

@@ -13,7 +13,7 @@ import pytest
 from orchestrator.config import Runtime
 from orchestrator.sandbox.agent.exec_agent import RUN_AS
 from orchestrator.sandbox.backend import ExecResult, SandboxHandle
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 
 pytestmark = [pytest.mark.isolation, pytest.mark.xdist_group("isolation")]
 

@@ -1,4 +1,4 @@
-"""The kernel's log as OOM evidence (orchestrator/sandbox/kernel_log.py), read from the real
+"""The kernel's log as OOM evidence (orchestrator/sandbox/docker/kernel_log.py), read from the real
 /dev/kmsg: a record written there (as root) is read back like the kernel's own."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import docker
 import pytest
 
 from orchestrator.config import Runtime
-from orchestrator.sandbox import kernel_log
+from orchestrator.sandbox.docker import kernel_log
 from tests.conftest import RUNTIMES, runsc_available
 
 

@@ -1,4 +1,4 @@
-"""sandbox/mounts.py on this host's real kernel (the suite runs as root): what the host's
+"""sandbox/docker/mounts.py on this host's real kernel (the suite runs as root): what the host's
 mounts of a sandbox's /workspace rest on. That they reach a running container is
 tests/test_sandbox_reset.py's (a reset in place) and tests/test_sandbox_backend.py's."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.sandbox import mounts
+from orchestrator.sandbox.docker import mounts
 
 
 @pytest.fixture()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.sandbox import mounts
+from orchestrator.sandbox.docker import mounts
 from orchestrator.sandbox.repos import (
     HostRepos,
     RepoSourceError,
@@ -265,7 +265,7 @@ def test_a_sandbox_s_pristine_workspace_is_its_whole_stack(
 ) -> None:
     """What the SWE-style grader restores from (sandbox/testrun.py): a stack of layers is
     mounted read-only for the length of the block, and gone after it."""
-    from orchestrator.sandbox.workspace import Workspaces
+    from orchestrator.sandbox.docker.workspace import Workspaces
 
     for commit in history.commits:
         lowers = repos.materialise(NAME, str(history.repo), commit).lowers

@@ -27,10 +27,10 @@ import pytest
 
 from orchestrator.config import Runtime
 from orchestrator.images.base import image_store_lock, run_build
-from orchestrator.sandbox.agent import EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import AGENT_CAPABILITIES, EXEC_AGENT_PATH
 from orchestrator.sandbox.agent.exec_agent import RUN_AS, trusted_run_as
-from orchestrator.sandbox.docker import AGENT_CAPABILITIES, DockerBackend
-from orchestrator.sandbox.run_as import extract_run_as
+from orchestrator.sandbox.docker.backend import DockerBackend
+from orchestrator.sandbox.docker.run_as import extract_run_as
 
 # Runs inside the container as root: what the agent does at its start (the inheritable
 # set, then the bounding set emptied), then commands through run-as. Prints one JSON line.

@@ -34,9 +34,9 @@ from orchestrator.sandbox.backend import (
     SandboxSpec,
     SandboxUnavailable,
 )
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
+from orchestrator.sandbox.docker.mounts import mounted_at
 from orchestrator.sandbox.gc import collect_expired
-from orchestrator.sandbox.mounts import mounted_at
 from tests.sandbox_scripts import PIDS_FILLER
 
 pytestmark = pytest.mark.xdist_group("sandbox_backend")

@@ -21,7 +21,8 @@ from orchestrator.sandbox.backend import (
     SandboxSpec,
     ScratchDir,
 )
-from orchestrator.sandbox.docker import DockerBackend, _manifest_differences, _spec_key
+from orchestrator.sandbox.docker.backend import DockerBackend
+from orchestrator.sandbox.docker.states import manifest_differences, spec_key
 
 pytestmark = pytest.mark.xdist_group("reset")
 
@@ -115,8 +116,8 @@ def test_planted_state_is_gone_after_a_reset(
     planted = _run(backend, handle, PLANT)
     assert planted.exit_code == 0 and "done" in _stdout(planted), planted
     dirty = backend.manifest(handle)
-    key = _spec_key(spec)
-    seen = _manifest_differences(backend._fresh[key], dirty)
+    key = spec_key(spec)
+    seen = manifest_differences(backend._fresh[key], dirty)
     # The audit sees what was planted: processes, /tmp, home, /dev/shm, the scratch dir.
     assert any(d.startswith("processes") for d in seen), seen
     for place in ("/tmp", "/home/agent", "/dev/shm", "/scratch"):
@@ -168,7 +169,7 @@ def test_an_audit_that_finds_a_difference_says_so(
     handle, spec = sandbox
     _run(backend, handle, "echo x > /tmp/x")
     with_file = backend.manifest(handle)
-    key = _spec_key(spec)
+    key = spec_key(spec)
     real = backend._fresh[key]
     backend._fresh[key] = with_file
     try:

@@ -1,4 +1,4 @@
-"""Filesystem snapshots on the Docker backend (sandbox/snapshots.py): a sandbox made from a
+"""Filesystem snapshots on the Docker backend (sandbox/docker/snapshots.py): a sandbox made from a
 snapshot starts with its parent's /workspace and writable trees as they were, and from
 then on nothing one of them does reaches another. Real dockerd, real sandboxes (crun for
 runtime runc where registered, and gVisor)."""
@@ -19,8 +19,8 @@ from orchestrator.sandbox.backend import (
     ScratchDir,
     SnapshotRefused,
 )
-from orchestrator.sandbox.docker import DockerBackend
-from orchestrator.sandbox.snapshots import HostSnapshots
+from orchestrator.sandbox.docker.backend import DockerBackend
+from orchestrator.sandbox.docker.snapshots import HostSnapshots
 from orchestrator.state.snapshots import new_snapshot_id
 from tests.conftest import runsc_available
 

@@ -24,7 +24,7 @@ from orchestrator.images.codebases import (
 )
 from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.tools.registry import run_tool
 from tests.sandbox_scripts import PIDS_FILLER
 

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from orchestrator.config import Runtime, get_settings
 from orchestrator.sandbox.backend import SandboxError, SandboxSpec
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.factory import make_backend
 from orchestrator.tools.registry import run_tool
 

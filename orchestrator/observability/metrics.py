@@ -126,7 +126,7 @@ BACKGROUND_YIELD_SECONDS = Histogram(
 )
 SNAPSHOT_SECONDS = Histogram(
     "orchestrator_snapshot_seconds",
-    "Time to take a sandbox's filesystem snapshot on its host (sandbox/snapshots.py), by "
+    "Time to take a sandbox's filesystem snapshot on its host (sandbox/docker/snapshots.py), by "
     "kind: named, fork, group, pause; and how long the sandbox was frozen for it (phase).",
     ["kind", "phase"],
     buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60),

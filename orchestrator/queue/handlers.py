@@ -367,7 +367,7 @@ def file_op(request: FileOpRequest) -> FileOpReply:
 
 @handles(Tasks.SNAPSHOT_SANDBOX)
 def snapshot_sandbox(request: SnapshotSandbox) -> SnapshotMade:
-    """Keep a sandbox's filesystem state on this host (sandbox/snapshots.py)."""
+    """Keep a sandbox's filesystem state on this host (sandbox/docker/snapshots.py)."""
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
             made = SnapshotMade(

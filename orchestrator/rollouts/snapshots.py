@@ -1,5 +1,5 @@
 """Snapshots of rollouts' sandboxes, and what a new rollout made from one needs
-(docs/snapshots.md): a snapshot is kept by the host that took it (sandbox/snapshots.py),
+(docs/snapshots.md): a snapshot is kept by the host that took it (sandbox/docker/snapshots.py),
 so a sandbox from it is made there, never taken from a pool; it runs its parent's
 environment as the parent was pinned.
 
@@ -26,7 +26,7 @@ from orchestrator.rollouts.errors import InfraError, Rejected
 from orchestrator.rollouts.lookup import present
 from orchestrator.rollouts.models import CallReply, rollout_group
 from orchestrator.rollouts.starts import Starter
-from orchestrator.sandbox.snapshots import COPY_TIMEOUT_S
+from orchestrator.sandbox.docker.snapshots import COPY_TIMEOUT_S
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout
 from orchestrator.state.replies import QueueTimeout, WorkerClient

@@ -184,7 +184,7 @@ class SandboxSpec(BaseModel):
     )
     snapshot: str | None = Field(
         None,
-        description="Start from this snapshot of the host's (sandbox/snapshots.py): its "
+        description="Start from this snapshot of the host's (sandbox/docker/snapshots.py): its "
         "/workspace and writable trees as they were; None: as the image (or commit) has them.",
     )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.config import Settings
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
 
 HostBackend = DockerBackend | KubernetesBackend

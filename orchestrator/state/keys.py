@@ -220,7 +220,7 @@ class Keys:
     @cached_property
     def snapshots(self) -> str:
         """Hash: snapshot id -> its record (JSON); a snapshot's files are on its host
-        (sandbox/snapshots.py), which sweeps those no longer here."""
+        (sandbox/docker/snapshots.py), which sweeps those no longer here."""
         return f"{self.prefix}snapshots"
 
     def output_stream(self, rollout_id: str, call_id: str) -> str:

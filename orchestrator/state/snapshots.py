@@ -1,5 +1,5 @@
 """The deployment's snapshots (docs/snapshots.md): each kept on the host that took it
-(sandbox/snapshots.py), with what a sandbox made from it runs (its parent's pinned
+(sandbox/docker/snapshots.py), with what a sandbox made from it runs (its parent's pinned
 environment, image and /workspace), so one can be made after the parent is gone."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ this long after (its API process died mid-fork) is a leftover."""
 
 
 def new_snapshot_id() -> str:
-    """A fresh snapshot id (sandbox/snapshots.SNAPSHOT_ID_RE)."""
+    """A fresh snapshot id (sandbox/docker/snapshots.SNAPSHOT_ID_RE)."""
     return "snap-" + uuid.uuid4().hex[:20]
 
 

@@ -85,7 +85,7 @@ class CreateSandbox(Request):
 
 
 class SnapshotSandbox(Request):
-    """Keep a sandbox's filesystem state on its host (sandbox/snapshots.py)."""
+    """Keep a sandbox's filesystem state on its host (sandbox/docker/snapshots.py)."""
 
     handle: SandboxHandle
     snapshot_id: str

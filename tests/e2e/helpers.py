@@ -15,7 +15,7 @@ import httpx
 
 from orchestrator.config import Settings
 from orchestrator.grading import get_grader
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from tests.stacks import TOKEN, Stack
 
 REPLY_KEYS = {"type", "call_id", "id", "output"}

@@ -24,7 +24,7 @@ from orchestrator.client import (
     RolloutClient,
     RolloutNotFound,
 )
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.tls import tls
 from tests.e2e.helpers import file_f1, sandboxes_of, wait_for
 from tests.stacks import TOKEN, Stack

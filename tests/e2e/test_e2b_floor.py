@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from tests.e2e.helpers import wait_for
 from tests.stacks import TOKEN, Stack
 

@@ -15,7 +15,7 @@ import redis
 from e2b import Sandbox, SandboxException, SandboxNotFoundException, SandboxState
 
 from orchestrator.config import Runtime
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.state.keys import Keys
 from tests.e2e.conftest import ACT_ENVIRONMENTS
 from tests.stacks import Stack

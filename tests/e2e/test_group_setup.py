@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.state.keys import Keys
 from tests.e2e.conftest import GROUPED, GROUPED_BROKEN, GROUPED_SLOW
 from tests.e2e.helpers import wait_for

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from orchestrator.local import free_port
 from orchestrator.observability.api_process import multiproc_dir
 from orchestrator.sandbox.backend import SandboxSpec
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.state.keys import Keys
 from orchestrator.tls import tls
 from tests.e2e.conftest import REAPED

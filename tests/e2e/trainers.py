@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from tests.stacks import TOKEN, Stack
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ import httpx
 import redis
 
 from orchestrator.config import Settings
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.state.keys import Keys
 from orchestrator.tls import tls

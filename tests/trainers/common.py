@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 
 from orchestrator.config import Settings
-from orchestrator.sandbox.docker import DockerBackend
+from orchestrator.sandbox.docker.backend import DockerBackend
 
 
 def checks_parser() -> argparse.ArgumentParser:

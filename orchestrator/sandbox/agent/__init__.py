@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import py_compile
 import sys
 import uuid
 from pathlib import Path
 
+from orchestrator.sandbox.backend import SandboxSpec
+
 EXEC_AGENT_PATH = Path(__file__).with_name("exec_agent.py")
+
+SANDBOX_UID = 1000
+"""The unprivileged user (and group) every command runs as, in every backend's sandboxes."""
+SANDBOX_HOME = "/home/agent"
+AGENT_CAPABILITIES = ["SETUID", "SETGID", "SETPCAP", "KILL"]
+"""All the agent keeps (it runs as root): to run commands as SANDBOX_UID, to empty its
+bounding set before running anything, and to kill a command's process group. Pod Security
+"baseline" allows each."""
+HOME_MB = 16
+"""Size of the tmpfs at the sandbox user's home."""
+# Built into the base image (sandbox_images/base/gvisor-compat): makes coreutils work on
+# old gVisor releases.
+GVISOR_COMPAT_PRELOAD = "/opt/orchestrator/lib/statx_compat.so"
 
 # Starts the agent as an imported module, not as a script: Python reads an imported
 # module's bytecode from __pycache__ next to its source (a script is compiled every time),
@@ -56,3 +72,44 @@ def compiled_agent(source: Path, cache_root: Path) -> Path:
         py_compile.compile(str(source), cfile=str(partial), doraise=True)
         publish(partial, target)
     return directory
+
+
+def agent_arguments(spec: SandboxSpec, *, disk_mb: int, output_mb: int) -> list[str]:
+    """The exec agent's arguments whatever the backend (each adds where it listens): the
+    user commands run as and its home, the limits (to say which one a command hit, and its
+    value), and per-process limits where the sandbox has a kernel of its own."""
+    limits = spec.limits
+    arguments = [
+        "--uid",
+        str(SANDBOX_UID),
+        "--gid",
+        str(SANDBOX_UID),
+        "--home",
+        SANDBOX_HOME,
+        "--limits",
+        json.dumps(
+            {
+                "memory_mb": limits.memory_mb,
+                "pids": limits.pids,
+                "output_mb": output_mb,
+                "disk": {
+                    "/workspace": disk_mb,
+                    "/tmp": limits.tmp_mb,
+                    SANDBOX_HOME: HOME_MB,
+                    **{d.path: d.size_mb for d in spec.scratch_dirs},
+                },
+            }
+        ),
+    ]
+    if spec.runtime == "runsc":
+        # See exec_agent.shell_wrapper: gVisor ends the whole sandbox at its memory limit,
+        # so commands get a per-process limit below it.
+        arguments += ["--preload", GVISOR_COMPAT_PRELOAD]
+        arguments += ["--limit-as-mb", str(limits.memory_mb * 3 // 4)]
+    if spec.runtime in ("runsc", "kata"):
+        # The sandbox's process limit from inside: in a sandbox with a kernel of its own,
+        # RLIMIT_NPROC counts only that sandbox's processes (under runc it would count the
+        # same uid on the whole host), and under gVisor the cgroup's pids limit counts the
+        # sandbox kernel's host threads, a crash when hit (the cgroup's is a backstop).
+        arguments += ["--limit-nproc", str(limits.pids)]
+    return arguments

@@ -821,7 +821,7 @@ class Agent:
         home, scratch directories: memory the host cannot read under gVisor), as that user
         reads it, into one tar file at ``to``, which only root here may write (the socket
         directory): a snapshot's half beside /workspace's upper layer, which the host
-        copies (sandbox/snapshots.py). ``skipped``: what the user could not read."""
+        copies (sandbox/docker/snapshots.py). ``skipped``: what the user could not read."""
         points = user_trees()
         fd = os.open(str(req["to"]), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:

@@ -17,7 +17,6 @@ image).
 from __future__ import annotations
 
 import base64
-import json
 import re
 from datetime import datetime
 
@@ -46,24 +45,22 @@ from pydantic import BaseModel, ConfigDict
 
 from orchestrator.config import Settings
 from orchestrator.sandbox import labels
+from orchestrator.sandbox.agent import (
+    AGENT_CAPABILITIES,
+    HOME_MB,
+    SANDBOX_HOME,
+    SANDBOX_UID,
+    agent_arguments,
+)
 from orchestrator.sandbox.backend import SandboxSpec
 
-SANDBOX_UID = 1000
-"""The uid commands run as (and the init container): never the agent's own."""
 AGENT_UID = 0
-AGENT_CAPABILITIES = ["SETUID", "SETGID", "SETPCAP", "KILL"]
-"""What the agent needs, as on Docker: to run commands as SANDBOX_UID, to empty its
-bounding set, and to kill a command's process group. Pod Security "baseline" allows each."""
 CONTAINER = "sandbox"
 SEED_CONTAINER = "workspace-seed"
 AGENT_DIR = "/opt/orchestrator/agent"
 AGENT_KEY = "exec_agent.py"
 TOKEN_KEY = "token"  # noqa: S105 - the key of the Secret, not a secret
 SEED_MOUNT = "/seed"
-HOME = "/home/agent"
-HOME_MB = 16
-# Built into the base image (sandbox_images/base/gvisor-compat), as on Docker.
-GVISOR_COMPAT_PRELOAD = "/opt/orchestrator/lib/statx_compat.so"
 # The agent exits at once on SIGTERM and a sandbox holds nothing worth a graceful stop.
 TERMINATION_GRACE_S = 1
 # A sandbox on a node that stopped answering is lost for its rollout: have Kubernetes
@@ -146,9 +143,9 @@ def stamp_of(meta: ObjectMeta | None) -> dict[str, str]:
 
 
 def agent_command(settings: Settings, spec: SandboxSpec, disk_mb: int, output_mb: int) -> list[str]:
-    """The exec agent's command line: TCP with the token, commands as SANDBOX_UID."""
-    limits = spec.limits
-    command = [
+    """The exec agent's command line: on TCP with the token (a pod spec has no pids limit,
+    the kubelet's podPidsLimit being per node: see agent_arguments for the process limit)."""
+    return [
         "python3",
         "-I",
         "-S",
@@ -157,38 +154,8 @@ def agent_command(settings: Settings, spec: SandboxSpec, disk_mb: int, output_mb
         f"tcp:0.0.0.0:{settings.k8s_agent_port}",
         "--token-file",
         f"{AGENT_DIR}/{TOKEN_KEY}",
-        "--uid",
-        str(SANDBOX_UID),
-        "--gid",
-        str(SANDBOX_UID),
-        "--home",
-        HOME,
-        "--limits",
-        json.dumps(
-            {
-                "memory_mb": limits.memory_mb,
-                "pids": limits.pids,
-                "output_mb": output_mb,
-                "disk": {
-                    "/workspace": disk_mb,
-                    "/tmp": limits.tmp_mb,
-                    HOME: HOME_MB,
-                    **{d.path: d.size_mb for d in spec.scratch_dirs},
-                },
-            }
-        ),
+        *agent_arguments(spec, disk_mb=disk_mb, output_mb=output_mb),
     ]
-    if spec.runtime == "runsc":
-        # As on Docker (exec_agent.shell_wrapper): gVisor ends the whole sandbox at its
-        # memory limit, so commands get a per-process limit below it.
-        command += ["--preload", GVISOR_COMPAT_PRELOAD]
-        command += ["--limit-as-mb", str(limits.memory_mb * 3 // 4)]
-    if spec.runtime in ("runsc", "kata"):
-        # A pod spec has no pids limit (the kubelet's podPidsLimit is per node). In a
-        # sandbox with a kernel of its own, RLIMIT_NPROC counts only that sandbox's
-        # processes; under runc it would count the same uid on the whole node.
-        command += ["--limit-nproc", str(limits.pids)]
-    return command
 
 
 def _resources(spec: SandboxSpec, disk_mb: int) -> ResourceRequirements:
@@ -279,7 +246,7 @@ def render_pod(
         volumeMounts=[
             workspace,
             VolumeMount(name="tmp", mountPath="/tmp"),
-            VolumeMount(name="home", mountPath=HOME),
+            VolumeMount(name="home", mountPath=SANDBOX_HOME),
             VolumeMount(name="agent", mountPath=AGENT_DIR, readOnly=True),
             *(
                 VolumeMount(name=_scratch_volume(i), mountPath=d.path)

@@ -47,8 +47,9 @@ from docker.errors import DockerException, NotFound
 from requests.exceptions import RequestException
 
 from orchestrator.observability.logging import get_logger
-from orchestrator.sandbox import labels, mounts
+from orchestrator.sandbox import labels
 from orchestrator.sandbox.backend import SandboxError
+from orchestrator.sandbox.docker import mounts
 
 log = get_logger(__name__)
 
@@ -76,7 +77,7 @@ class Workspaces:
         self.deployment = deployment
         self.layers = state_dir / "layers"
         self.uppers = state_dir / "upper" / deployment
-        # Snapshots list their lower layers the way sandboxes do (sandbox/snapshots.py).
+        # Snapshots list their lower layers the way sandboxes do (sandbox/docker/snapshots.py).
         self.snapshots = state_dir / "snapshots"
         self.layers.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.uppers.mkdir(parents=True, exist_ok=True, mode=0o700)

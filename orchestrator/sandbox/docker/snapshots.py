@@ -40,8 +40,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from orchestrator.sandbox import mounts
 from orchestrator.sandbox.backend import SandboxError, SnapshotRefused, SnapshotTaken
+from orchestrator.sandbox.docker import mounts
 
 SNAPSHOT_ID_RE = re.compile(r"snap-[0-9a-f]{20}")
 """A snapshot's id: also the E2B template a client creates sandboxes from it with."""

@@ -30,12 +30,11 @@ from requests.exceptions import RequestException
 from orchestrator.config import Settings
 from orchestrator.docker_client import connect
 from orchestrator.observability.logging import get_logger
-from orchestrator.sandbox import cgroups, daemon_share, kernel_log, labels
-from orchestrator.sandbox.agent import AGENT_LOADER, EXEC_AGENT_PATH, compiled_agent
+from orchestrator.sandbox import cgroups, daemon_share, labels
+from orchestrator.sandbox.agent import AGENT_CAPABILITIES, EXEC_AGENT_PATH, compiled_agent
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.agent.exec_agent import RUN_AS
 from orchestrator.sandbox.backend import (
-    BackendUnavailable,
     HostHealth,
     ProbeResult,
     ResetReport,
@@ -47,18 +46,14 @@ from orchestrator.sandbox.backend import (
     SandboxUsage,
     SnapshotTaken,
 )
+from orchestrator.sandbox.docker import containers, kernel_log, states
+from orchestrator.sandbox.docker.run_as import extract_run_as
+from orchestrator.sandbox.docker.snapshots import ARCHIVE, LAYER, HostSnapshots, elapsed_ms
+from orchestrator.sandbox.docker.workspace import Workspaces
 from orchestrator.sandbox.repos import HostRepos, RepoError
-from orchestrator.sandbox.run_as import extract_run_as
-from orchestrator.sandbox.snapshots import ARCHIVE, LAYER, HostSnapshots, elapsed_ms
-from orchestrator.sandbox.workspace import Workspaces
 
 log = get_logger(__name__)
 
-SOCKET_DIR_IN_SANDBOX = "/run/orchestrator"
-AGENT_IN_SANDBOX = "/opt/orchestrator/exec_agent.py"
-# The agent's bytecode, compiled on the host (sandbox/agent/__init__.compiled_agent).
-AGENT_CACHE_IN_SANDBOX = "/opt/orchestrator/__pycache__"
-SOCKET_NAME = "agent.sock"
 # In a sandbox's socket directory: its writable trees packed for a snapshot, or to unpack
 # from one; and the mark of a sandbox frozen for a snapshot (its state says paused, and
 # it is not: a call waits for it to thaw).
@@ -67,13 +62,6 @@ FREEZING = "freezing"
 PACK_TIMEOUT_S = 120.0
 USAGE_SAMPLE_S = 0.2
 """How long a sandbox's CPU use is measured over, for its usage now."""
-# Built into the base image (sandbox_images/base/gvisor-compat): makes coreutils work on
-# old gVisor releases.
-GVISOR_COMPAT_PRELOAD = "/opt/orchestrator/lib/statx_compat.so"
-SANDBOX_UID = 1000
-# The agent keeps just what it needs to become the unprivileged user and to kill that
-# user's process groups; it drops even these from its bounding set before running anything.
-AGENT_CAPABILITIES = ["SETUID", "SETGID", "SETPCAP", "KILL"]
 PING_TIMEOUT_S = 5.0
 # How long the agent's scrub (an in-place reset) may take to see the agent's user's last
 # process gone; one that outlives it (stuck in the kernel) fails the reset.
@@ -84,8 +72,6 @@ SANDBOX_ID_HEX = 12
 # What a call to the daemon raises when it fails: the SDK's own errors, and those of the
 # HTTP library under it when the daemon cannot be reached at all.
 DOCKER_FAILURES = (DockerException, RequestException)
-# Size of the tmpfs at the sandbox user's home.
-HOME_MB = 16
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_UNIX_SOCKET_PATH = 107
 
@@ -112,20 +98,20 @@ class DockerBackend(agent.AgentBackend):
         self.repos = HostRepos.of(settings)
         self.snapshots = HostSnapshots(settings.state_dir, settings.deployment)
         self._oci_runtimes: dict[str, str] = {}
-        # A fresh sandbox's manifest per spec (:func:`_spec_key`), taken at the first create
+        # A fresh sandbox's manifest per spec (:func:`spec_key`), taken at the first create
         # of that spec in this process: what a reset sandbox is audited against.
         self._fresh: dict[str, dict[str, Any]] = {}
         # The agent's source on this host, bind-mounted into every sandbox (a benchmark
         # points it at another version).
         self.agent_path = EXEC_AGENT_PATH
         self._daemon_cpu: daemon_share.DaemonShare | None = None
-        # The base image's run-as on this host (sandbox/run_as.py), looked up at the first
+        # The base image's run-as on this host (sandbox/docker/run_as.py), looked up at the first
         # create; None after that lookup: sandboxes have only their image's.
         self._run_as: list[Path | None] = []
 
     def _run_as_mounts(self) -> list[Mount]:
         """run-as from the base image, read-only at the path the agent trusts it at, so a
-        sandbox of an image built before it existed has it too (sandbox/run_as.py)."""
+        sandbox of an image built before it existed has it too (sandbox/docker/run_as.py)."""
         if not self._run_as:
             self._run_as.append(
                 extract_run_as(
@@ -155,7 +141,7 @@ class DockerBackend(agent.AgentBackend):
             try:
                 registered = self.client.info().get("Runtimes") or {}
             except DOCKER_FAILURES as exc:
-                raise _docker_fault("list runtimes", exc) from exc
+                raise states.docker_fault("list runtimes", exc) from exc
             self._oci_runtimes[runtime] = wanted if wanted in registered else "runc"
         return self._oci_runtimes[runtime]
 
@@ -202,21 +188,23 @@ class DockerBackend(agent.AgentBackend):
         except BaseException:
             self.destroy(handle)
             raise
-        if _spec_key(spec) not in self._fresh:
+        if states.spec_key(spec) not in self._fresh:
             try:
                 fresh = self.manifest(handle)
             except SandboxError as exc:
                 # Only a reset needs it: without it, a reset says it cannot compare.
                 bound.warning("sandbox.manifest_failed", error=str(exc))
             else:
-                if self.workspaces.host_mounted(sandbox_id) and not _overlay_at_workspace(fresh):
+                if self.workspaces.host_mounted(sandbox_id) and not states.overlay_at_workspace(
+                    fresh
+                ):
                     self.destroy(handle)
                     raise SandboxError(
                         "the host's mount of /workspace did not reach the sandbox: dockerd "
                         "runs in a mount namespace of its own; set "
                         "ORCH_DOCKER_WORKSPACE_MOUNT=docker"
                     )
-                self._fresh[_spec_key(spec)] = fresh
+                self._fresh[states.spec_key(spec)] = fresh
         bound.info(
             "sandbox.created",
             image=spec.image,
@@ -256,32 +244,20 @@ class DockerBackend(agent.AgentBackend):
             cap_add=AGENT_CAPABILITIES,
             security_opt=["no-new-privileges"],
             read_only=True,
-            tmpfs={
-                "/tmp": f"rw,nosuid,nodev,size={limits.tmp_mb}m,mode=1777",
-                "/home/agent": (
-                    f"rw,nosuid,nodev,size={HOME_MB}m,uid={SANDBOX_UID},gid={SANDBOX_UID}"
-                ),
-                # The environment's scratch directories: the sandbox user's, like its home;
-                # exec (Docker's default is noexec), as for /workspace: their scripts run.
-                **{
-                    d.path: (
-                        f"rw,exec,nosuid,nodev,size={d.size_mb}m,mode=0755,"
-                        f"uid={SANDBOX_UID},gid={SANDBOX_UID}"
-                    )
-                    for d in spec.scratch_dirs
-                },
-            },
+            tmpfs=containers.tmpfs(spec),
             mem_limit=memory,
             memswap_limit=memory,
             nano_cpus=int(limits.cpus * 1e9),
-            pids_limit=_host_pids_limit(spec),
+            pids_limit=containers.host_pids_limit(spec),
             init=True,
             runtime=self.oci_runtime(spec.runtime),
             mounts=[
-                Mount(SOCKET_DIR_IN_SANDBOX, str(socket_dir), type="bind"),
-                Mount(AGENT_IN_SANDBOX, str(self.agent_path), type="bind", read_only=True),
+                Mount(containers.SOCKET_DIR_IN_SANDBOX, str(socket_dir), type="bind"),
                 Mount(
-                    AGENT_CACHE_IN_SANDBOX,
+                    containers.AGENT_IN_SANDBOX, str(self.agent_path), type="bind", read_only=True
+                ),
+                Mount(
+                    containers.AGENT_CACHE_IN_SANDBOX,
                     str(compiled_agent(self.agent_path, self.settings.state_dir / "agent")),
                     type="bind",
                     read_only=True,
@@ -290,46 +266,8 @@ class DockerBackend(agent.AgentBackend):
                 workspace,
             ],
         )
-        command = [
-            "python3",
-            "-I",
-            "-S",
-            "-c",
-            AGENT_LOADER,
-            AGENT_IN_SANDBOX,
-            "--socket",
-            f"{SOCKET_DIR_IN_SANDBOX}/{SOCKET_NAME}",
-            "--uid",
-            str(SANDBOX_UID),
-            "--gid",
-            str(SANDBOX_UID),
-            # What the agent needs to say which limit a command hit, and its value.
-            "--limits",
-            json.dumps(
-                {
-                    "memory_mb": limits.memory_mb,
-                    "pids": limits.pids,
-                    "output_mb": spec.limits.output_mb_in(self.settings),
-                    "disk": {
-                        "/workspace": disk_mb,
-                        "/tmp": limits.tmp_mb,
-                        "/home/agent": HOME_MB,
-                        **{d.path: d.size_mb for d in spec.scratch_dirs},
-                    },
-                }
-            ),
-        ]
-        if spec.runtime == "runsc":
-            # See exec_agent.shell_wrapper: under gVisor a limit hit at the sandbox level
-            # kills the whole sandbox, so commands get per-process limits below it.
-            command += [
-                "--preload",
-                GVISOR_COMPAT_PRELOAD,
-                "--limit-as-mb",
-                str(limits.memory_mb * 3 // 4),
-                "--limit-nproc",
-                str(limits.pids),
-            ]
+        output_mb = spec.limits.output_mb_in(self.settings)
+        command = containers.agent_command(spec, disk_mb=disk_mb, output_mb=output_mb)
         try:
             container = api.create_container(
                 spec.image,
@@ -345,7 +283,7 @@ class DockerBackend(agent.AgentBackend):
         except ImageNotFound as exc:
             raise SandboxError(f"sandbox image {spec.image!r} not found on {self.host}") from exc
         except DOCKER_FAILURES as exc:
-            raise _docker_fault("create sandbox", exc) from exc
+            raise states.docker_fault("create sandbox", exc) from exc
         if host_mounted:
             # Only now: the container's bind of the mount point exists, and the overlay
             # propagates into it (mounted before, the bind would take the overlay itself,
@@ -394,7 +332,7 @@ class DockerBackend(agent.AgentBackend):
         except NotFound as exc:
             raise SandboxError(f"sandbox {handle.sandbox_id} is gone") from exc
         except DOCKER_FAILURES as exc:
-            raise _docker_fault("inspect the sandbox", exc) from exc
+            raise states.docker_fault("inspect the sandbox", exc) from exc
         hit = []
         if _cgroup_count(
             container_id, "memory", ("memory.oom_control", "memory.events"), "oom_kill"
@@ -417,7 +355,7 @@ class DockerBackend(agent.AgentBackend):
         except NotFound as exc:
             raise SandboxUnavailable(f"sandbox {handle.sandbox_id} is gone") from exc
         except DOCKER_FAILURES as exc:
-            raise _docker_fault("inspect the sandbox", exc) from exc
+            raise states.docker_fault("inspect the sandbox", exc) from exc
         container_id, config = info["Id"], info.get("HostConfig") or {}
         cpus = (config.get("NanoCpus") or 0) / 1e9 or float(os.cpu_count() or 1)
         before, started = cgroups.container_cpu_s(container_id), time.monotonic()
@@ -458,7 +396,7 @@ class DockerBackend(agent.AgentBackend):
         container is killed (every process, its init included), its upper layer made
         anew, and it starts again (new tmpfs mounts, /dev/shm and IPC namespace)."""
         started = time.perf_counter()
-        fresh = self._fresh.get(_spec_key(spec))
+        fresh = self._fresh.get(states.spec_key(spec))
         if spec.snapshot is not None:
             # Its writable trees were its snapshot's: a scrub would not give them back.
             return ResetReport(clean=False, differences=["made from a snapshot: never reset"])
@@ -477,7 +415,7 @@ class DockerBackend(agent.AgentBackend):
             way = ResetWay.RESTART
         after = self.manifest(handle)
         written = self.workspaces.upper_entries(handle.sandbox_id)
-        differences = _manifest_differences(fresh, after)
+        differences = states.manifest_differences(fresh, after)
         if written:
             differences.append(f"/workspace upper layer not empty: {written[:10]}")
         canonical = json.dumps({"manifest": after, "upper": written}, sort_keys=True)
@@ -548,18 +486,18 @@ class DockerBackend(agent.AgentBackend):
             raise SandboxError(f"sandbox {handle.sandbox_id} is gone") from exc
         except APIError as exc:
             if "is not running" not in str(exc):
-                raise _docker_fault("stop the sandbox for its reset", exc) from exc
+                raise states.docker_fault("stop the sandbox for its reset", exc) from exc
         except DOCKER_FAILURES as exc:
-            raise _docker_fault("stop the sandbox for its reset", exc) from exc
+            raise states.docker_fault("stop the sandbox for its reset", exc) from exc
         self.workspaces.remake(handle.sandbox_id, spec.limits.disk_mb_in(self.settings))
         self._socket_path(handle.sandbox_id).unlink(missing_ok=True)
         try:
             api.start(name)
         except DOCKER_FAILURES as exc:
-            raise _docker_fault("start the reset sandbox", exc) from exc
+            raise states.docker_fault("start the reset sandbox", exc) from exc
         self._wait_for_agent(handle)
 
-    # -- snapshots (sandbox/snapshots.py) --------------------------------------------------
+    # -- snapshots (sandbox/docker/snapshots.py) --------------------------------------------------
 
     def snapshot(self, handle: SandboxHandle, snapshot_id: str) -> SnapshotTaken:
         """The sandbox's writable trees packed by its agent, then its /workspace upper
@@ -580,7 +518,7 @@ class DockerBackend(agent.AgentBackend):
                 self.snapshots.copy_layer(layer, partial / LAYER)
             packed = self._call(
                 handle,
-                {"op": "pack", "to": f"{SOCKET_DIR_IN_SANDBOX}/{PACKED_NAME}"},
+                {"op": "pack", "to": f"{containers.SOCKET_DIR_IN_SANDBOX}/{PACKED_NAME}"},
                 PACK_TIMEOUT_S,
             )
             shutil.move(socket_dir / PACKED_NAME, partial / ARCHIVE)
@@ -597,7 +535,7 @@ class DockerBackend(agent.AgentBackend):
             except NotFound as exc:
                 raise SandboxUnavailable(f"sandbox {sandbox_id} is gone") from exc
             except DOCKER_FAILURES as exc:
-                raise _docker_fault("freeze the sandbox for its snapshot", exc) from exc
+                raise states.docker_fault("freeze the sandbox for its snapshot", exc) from exc
             finally:
                 mark.unlink(missing_ok=True)
             paused_ms = elapsed_ms(frozen)
@@ -636,7 +574,7 @@ class DockerBackend(agent.AgentBackend):
         try:
             done = self._call(
                 handle,
-                {"op": "unpack", "path": f"{SOCKET_DIR_IN_SANDBOX}/{PACKED_NAME}"},
+                {"op": "unpack", "path": f"{containers.SOCKET_DIR_IN_SANDBOX}/{PACKED_NAME}"},
                 PACK_TIMEOUT_S,
             )
         finally:
@@ -665,16 +603,16 @@ class DockerBackend(agent.AgentBackend):
         except APIError as exc:
             # A removal already in progress is as good as done.
             if "already in progress" not in str(exc):
-                raise _docker_fault("remove sandbox", exc) from exc
+                raise states.docker_fault("remove sandbox", exc) from exc
         except DOCKER_FAILURES as exc:
-            raise _docker_fault("remove sandbox", exc) from exc
+            raise states.docker_fault("remove sandbox", exc) from exc
         if not self.workspaces.host_mounted(sandbox_id):
             try:
                 self.client.api.remove_volume(name, force=True)
             except NotFound:
                 pass
             except DOCKER_FAILURES as exc:
-                raise _docker_fault("remove sandbox volume", exc) from exc
+                raise states.docker_fault("remove sandbox volume", exc) from exc
         shutil.rmtree(self._socket_dir(sandbox_id), ignore_errors=True)
         self.workspaces.remove(sandbox_id)
 
@@ -749,16 +687,16 @@ class DockerBackend(agent.AgentBackend):
             return probed
         info = self._inspect(handle)
         if self._state_of(handle, info) != "running":
-            return self._stopped_probe(handle, info, _state_name(info))
+            return self._stopped_probe(handle, info, states.state_name(info))
         # A sandbox being killed (its memory limit under gVisor) drops the agent's
         # connection a moment before Docker sees it exit: wait for that moment, so the
         # evidence is the exit and its cause rather than "running but not answering".
         info = self._settled(handle)
-        if _state_name(info) not in ("running", "paused"):
-            return self._stopped_probe(handle, info, _state_name(info))
+        if states.state_name(info) not in ("running", "paused"):
+            return self._stopped_probe(handle, info, states.state_name(info))
         return ProbeResult(
-            alive=_state_name(info) == "running",
-            state=_state_name(info),
+            alive=states.state_name(info) == "running",
+            state=states.state_name(info),
             agent_ok=False,
             detail=f"the exec agent is gone or silent: {self._state_evidence(handle)}",
         )
@@ -811,7 +749,7 @@ class DockerBackend(agent.AgentBackend):
         deadline = time.monotonic() + agent.PROBE_SETTLE_S
         while True:
             info = self._inspect(handle)
-            if _state_name(info) != "running" or time.monotonic() >= deadline:
+            if states.state_name(info) != "running" or time.monotonic() >= deadline:
                 return info
             time.sleep(0.1)
 
@@ -822,7 +760,7 @@ class DockerBackend(agent.AgentBackend):
         except NotFound:
             return None
         except DOCKER_FAILURES as exc:
-            raise _docker_fault("inspect sandbox", exc) from exc
+            raise states.docker_fault("inspect sandbox", exc) from exc
         return info
 
     def _container_state(self, handle: SandboxHandle) -> str:
@@ -831,7 +769,7 @@ class DockerBackend(agent.AgentBackend):
     def _state_of(self, handle: SandboxHandle, info: dict[str, Any] | None) -> str:
         """The container's state, a freeze for a snapshot (:meth:`snapshot`) not counted:
         it thaws in a moment."""
-        state = _state_name(info)
+        state = states.state_name(info)
         if state == "paused" and (self._socket_dir(handle.sandbox_id) / FREEZING).exists():
             return "running"
         return state
@@ -905,7 +843,7 @@ class DockerBackend(agent.AgentBackend):
                 all=True, filters={"label": labels.deployment_filter(self.settings.deployment)}
             )
         except DOCKER_FAILURES as exc:
-            raise _docker_fault("list sandboxes", exc) from exc
+            raise states.docker_fault("list sandboxes", exc) from exc
         return [self._handle_from_labels(c) for c in containers]
 
     def _handle_from_labels(self, container: dict[str, Any]) -> SandboxHandle:
@@ -938,7 +876,7 @@ class DockerBackend(agent.AgentBackend):
                 or []
             )
         except DOCKER_FAILURES as exc:
-            raise _docker_fault("list volumes", exc) from exc
+            raise states.docker_fault("list volumes", exc) from exc
         for volume in volumes:
             volume_labels = volume.get("Labels") or {}
             sandbox_id = volume_labels.get(labels.SANDBOX, "")
@@ -974,68 +912,12 @@ class DockerBackend(agent.AgentBackend):
         return self.sockets_dir / sandbox_id
 
     def _socket_path(self, sandbox_id: str) -> Path:
-        return self._socket_dir(sandbox_id) / SOCKET_NAME
-
-
-def _overlay_at_workspace(manifest: dict[str, Any]) -> bool:
-    """Whether the sandbox's own mount table (its manifest's) has an overlay at /workspace:
-    the host's mount propagated into it."""
-    return any(point == "/workspace" and kind == "overlay" for point, kind, _ in manifest["mounts"])
-
-
-def _state_name(info: dict[str, Any] | None) -> str:
-    """running, paused, exited, created, dead, ... or missing when there is no container."""
-    if info is None:
-        return "missing"
-    state = info.get("State", {})
-    if state.get("Paused"):
-        return "paused"
-    return str(state.get("Status", "unknown"))
+        return self._socket_dir(sandbox_id) / containers.SOCKET_NAME
 
 
 def _free_bytes(path: Path) -> int:
     st = os.statvfs(path)
     return st.f_bavail * st.f_frsize
-
-
-def _host_pids_limit(spec: SandboxSpec) -> int:
-    """The cgroup pids limit. Under gVisor it counts the sandbox kernel's own host threads,
-    which grow with the guest's processes; hitting it crashes the whole sandbox. So there
-    the guest's process count is limited inside (RLIMIT_NPROC, see the agent) and the
-    cgroup limit is only a generous backstop."""
-    if spec.runtime == "runsc":
-        return spec.limits.pids * 64 + 1024
-    return spec.limits.pids
-
-
-def _docker_fault(action: str, exc: Exception) -> SandboxError:
-    """Daemon unreachable vs. the daemon refusing: both infrastructure, told apart for
-    the evidence."""
-    text = str(exc)
-    if isinstance(exc, APIError):
-        return SandboxError(f"docker refused to {action}: {text}")
-    return BackendUnavailable(f"docker daemon unreachable while trying to {action}: {text}")
-
-
-def _spec_key(spec: SandboxSpec) -> str:
-    """What a fresh sandbox's manifest depends on: the spec but its owner and lifetime."""
-    return spec.model_dump_json(exclude={"rollout_id", "lifetime_s"})
-
-
-def _manifest_differences(fresh: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    """Each way ``after`` differs from ``fresh`` (exec_agent.sandbox_manifest), named."""
-    differences = []
-    for part in ("processes", "mounts", "ipc"):
-        if fresh.get(part) != after.get(part):
-            differences.append(f"{part}: fresh {fresh.get(part)!r}, now {after.get(part)!r}")
-    fresh_trees, trees = fresh.get("trees") or {}, after.get("trees") or {}
-    for point in sorted(set(fresh_trees) | set(trees)):
-        was = {json.dumps(e) for e in fresh_trees.get(point) or []}
-        now = {json.dumps(e) for e in trees.get(point) or []}
-        if was != now:
-            extra, missing = sorted(now - was)[:5], sorted(was - now)[:5]
-            differences.append(f"{point}: added or changed {extra}, missing {missing}")
-    return differences
 
 
 def _cgroup_count(container_id: str, controller: str, files: tuple[str, str], key: str) -> int:
