@@ -13,7 +13,7 @@ in turn, to a queue of a throwaway deployment that is deleted after:
   protocol-2 headers made once per task and process) and pushed by redis-py, as the API's
   publishes that are not part of a script are;
 - ``task_message``: building the message alone (what the Lua script of
-  state/records.begin_call pushes in the same step as the call's state change).
+  state/calls.ApiCalls.begin pushes in the same step as the call's state change).
 
 Reports this process's CPU (time.process_time) and wall time per publish, medians over the
 rounds. Writes bench/results/publish.json and .md. Why this matters: docs/architecture.md

@@ -1,4 +1,4 @@
-"""The run-ticket protocol (state/tickets.py, state/records.py) against a real Redis: a
+"""The run-ticket protocol (state/calls.py, state/records.py) against a real Redis: a
 call runs at most once, its result outlives its waiter, a call that never ran may be sent
 again under the same sequence number."""
 
@@ -14,11 +14,11 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from orchestrator.config import Settings
+from orchestrator.state.calls import DUPLICATE_DELIVERY, CallStartStatus, TicketState, WorkerCalls
 from orchestrator.state.connection import call_path_connection
 from orchestrator.state.forget import forget_deployment
 from orchestrator.state.keys import Keys
-from orchestrator.state.records import CallStartStatus, RolloutStore
-from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState, WorkerTickets
+from orchestrator.state.records import RolloutStore
 
 pytestmark = pytest.mark.anyio
 
@@ -45,31 +45,31 @@ async def store(keys: Keys) -> AsyncIterator[RolloutStore]:
 
 
 @pytest.fixture()
-def workers(keys: Keys) -> Iterator[WorkerTickets]:
+def workers(keys: Keys) -> Iterator[WorkerCalls]:
     connection = call_path_connection(Settings().redis_url, keys.client_name("worker"))
-    yield WorkerTickets(connection)
+    yield WorkerCalls(connection)
     connection.close()
 
 
 async def _begin(store: RolloutStore, call_id: str = "c1") -> tuple[str, int, str]:
-    start = await store.begin_call("r1", call_id, lock_ttl_s=30, reply_to=store.keys.reply("r1"))
+    start = await store.calls.begin("r1", call_id, lock_ttl_s=30, reply_to=store.keys.reply("r1"))
     return start.status, start.seq, start.token
 
 
 async def test_a_claimed_call_cannot_be_cancelled(
-    store: RolloutStore, workers: WorkerTickets, keys: Keys
+    store: RolloutStore, workers: WorkerCalls, keys: Keys
 ) -> None:
     status, seq, attempt = await _begin(store)
     assert (status, seq) == ("run", 1)
     key = keys.ticket("r1", "c1")
     assert workers.claim(key, attempt, "w1", time.time(), "d1") == "running"
-    assert await store.tickets.cancel("r1", "c1", attempt) == TicketState.RUNNING
-    ticket = await store.tickets.read("r1", "c1")
+    assert await store.calls.cancel("r1", "c1", attempt) == TicketState.RUNNING
+    ticket = await store.calls.read("r1", "c1")
     assert ticket.worker == "w1"
 
 
 async def test_a_message_delivered_twice_runs_once(
-    store: RolloutStore, workers: WorkerTickets, keys: Keys
+    store: RolloutStore, workers: WorkerCalls, keys: Keys
 ) -> None:
     """A second delivery of the same message, to this worker or another, is skipped; the
     first delivery's claim, sent again after a dropped connection, still finds itself."""
@@ -79,17 +79,17 @@ async def test_a_message_delivered_twice_runs_once(
     assert workers.claim(key, attempt, "w1", time.time(), "d2") == DUPLICATE_DELIVERY
     assert workers.claim(key, attempt, "w2", time.time(), "d3") == DUPLICATE_DELIVERY
     assert workers.claim(key, attempt, "w1", time.time(), "d1") == "running"
-    assert (await store.tickets.read("r1", "c1")).worker == "w1"
+    assert (await store.calls.read("r1", "c1")).worker == "w1"
 
 
 async def test_a_cancelled_call_is_never_claimed_and_keeps_its_seq(
-    store: RolloutStore, workers: WorkerTickets, keys: Keys
+    store: RolloutStore, workers: WorkerCalls, keys: Keys
 ) -> None:
     _, seq, attempt = await _begin(store)
     key = keys.ticket("r1", "c1")
-    assert await store.tickets.cancel("r1", "c1", attempt) == TicketState.CANCELLED
+    assert await store.calls.cancel("r1", "c1", attempt) == TicketState.CANCELLED
     assert workers.claim(key, attempt, "w1", time.time(), "d1") == "cancelled"
-    await store.end_call("r1", "c1", attempt, reply=None, step=None)
+    await store.calls.end("r1", "c1", attempt, reply=None, step=None)
     status, again, new_attempt = await _begin(store)
     assert (status, again) == ("run", seq), "the retry takes the place of the call never run"
     assert new_attempt != attempt
@@ -99,7 +99,7 @@ async def test_a_cancelled_call_is_never_claimed_and_keeps_its_seq(
 
 
 async def test_claim_and_cancel_race_has_exactly_one_winner(
-    store: RolloutStore, workers: WorkerTickets, keys: Keys
+    store: RolloutStore, workers: WorkerCalls, keys: Keys
 ) -> None:
     for i in range(30):
         call_id = f"race{i}"
@@ -112,13 +112,13 @@ async def test_claim_and_cancel_race_has_exactly_one_winner(
             )
         )
         worker.start()
-        cancelled = await store.tickets.cancel("r1", call_id, attempt)
+        cancelled = await store.calls.cancel("r1", call_id, attempt)
         worker.join()
         assert (claims[0] == "running") != (cancelled == TicketState.CANCELLED), (claims, cancelled)
 
 
 async def test_the_result_outlives_its_waiter_and_a_retry_settles_it_once(
-    store: RolloutStore, workers: WorkerTickets, keys: Keys
+    store: RolloutStore, workers: WorkerCalls, keys: Keys
 ) -> None:
     _, seq, attempt = await _begin(store)
     key = keys.ticket("r1", "c1")
@@ -129,13 +129,13 @@ async def test_the_result_outlives_its_waiter_and_a_retry_settles_it_once(
     # The result is on the ticket and in the reply list, from the same step.
     assert await store.redis.lrange(keys.reply("r1"), 0, -1) == [result]
     # The waiter died holding the lock: a retry sees the call busy and its ticket done.
-    retry = await store.begin_call("r1", "c1", lock_ttl_s=30, reply_to="other")
+    retry = await store.calls.begin("r1", "c1", lock_ttl_s=30, reply_to="other")
     assert (retry.status, retry.ticket) == ("busy", "done")
-    first = await store.end_call("r1", "c1", "", reply={"output": "a"}, step=None)
-    second = await store.end_call("r1", "c1", attempt, reply={"output": "b"}, step=None)
+    first = await store.calls.end("r1", "c1", "", reply={"output": "a"}, step=None)
+    second = await store.calls.end("r1", "c1", attempt, reply={"output": "b"}, step=None)
     assert first is None, "its own reply was stored: nothing comes back"
     assert second == {"output": "a"}, "the first stored reply wins"
-    assert await store.stored_reply("r1", "c1") == {"output": "a"}
+    assert await store.calls.stored_reply("r1", "c1") == {"output": "a"}
     record = await store.redis.hget(store.keys.rollout("r1"), "calls_in_flight")
     assert int(record or 0) == 0, "counted out of flight once"
     assert (await _begin(store))[0] == "stored"
@@ -143,26 +143,26 @@ async def test_the_result_outlives_its_waiter_and_a_retry_settles_it_once(
 
 
 async def test_a_result_after_the_call_was_declared_lost_is_evidence_only(
-    store: RolloutStore, workers: WorkerTickets, keys: Keys
+    store: RolloutStore, workers: WorkerCalls, keys: Keys
 ) -> None:
     _, _, attempt = await _begin(store)
     key = keys.ticket("r1", "c1")
     workers.claim(key, attempt, "w1", time.time(), "d1")
-    assert await store.tickets.mark_lost("r1", "c1", "w1") == TicketState.LOST
+    assert await store.calls.mark_lost("r1", "c1", "w1") == TicketState.LOST
     state, reply_to = workers.finish(key, "w1", json.dumps({"late": True}), time.time())
     assert (state, reply_to) == ("lost", "")
     assert await store.redis.llen(keys.reply("r1")) == 0, "nobody is told a late result"
-    ticket = await store.tickets.read("r1", "c1")
+    ticket = await store.calls.read("r1", "c1")
     assert ticket.result == ""
-    retry = await store.begin_call("r1", "c1", lock_ttl_s=30, reply_to="other")
+    retry = await store.calls.begin("r1", "c1", lock_ttl_s=30, reply_to="other")
     assert (retry.status, retry.ticket) == ("busy", "lost")
-    await store.end_call("r1", "c1", attempt, reply=None, step=None)
+    await store.calls.end("r1", "c1", attempt, reply=None, step=None)
     assert (await _begin(store))[0] == "lost"
 
 
 async def test_concurrent_first_attempts_run_one(store: RolloutStore) -> None:
     starts = await asyncio.gather(
-        *(store.begin_call("r1", "c1", lock_ttl_s=30, reply_to=f"l{i}") for i in range(10))
+        *(store.calls.begin("r1", "c1", lock_ttl_s=30, reply_to=f"l{i}") for i in range(10))
     )
     assert [s.status for s in starts].count(CallStartStatus.RUN) == 1
 
@@ -173,13 +173,13 @@ async def test_a_call_for_a_sandbox_the_rollout_no_longer_has_changes_nothing(
     """A rollout paused and resumed has another sandbox: a process that knew the old one
     hears MOVED, and nothing (lock, ticket, flight count) is taken."""
     await store.redis.hset(keys.rollout("r1"), "sandbox", json.dumps({"sandbox_id": "sbx-new"}))
-    moved = await store.begin_call(
+    moved = await store.calls.begin(
         "r1", "c1", lock_ttl_s=30, reply_to=keys.reply("r1"), sandbox_id="sbx-old"
     )
     assert moved.status == CallStartStatus.MOVED
     assert await store.redis.hget(keys.rollout("r1"), "calls_in_flight") is None
     assert not await store.redis.exists(keys.call_lock("r1", "c1"))
-    start = await store.begin_call(
+    start = await store.calls.begin(
         "r1", "c1", lock_ttl_s=30, reply_to=keys.reply("r1"), sandbox_id="sbx-new"
     )
     assert start.status == CallStartStatus.RUN and start.seq == 1

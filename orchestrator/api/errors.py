@@ -129,7 +129,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(StateError)
     async def _state_store(request: Request, exc: StateError) -> JSONResponse:
         # Redis restarting: nothing was recorded, so a retry is safe (a call that reached a
-        # worker keeps its result on its ticket, state/tickets.py).
+        # worker keeps its result on its ticket, state/calls.py).
         log.error(
             "api.state_store_unavailable",
             path=loggable_path(request.url.path),

@@ -39,9 +39,9 @@ from orchestrator.sandbox.backend import (
 )
 from orchestrator.sandbox.repos import RepoError
 from orchestrator.state import broker
+from orchestrator.state.calls import DUPLICATE_DELIVERY, TicketState
 from orchestrator.state.pool_sizing import POOL_LABEL, PoolTarget, same_spec, targets
 from orchestrator.state.streams import OutputSink
-from orchestrator.state.tickets import DUPLICATE_DELIVERY, TicketState
 from orchestrator.state.wire import (
     Accepted,
     CheckCommit,
@@ -189,7 +189,7 @@ def _set_up(spec: SandboxSpec) -> None:
 @handles(Tasks.RUN_TOOL)
 def run_tool(call: ToolCall) -> None:
     """Run one tool call, at most once: only after claiming its ticket, whose result then
-    outlives this process (state/tickets.py). The reply goes to the attempt the ticket
+    outlives this process (state/calls.py). The reply goes to the attempt the ticket
     names, which may be a retry of the one that sent this message."""
     started = time.time()
     with rollout_context(
@@ -202,7 +202,7 @@ def _run_tool(call: ToolCall, started: float) -> None:
     host = worker.current()
     # This delivery's own claim: a message the broker delivered twice must still run once.
     delivery = uuid.uuid4().hex
-    claimed = host.tickets.claim(call.ticket, call.attempt, host.instance, started, delivery)
+    claimed = host.calls.claim(call.ticket, call.attempt, host.instance, started, delivery)
     if claimed != TicketState.RUNNING:
         # A duplicate is the broker's doing and never expected: worth a look.
         level = log.warning if claimed == DUPLICATE_DELIVERY else log.info
@@ -215,7 +215,7 @@ def _run_tool(call: ToolCall, started: float) -> None:
             log.exception("tool.crashed", rollout_id=call.rollout_id, call_id=call.call_id)
             done = ToolCallDone(infra_error=f"the worker failed to run the call: {exc!r}")
     # The result goes onto the ticket and to the caller's reply list in one step.
-    state, _ = host.tickets.finish(call.ticket, host.instance, done.model_dump_json(), time.time())
+    state, _ = host.calls.finish(call.ticket, host.instance, done.model_dump_json(), time.time())
     if state != TicketState.DONE:
         log.warning("tool.result_too_late", rollout_id=call.rollout_id, ticket=state)
     # Nothing is returned: the result went to the caller with the ticket's finish, and

@@ -31,6 +31,7 @@ from orchestrator.sandbox.factory import HostBackend, make_backend
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.repos import HostRepos
 from orchestrator.state import admission, replies
+from orchestrator.state.calls import WorkerCalls
 from orchestrator.state.connection import SyncRedis, call_path_connection, worker_client
 from orchestrator.state.heartbeat import Heartbeat, HeartbeatWriter, HostFinding
 from orchestrator.state.keys import Keys
@@ -38,7 +39,6 @@ from orchestrator.state.pool_sizing import targets
 from orchestrator.state.pools import PoolFiller
 from orchestrator.state.records import pinned_environment
 from orchestrator.state.snapshots import kept_snapshots
-from orchestrator.state.tickets import WorkerTickets
 from orchestrator.state.wire import Request, ToolCall, ToolCallDone
 
 log = get_logger(__name__)
@@ -193,10 +193,11 @@ class Host:
         return worker_client(self.settings.redis_url, self.keys.client_name("worker"))
 
     @_Once
-    def tickets(self) -> WorkerTickets:
-        """The run tickets, on the call path's own lean connection (state/resp.py)."""
+    def calls(self) -> WorkerCalls:
+        """The calls' run tickets, claimed and finished on the call path's own lean
+        connection (state/resp.py)."""
         name = self.keys.client_name("worker")
-        return WorkerTickets(call_path_connection(self.settings.redis_url, name))
+        return WorkerCalls(call_path_connection(self.settings.redis_url, name))
 
     @_Once
     def creations(self) -> GroupedLane:
@@ -264,7 +265,7 @@ class Host:
                 cause=Cause.WORKER_STOPPED,
                 evidence={"host": call.handle.host},
             )
-            state, _ = self.tickets.finish(
+            state, _ = self.calls.finish(
                 call.ticket, self.instance, done.model_dump_json(), time.time()
             )
             aborted += 1

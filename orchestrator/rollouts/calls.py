@@ -42,10 +42,10 @@ from orchestrator.rollouts.errors import (
 from orchestrator.rollouts.lookup import unknown
 from orchestrator.rollouts.models import CallReply
 from orchestrator.rollouts.starts import Starter
+from orchestrator.state.calls import CallStartStatus, DispatchOutcome, TicketState
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
-from orchestrator.state.records import CallStartStatus, DispatchOutcome, Rollout, RolloutStore
+from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import WorkerClient
-from orchestrator.state.tickets import TicketState
 from orchestrator.state.wire import ToolCall, ToolCallDone
 from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
 from orchestrator.tools.shell import LIMIT_KINDS
@@ -129,7 +129,7 @@ class ToolCalls:
         # Only a client that drives its sandbox itself may run a client tool: never a model.
         clients = source in (RolloutSource.E2B, RolloutSource.SETUP)
         # Active with its sandbox when last seen here: no record to read. The start of the
-        # call checks that it still is, in the same step (RolloutStore.begin_call).
+        # call checks that it still is, in the same step (ApiCalls.begin).
         known = self._active.get(rollout_id)
         existing = None if known is not None else await self.store.get(rollout_id)
         if known is not None:
@@ -165,7 +165,7 @@ class ToolCalls:
         if known is None:
             if rollout.state != RolloutState.ACTIVE or rollout.infra_failure:
                 # A retry gets its stored reply even after the rollout ended or failed.
-                stored = await self.store.stored_reply(rollout_id, call_id)
+                stored = await self.store.calls.stored_reply(rollout_id, call_id)
                 if stored is not None:
                     return CallReply.model_validate(stored)
                 await self._refuse_ended(rollout)
@@ -226,7 +226,7 @@ class ToolCalls:
             # The call is sent by the step that starts it, where it may run now: one round
             # trip (tests/e2e/test_round_trips.py).
             payload = self._payload(call, attempt=uuid.uuid4().hex)
-            start = await self.store.begin_call(
+            start = await self.store.calls.begin(
                 rollout_id,
                 call_id,
                 lock_ttl_s=lock_ttl,
@@ -249,7 +249,7 @@ class ToolCalls:
             if start.status in (CallStartStatus.RUN, CallStartStatus.DONE):
                 break
             # Another attempt of this call is under way.
-            ticket = await self.store.tickets.read(rollout_id, call_id)
+            ticket = await self.store.calls.read(rollout_id, call_id)
             if ticket.state == TicketState.DONE:
                 finished = ToolCallDone.model_validate_json(ticket.result)
                 return await self._settle(call, ticket.seq, "", finished)
@@ -269,7 +269,7 @@ class ToolCalls:
         done: ToolCallDone | None = None
         try:
             if start.status == CallStartStatus.DONE:
-                ticket = await self.store.tickets.read(rollout_id, call_id)
+                ticket = await self.store.calls.read(rollout_id, call_id)
                 done = ToolCallDone.model_validate_json(ticket.result)
             elif start.dispatch == DispatchOutcome.OVER_BUDGET:
                 done = self._over_budget(call)
@@ -279,7 +279,7 @@ class ToolCalls:
             raise await self._lost(exc) from exc
         finally:
             if done is None:  # nothing to store: out of flight, lock released
-                await self.store.end_call(rollout_id, call_id, start.token, reply=None, step=None)
+                await self.store.calls.end(rollout_id, call_id, start.token, reply=None, step=None)
         return await self._settle(call, start.seq, start.token, done)
 
     def _over_budget(self, call: PendingCall) -> ToolCallDone:
@@ -383,7 +383,7 @@ class ToolCalls:
         return it; an infrastructure fault marks the rollout infra_failed instead."""
         rollout, rollout_id, call_id = call.rollout, call.rollout.rollout_id, call.call_id
         if done.result is None:
-            await self.store.end_call(rollout_id, call_id, token, reply=None, step=None)
+            await self.store.calls.end(rollout_id, call_id, token, reply=None, step=None)
             message = done.infra_error or "tool call failed"
             raise await self.closer.fail(rollout_id, done.cause, message, done.evidence)
         result = done.result
@@ -407,7 +407,7 @@ class ToolCalls:
             queue_ms=queue_ms,
             exec_ms=exec_ms,
         )
-        stored = await self.store.end_call(
+        stored = await self.store.calls.end(
             rollout_id, call_id, token, reply=reply.model_dump(mode="json"), step=step
         )
         metrics.TOOL_CALLS.labels(call.tool, result.outcome).inc()

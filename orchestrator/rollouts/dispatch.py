@@ -1,5 +1,5 @@
 """Sending one counted tool call to the worker host that holds the rollout's sandbox and
-waiting for its result: never run twice, never lost (the run ticket, tickets.py).
+waiting for its result: never run twice, never lost (the call machine and its run ticket, state/calls.py).
 
 While it waits, the dispatcher watches the call's ticket and the host's heartbeat, so a
 call's fate is known within about a second whatever happens to the worker:
@@ -21,10 +21,10 @@ from orchestrator.config import Settings
 from orchestrator.outcomes import Cause
 from orchestrator.rollouts.bounds import call_bound_s
 from orchestrator.rollouts.errors import CallLost, CallNotRun
+from orchestrator.state.calls import CallStart, Dispatch, DispatchOutcome, Ticket, TicketState
 from orchestrator.state.heartbeat import Heartbeat
-from orchestrator.state.records import CallStart, Dispatch, DispatchOutcome, RolloutStore
+from orchestrator.state.records import RolloutStore
 from orchestrator.state.replies import WorkerClient
-from orchestrator.state.tickets import Ticket, TicketState
 from orchestrator.state.wire import Tasks, ToolCall, ToolCallDone
 
 CHECK_S = 1.0
@@ -40,7 +40,7 @@ class CallDispatcher:
         self.queue = queue
 
     def prepare(self, call: ToolCall, budget: int | None) -> Dispatch:
-        """What :meth:`RolloutStore.begin_call` needs to send ``call`` in its own step."""
+        """What :meth:`ApiCalls.begin` needs to send ``call`` in its own step."""
         host = call.handle.host
         bound = call_bound_s(self.settings, call.command_timeout_max_s)
         message = self.queue.message(Tasks.RUN_TOOL, call, host=host, expires=bound)
@@ -70,7 +70,7 @@ class CallDispatcher:
             reply = await self.queue.wait_reply(reply_key, max(0.01, min(remaining, CHECK_S)))
             if reply is not None:
                 return ToolCallDone.model_validate(reply)
-            ticket = await self.store.tickets.read(call.rollout_id, call.call_id)
+            ticket = await self.store.calls.read(call.rollout_id, call.call_id)
             if ticket.state == TicketState.DONE:
                 return ToolCallDone.model_validate_json(ticket.result)
             if ticket.state == TicketState.QUEUED:
@@ -110,7 +110,7 @@ class CallDispatcher:
             beat = await self._heartbeat_within(host, HEARTBEAT_GRACE_BEATS)
         if beat is not None and beat.instance == ticket.worker:
             return
-        state = await self.store.tickets.mark_lost(rollout_id, call_id, ticket.worker)
+        state = await self.store.calls.mark_lost(rollout_id, call_id, ticket.worker)
         if state == TicketState.LOST:
             why = "stopped" if beat is None else "was replaced by a new worker instance"
             raise CallLost(
@@ -131,7 +131,7 @@ class CallDispatcher:
 
     async def _cancel(self, call: ToolCall, why: str, beat: Heartbeat | None) -> None:
         """Cancel the queued call; if a worker claimed it meanwhile, keep waiting."""
-        state = await self.store.tickets.cancel(call.rollout_id, call.call_id, call.attempt)
+        state = await self.store.calls.cancel(call.rollout_id, call.call_id, call.attempt)
         if state == TicketState.CANCELLED:
             raise CallNotRun(
                 f"the call was not run: {why}; it is safe to retry",

@@ -3,7 +3,7 @@
 Delivery, deliberately:
 
 - ``task_acks_late=False``: a message is acknowledged when its task starts. Whether a
-  tool call ran is not Celery's to decide: the call's run ticket (state/tickets.py) is
+  tool call ran is not Celery's to decide: the call's run ticket (state/calls.py) is
   claimed before it runs, so it runs at most once even if a message were delivered twice,
   and a worker that dies mid-call is noticed by its heartbeat and the ticket, not by a
   redelivery that would run the command again.
@@ -142,7 +142,7 @@ def task_message(
     envelope (the body base64, the delivery info naming the queue). Pushed by our own
     client, it costs one round trip on the event loop instead of a thread hop into kombu's
     producer, and a Lua script can push it in the same step as the state change it belongs
-    to (state/records.begin_call).
+    to (state/calls.ApiCalls.begin).
 
     The headers are ``app.amqp.as_task_v2``'s, made once per task and process
     (:func:`_headers`): per message only the id, the expiry and the arguments' summary

@@ -15,7 +15,7 @@ key                             type   holds
 ``rollout:<id>:traj``           list   its trajectory steps, in order
 ``rollout:<id>:call:<call>``    string the reply already given for ``call`` (idempotency)
 ``rollout:<id>:lock:call:<c>``  string the lease of the one request running ``call``
-``rollout:<id>:run:<call>``     hash   the call's run ticket (state/tickets.py)
+``rollout:<id>:run:<call>``     hash   the call's run ticket (state/calls.py)
 ``rollout:<id>:starting``       string the lease of the one request creating its sandbox
 ``rollout:<id>:grading``        string the lease of the one grade working in its sandbox
 ``rollout:<id>:e2b:pid``        string the E2B processes' pid counter

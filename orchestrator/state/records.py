@@ -14,7 +14,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from enum import StrEnum
 from typing import Any, cast
 
 import redis
@@ -28,10 +27,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.backend import CommitWorkspace, SandboxHandle
+from orchestrator.state.calls import ApiCalls
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
-from orchestrator.state.resp import AsyncConnection, BlockingPool, Script
-from orchestrator.state.tickets import TICKET_TTL_S, ApiTickets
+from orchestrator.state.resp import AsyncConnection, BlockingPool
 
 RECENT_FAILURES_MAX = 100
 """Entries kept in the list of recent infrastructure failures."""
@@ -195,88 +194,6 @@ return redis.call('HGETALL', KEYS[1])
 """
 
 
-# One round trip to start a call, and send it. KEYS: stored reply, call lock, seq counter,
-# record, live set, run ticket (see tickets.py), the host's heartbeat, the host's queue (the
-# last two '' when not sending). ARGV: attempt (also the lock token), lock ttl (ms), now,
-# rollout id, ticket ttl (s), reply list of this attempt, the task message ('': do not
-# send), the rollout's call budget ('': none), the id of the sandbox the caller knows
-# ('': none). Returns {status, value[, dispatch outcome [, heartbeat]]} (CallStart).
-# Nothing changes for a rollout that is not active, or not on that sandbox.
-_BEGIN_CALL = Script("""
-local stored = redis.call('GET', KEYS[1])
-if stored then return {'stored', stored} end
-local record = redis.call('HMGET', KEYS[4], 'state', 'infra_failure', 'ended_by')
-if record[1] ~= 'active' or (record[2] or 'null') ~= 'null' or (record[3] or 'null') ~= 'null' then
-  return {'ended', record[1] or ''}
-end
-local sandbox = ARGV[9] ~= '' and redis.call('HGET', KEYS[4], 'sandbox') or ''
-if ARGV[9] ~= '' and not string.find(sandbox, ARGV[9], 1, true) then return {'moved', ''} end
-local st = redis.call('HGET', KEYS[6], 'state')
-if redis.call('GET', KEYS[2]) == ARGV[1] and redis.call('HGET', KEYS[6], 'attempt') == ARGV[1] then
-  -- This very attempt, run twice (the connection dropped): whether it was sent is unknown.
-  return {'run', redis.call('HGET', KEYS[6], 'seq'), ARGV[7] == '' and '' or 'retried'}
-end
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {'busy', st or ''} end
-if st == 'running' or st == 'lost' then
-  redis.call('DEL', KEYS[2])
-  return {st, ''}
-end
-local seq
-if st == 'done' then
-  seq = redis.call('HGET', KEYS[6], 'seq')
-  return {'done', seq}
-elseif st == 'queued' or st == 'cancelled' then
-  -- The same call, never run (a queued one is superseded: its message will be skipped).
-  seq = redis.call('HGET', KEYS[6], 'seq')
-else
-  seq = tostring(redis.call('INCR', KEYS[3]))
-end
-redis.call('HSET', KEYS[6], 'state', 'queued', 'seq', seq, 'attempt', ARGV[1],
-  'reply_to', ARGV[6], 'queued_at', ARGV[3])
-redis.call('HDEL', KEYS[6], 'worker', 'claim', 'result')
-redis.call('EXPIRE', KEYS[6], ARGV[5])
-if redis.call('HGET', KEYS[6], 'open') ~= '1' then
-  redis.call('HSET', KEYS[6], 'open', '1')
-  redis.call('HINCRBY', KEYS[4], 'calls_in_flight', 1)
-end
-redis.call('HSET', KEYS[4], 'last_activity', ARGV[3])
-redis.call('ZADD', KEYS[5], 'XX', ARGV[3], ARGV[4])
-if ARGV[7] == '' then return {'run', seq, ''} end
-if ARGV[8] ~= '' and tonumber(seq) > tonumber(ARGV[8]) then return {'run', seq, 'over_budget'} end
-local beat = redis.call('GET', KEYS[7])
-if not beat or cjson.decode(beat)['draining'] then return {'run', seq, 'no_worker', beat or ''} end
-redis.call('LPUSH', KEYS[8], ARGV[7])
-return {'run', seq, 'sent'}
-""")
-
-# One round trip to end it; safe to run twice (a retry may finish a call whose first
-# waiter died). KEYS: as above, plus the trajectory. ARGV: lock token, now, rollout id,
-# reply ttl (s), reply JSON ('' when none), step JSON ('' when none). Returns the reply
-# another attempt stored first (the first stored wins), or '' when the reply given is the
-# one stored, or when none was given and none is stored: a reply is sent back only when
-# it is not the caller's own.
-_END_CALL = Script("""
-local mine = false
-if ARGV[5] ~= '' then
-  if redis.call('SET', KEYS[1], ARGV[5], 'EX', ARGV[4], 'NX') then
-    mine = true
-    if ARGV[6] ~= '' then redis.call('RPUSH', KEYS[7], ARGV[6]) end
-  end
-end
-if redis.call('HGET', KEYS[6], 'open') == '1' then
-  redis.call('HSET', KEYS[6], 'open', '0')
-  redis.call('HINCRBY', KEYS[4], 'calls_in_flight', -1)
-end
-redis.call('HSET', KEYS[4], 'last_activity', ARGV[2])
-redis.call('ZADD', KEYS[5], 'XX', ARGV[2], ARGV[3])
-if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
-if mine then return '' end
-return redis.call('GET', KEYS[1]) or ''
-""")
-
-REPLY_TTL_S = 7 * 86400
-
-
 def _failure_entry(rollout: Rollout, failure: dict[str, Any]) -> InfraFailureEntry:
     evidence = json.dumps(failure.get("evidence") or {}, separators=(",", ":"), default=str)
     return InfraFailureEntry(
@@ -327,65 +244,6 @@ class ListingCursor(BaseModel):
         return cls(created_at=float(created_at), rollout_id=rollout_id)
 
 
-class CallStartStatus(StrEnum):
-    """What :meth:`RolloutStore.begin_call` found."""
-
-    STORED = "stored"
-    """The call's reply, stored already: return it."""
-    RUN = "run"
-    """Go ahead, as attempt ``token`` with sequence number ``seq``."""
-    DONE = "done"
-    """It ran, its result is on the ticket: finish it (as ``token``)."""
-    BUSY = "busy"
-    """Another attempt of it holds its lock; ``ticket`` says how far it is."""
-    RUNNING = "running"
-    """Another attempt's worker runs it now."""
-    LOST = "lost"
-    """Its worker died while running it."""
-    MOVED = "moved"
-    """The rollout has another sandbox than the caller's (it was paused and resumed):
-    nothing changed; read the record again."""
-    ENDED = "ended"
-    """The rollout is not active (ended, failed, or gone): nothing was changed."""
-
-
-class Dispatch(BaseModel):
-    """Send the call in the same step as its start, where it may run now (the rollout is
-    active, the call is within its budget, the host's worker beats and is not draining)."""
-
-    heartbeat_key: str
-    queue: str
-    message: str = Field(description="The task message (state/broker.task_message).")
-    budget: int | None = Field(None, description="Calls the rollout may make; None: no cap.")
-
-
-class DispatchOutcome(StrEnum):
-    """What happened to the :class:`Dispatch` of a call that may run."""
-
-    NOT_ASKED = ""
-    SENT = "sent"
-    OVER_BUDGET = "over_budget"
-    """Not sent: the call's sequence number is past the rollout's budget."""
-    NO_WORKER = "no_worker"
-    """Not sent: the host has no live worker, or it is draining (``heartbeat``: its last)."""
-    RETRIED = "retried"
-    """The step ran twice (a dropped connection, retried): whether the first sent it is
-    unknown, so the caller waits as for a sent call, whose checks of the ticket and the
-    heartbeat settle it within a second."""
-
-
-class CallStart(BaseModel):
-    """What :meth:`RolloutStore.begin_call` found, and did."""
-
-    status: CallStartStatus
-    stored: dict[str, Any] | None = None
-    seq: int = 0
-    token: str = ""
-    ticket: str = Field("", description="busy: the state of the ticket; ended: the record's.")
-    dispatch: DispatchOutcome = DispatchOutcome.NOT_ASKED
-    heartbeat: str = Field("", description="no_worker: the host's heartbeat JSON, if any.")
-
-
 class RolloutStore:
     """Async access to rollout state. One instance per process."""
 
@@ -403,10 +261,10 @@ class RolloutStore:
         )
         # The call path's own connections (state/resp.py): its two scripts pipelined on
         # one, the waits for replies on others.
-        self.calls = AsyncConnection(redis_url, keys.client_name(role))
+        self._call_path = AsyncConnection(redis_url, keys.client_name(role))
         self.waits = BlockingPool(redis_url, keys.client_name(role))
         self.keys = keys
-        self.tickets = ApiTickets(self.redis, keys)
+        self.calls = ApiCalls(self.redis, self._call_path, keys)
         self._create_script = self.redis.register_script(_CREATE)
         self._update_script = self.redis.register_script(_UPDATE)
         self._slot_script = self.redis.register_script(_TAKE_SLOT)
@@ -417,7 +275,7 @@ class RolloutStore:
         return cls(settings.redis_url, Keys.of(settings.deployment), role=role)
 
     async def close(self) -> None:
-        await self.calls.close()
+        await self._call_path.close()
         await self.waits.close()
         await self.redis.aclose()
 
@@ -619,91 +477,6 @@ class RolloutStore:
                 yield found
             if cursor == 0:
                 return
-
-    def _call_keys(self, rollout_id: str, call_id: str) -> list[str]:
-        return [
-            self.keys.call_reply(rollout_id, call_id),
-            self.keys.call_lock(rollout_id, call_id),
-            self.keys.seq(rollout_id),
-            self.keys.rollout(rollout_id),
-            self.keys.live,
-            self.keys.ticket(rollout_id, call_id),
-            self.keys.trajectory(rollout_id),
-        ]
-
-    async def begin_call(
-        self,
-        rollout_id: str,
-        call_id: str,
-        *,
-        lock_ttl_s: float,
-        reply_to: str,
-        token: str | None = None,
-        dispatch: Dispatch | None = None,
-        sandbox_id: str = "",
-    ) -> CallStart:
-        """In one step: the stored reply of ``call_id`` if there is one; else, if the
-        rollout is active, the call's lock, a queued ticket for attempt ``token`` (a new
-        sequence number, or the old one for a call that never ran), the call counted in
-        flight and the rollout's activity; and, given ``dispatch``, the call sent to its
-        host's queue (see :class:`Dispatch`). ``sandbox_id``: the sandbox the caller would
-        send it to; another one in the record is :attr:`CallStartStatus.MOVED`. One round
-        trip on the call path."""
-        token = token or uuid.uuid4().hex
-        keys = self._call_keys(rollout_id, call_id)[:6]
-        args: list[Any] = [
-            token, int(lock_ttl_s * 1000), time.time(), rollout_id, TICKET_TTL_S, reply_to,
-        ]  # fmt: skip
-        if dispatch is None:
-            args += ["", ""]
-            keys += ["", ""]
-        else:
-            budget = "" if dispatch.budget is None else dispatch.budget
-            args += [dispatch.message, budget]
-            keys += [dispatch.heartbeat_key, dispatch.queue]
-        args.append(sandbox_id)
-        status, value, *rest = await _BEGIN_CALL.run(self.calls, keys, args)
-        found = CallStartStatus(status)
-        if found == CallStartStatus.STORED:
-            return CallStart(status=found, stored=json.loads(value))
-        if found in (CallStartStatus.RUN, CallStartStatus.DONE):
-            outcome = DispatchOutcome(rest[0] if rest and dispatch is not None else "")
-            beat = str(rest[1]) if len(rest) > 1 else ""
-            return CallStart(
-                status=found, seq=int(value), token=token, dispatch=outcome, heartbeat=beat
-            )
-        return CallStart(status=found, ticket=value)
-
-    async def end_call(
-        self,
-        rollout_id: str,
-        call_id: str,
-        token: str,
-        *,
-        reply: dict[str, Any] | None,
-        step: TrajectoryStep | None,
-    ) -> dict[str, Any] | None:
-        """In one step: store the reply and the trajectory step (when the call produced
-        them and no reply is stored yet), take the call out of flight, release its lock.
-        Returns the reply another attempt of the call stored first, which wins over
-        ``reply``; None when ``reply`` is the one stored (or none was given or stored)."""
-        stored = await _END_CALL.run(
-            self.calls,
-            self._call_keys(rollout_id, call_id),
-            [
-                token,
-                time.time(),
-                rollout_id,
-                REPLY_TTL_S,
-                json.dumps(reply) if reply is not None else "",
-                step.model_dump_json() if step is not None else "",
-            ],
-        )
-        return json.loads(stored) if stored else None
-
-    async def stored_reply(self, rollout_id: str, call_id: str) -> dict[str, Any] | None:
-        raw = await self.redis.get(self.keys.call_reply(rollout_id, call_id))
-        return json.loads(raw) if raw else None
 
     async def take_start_lease(self, rollout_id: str, ttl_s: float) -> bool:
         """The lease of the one request that acquires the rollout's sandbox (its parallel

@@ -26,11 +26,11 @@ from pydantic import BaseModel
 
 from orchestrator.config import Settings
 from orchestrator.state.broker import task_message
+from orchestrator.state.calls import REPLY_LIST_TTL_S
 from orchestrator.state.errors import StateError
 from orchestrator.state.heartbeat import Heartbeats
 from orchestrator.state.keys import Keys, queue_depth_keys
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.tickets import REPLY_LIST_TTL_S
 from orchestrator.state.wire import ReplyT, Request, RequestT, Task
 
 HEARTBEAT_CHECK_S = 1.0
@@ -127,7 +127,7 @@ class WorkerClient:
         expires: float | None,
     ) -> str:
         """The message :meth:`send` would push, for a script that pushes it itself
-        (state/records.begin_call)."""
+        (state/calls.ApiCalls.begin)."""
         return task_message(
             self.app,
             task.name,

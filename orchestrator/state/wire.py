@@ -56,7 +56,7 @@ class Request(BaseModel):
         None,
         description="The Redis list the worker pushes its reply to (state/replies.py), set "
         "by WorkerClient.call; None: nobody waits (a tool call's reply goes with its "
-        "ticket, state/tickets.py).",
+        "ticket, state/calls.py).",
     )
 
 
@@ -161,7 +161,7 @@ class ToolCall(Request):
         None, description="The rollout's trace id for logs (Agent RFT's; None: the rollout id)."
     )
     call_id: str
-    ticket: str = Field(description="The call's run ticket key (state/tickets.py).")
+    ticket: str = Field(description="The call's run ticket key (state/calls.py).")
     attempt: str = Field(description="The attempt the ticket must name for this to run.")
     environment: str
     environment_digest: str = Field(

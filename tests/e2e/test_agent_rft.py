@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from orchestrator.state.broker import celery_app, task_message
+from orchestrator.state.calls import TicketState
 from orchestrator.state.keys import Keys
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.tickets import TicketState
 from orchestrator.state.wire import TaskName, ToolCall
 from tests.e2e.helpers import (
     REPLY_KEYS,
@@ -361,7 +361,7 @@ def test_retried_call_returns_stored_output_without_rerunning(
 def test_a_message_delivered_twice_runs_once(stack: Stack, planning_item: dict[str, Any]) -> None:
     """A broker that delivers a call's task message twice (kombu promises no exactly-once)
     still runs the call once: the second delivery, pushed to the real worker while the first
-    runs, finds the call claimed by another delivery and is skipped (state/tickets.py)."""
+    runs, finds the call claimed by another delivery and is skipped (state/calls.py)."""
     trace = new_trace()
     runs = {"command": "echo x >> /tmp/runs; sleep 4; wc -l < /tmp/runs"}
     slow = function_call(trace, planning_item, "shell", runs)
@@ -372,11 +372,11 @@ def test_a_message_delivered_twice_runs_once(stack: Stack, planning_item: dict[s
         store = RolloutStore.connect(settings, role="test")
         try:
             deadline = time.monotonic() + 30
-            ticket = await store.tickets.read(trace, slow["call_id"])
+            ticket = await store.calls.read(trace, slow["call_id"])
             while ticket.state != TicketState.RUNNING:
                 assert time.monotonic() < deadline, f"the call never ran: {ticket}"
                 await asyncio.sleep(0.02)
-                ticket = await store.tickets.read(trace, slow["call_id"])
+                ticket = await store.calls.read(trace, slow["call_id"])
             rollout = await store.get(trace)
             assert rollout is not None and rollout.sandbox is not None
             assert rollout.environment_digest is not None
@@ -401,7 +401,7 @@ def test_a_message_delivered_twice_runs_once(stack: Stack, planning_item: dict[s
             while message in await store.redis.lrange(queue, 0, -1):
                 assert time.monotonic() < deadline, "the worker never took the second delivery"
                 await asyncio.sleep(0.02)
-            taken = await store.tickets.read(trace, slow["call_id"])
+            taken = await store.calls.read(trace, slow["call_id"])
             # Taken while the first delivery still ran: the case a claim must tell apart.
             assert taken.state == TicketState.RUNNING, taken
         finally:
