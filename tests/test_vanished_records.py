@@ -15,7 +15,7 @@ import pytest
 from orchestrator.config import Settings
 from orchestrator.environments.loader import load_environments
 from orchestrator.outcomes import Cause
-from orchestrator.rollouts.errors import InfraError, Rejected, RolloutVanished
+from orchestrator.rollouts.errors import InfraError, Rejected, RejectedKind, RolloutVanished
 from orchestrator.rollouts.lookup import known, present
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.state.broker import celery_app
@@ -61,10 +61,10 @@ def _record(rollout_id: str, state: RolloutState) -> Rollout:
 async def test_an_id_nobody_created_is_a_404(service: RolloutService) -> None:
     with pytest.raises(Rejected) as found:
         await known(service.store, "never-made")
-    assert (found.value.status, found.value.code) == (404, "unknown_rollout")
+    assert (found.value.kind, found.value.code) == (RejectedKind.NOT_FOUND, "unknown_rollout")
     with pytest.raises(Rejected) as closed:
         await service.close("never-made", "deleted")
-    assert (closed.value.status, closed.value.code) == (404, "unknown_rollout")
+    assert (closed.value.kind, closed.value.code) == (RejectedKind.NOT_FOUND, "unknown_rollout")
 
 
 async def test_a_record_that_vanishes_while_its_sandbox_is_made_is_a_503(

@@ -15,7 +15,7 @@ from orchestrator.e2b.control import E2BError
 from orchestrator.e2b.control import error_response as e2b_error_response
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Outcome
-from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected
+from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected, RejectedKind
 from orchestrator.state.admission import AtCapacity
 from orchestrator.state.errors import StateError
 
@@ -69,6 +69,14 @@ CONNECT_CODES = {
 """HTTP statuses as Connect codes, for errors answered before an E2B sandbox route runs."""
 
 
+REJECTED_STATUS = {
+    RejectedKind.NOT_FOUND: 404,
+    RejectedKind.CONFLICT: 409,
+    RejectedKind.INVALID: 422,
+}
+"""A refused request's HTTP status, by why it was refused."""
+
+
 def _condense(errors: list[Any]) -> str:
     parts = []
     for error in errors[:8]:
@@ -94,7 +102,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Rejected)
     async def _rejected(_: Request, exc: Rejected) -> JSONResponse:
-        return error_response(exc.status, Outcome.REJECTED, exc.code, exc.message)
+        return error_response(REJECTED_STATUS[exc.kind], Outcome.REJECTED, exc.code, exc.message)
 
     @app.exception_handler(InfraError)
     async def _infra(request: Request, exc: InfraError) -> JSONResponse:

@@ -26,7 +26,7 @@ from orchestrator.e2b.models import (
     wire_json,
 )
 from orchestrator.e2b.sandboxes import BadRequest, E2BSandboxes, SandboxGone
-from orchestrator.rollouts.errors import InfraError, Rejected
+from orchestrator.rollouts.errors import InfraError, Rejected, RejectedKind
 from orchestrator.state.admission import AtCapacity
 
 
@@ -64,6 +64,14 @@ router = APIRouter(include_in_schema=False, dependencies=[Depends(require_api_ke
 Sandboxes = Annotated[E2BSandboxes, Depends(sandboxes)]
 
 
+E2B_REJECTED_STATUS = {
+    RejectedKind.NOT_FOUND: 404,
+    RejectedKind.CONFLICT: 409,
+    RejectedKind.INVALID: 400,  # the SDK's generated client knows no 422
+}
+"""A refused request's status as the E2B SDK reads it."""
+
+
 def _translate(exc: Exception, sandbox_id: str | None = None) -> E2BError:
     """What the SDK should hear for the service's errors."""
     if isinstance(exc, SandboxGone):
@@ -71,7 +79,7 @@ def _translate(exc: Exception, sandbox_id: str | None = None) -> E2BError:
     if isinstance(exc, BadRequest):
         return E2BError(400, str(exc))
     if isinstance(exc, Rejected):
-        return E2BError(exc.status if exc.status in (400, 404, 409) else 400, exc.message)
+        return E2BError(E2B_REJECTED_STATUS[exc.kind], exc.message)
     if isinstance(exc, AtCapacity):
         return E2BError(429, exc.message, {"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, InfraError):

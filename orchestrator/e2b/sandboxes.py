@@ -32,7 +32,7 @@ from orchestrator.e2b.models import (
 )
 from orchestrator.environments.loader import ResolvedEnvironment
 from orchestrator.outcomes import Cause
-from orchestrator.rollouts.errors import InfraError, Rejected
+from orchestrator.rollouts.errors import InfraError, Rejected, RejectedKind
 from orchestrator.rollouts.lookup import present
 from orchestrator.rollouts.models import CallReply
 from orchestrator.rollouts.service import RolloutService
@@ -278,7 +278,9 @@ class E2BSandboxes:
             if rollout.state == RolloutState.PAUSED:
                 return False
             if rollout.state != RolloutState.ACTIVE or rollout.sandbox is None:
-                raise Rejected(409, f"{sandbox_id} is still being made", code="not_running")
+                raise Rejected(
+                    RejectedKind.CONFLICT, f"{sandbox_id} is still being made", code="not_running"
+                )
             left = max(1.0, state.end_at - time.time())
             fields = {"e2b": state.model_copy(update={"left_s": left}).model_dump(mode="json")}
             await self.service.snapshots.pause(

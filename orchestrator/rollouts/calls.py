@@ -38,6 +38,7 @@ from orchestrator.rollouts.errors import (
     CallPending,
     InfraError,
     Rejected,
+    RejectedKind,
 )
 from orchestrator.rollouts.lookup import unknown
 from orchestrator.rollouts.models import CallReply
@@ -323,7 +324,9 @@ class ToolCalls:
         if rollout is None:
             return unknown(rollout_id)
         await self._refuse_ended(rollout)
-        return Rejected(409, f"rollout {rollout_id} is {rollout.state}", code="ended")
+        return Rejected(
+            RejectedKind.CONFLICT, f"rollout {rollout_id} is {rollout.state}", code="ended"
+        )
 
     async def _lost(self, exc: CallLost) -> CallLost:
         await self.closer.mark_infra_failed(exc.rollout_id, exc.cause, exc.message, exc.evidence)
@@ -374,7 +377,11 @@ class ToolCalls:
         when the trainer itself ended it (graded, or closed through the rollout API)."""
         await self.closer.refuse_failed(rollout, "rollout failed earlier")
         if rollout.state in (RolloutState.GRADED, RolloutState.CLOSED):
-            raise Rejected(409, f"rollout {rollout.rollout_id} is {rollout.state}", code="ended")
+            raise Rejected(
+                RejectedKind.CONFLICT,
+                f"rollout {rollout.rollout_id} is {rollout.state}",
+                code="ended",
+            )
 
     async def _settle(
         self, call: PendingCall, seq: int, token: str, done: ToolCallDone

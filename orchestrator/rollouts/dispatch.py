@@ -1,5 +1,6 @@
 """Sending one counted tool call to the worker host that holds the rollout's sandbox and
-waiting for its result: never run twice, never lost (the call machine and its run ticket, state/calls.py).
+waiting for its result: never run twice, never lost (the call machine and its run ticket,
+state/calls.py).
 
 While it waits, the dispatcher watches the call's ticket and the host's heartbeat, so a
 call's fate is known within about a second whatever happens to the worker:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 from orchestrator.outcomes import Cause
@@ -30,13 +31,26 @@ class InfraError(Exception):
         self.code = code
 
 
+class RejectedKind(StrEnum):
+    """Why a request is refused: each interface says it its own way (the HTTP API in
+    api/errors.py, the E2B API in e2b/control.py)."""
+
+    NOT_FOUND = "not_found"
+    """What it names does not exist (a rollout, a snapshot)."""
+    CONFLICT = "conflict"
+    """It exists, and its state does not allow this now (not running yet, already made)."""
+    INVALID = "invalid"
+    """What it asks for cannot be (an unknown environment or codebase, a row that cannot
+    be graded, a set-up step that failed)."""
+
+
 class Rejected(Exception):
     """The request itself is wrong (unknown rollout, environment or codebase, bad state).
     Changes no state."""
 
-    def __init__(self, status: int, message: str, *, code: str) -> None:
+    def __init__(self, kind: RejectedKind, message: str, *, code: str) -> None:
         super().__init__(message)
-        self.status = status
+        self.kind = kind
         self.message = message
         self.code = code
 

@@ -46,6 +46,7 @@ from orchestrator.rollouts.errors import (
     GraderFailed,
     InfraError,
     Rejected,
+    RejectedKind,
     RolloutVanished,
 )
 from orchestrator.rollouts.lookup import present, unknown
@@ -282,7 +283,9 @@ class Grading:
             graded = await asyncio.get_running_loop().run_in_executor(self.threads, call)
         except ItemError as exc:
             raise Rejected(
-                422, f"the dataset row cannot be graded: {exc}", code="invalid_item"
+                RejectedKind.INVALID,
+                f"the dataset row cannot be graded: {exc}",
+                code="invalid_item",
             ) from exc
         except SandboxUnusable as exc:
             # The sandbox died, or our machinery around it failed, while the grader used

@@ -9,13 +9,13 @@ success.
 
 from __future__ import annotations
 
-from orchestrator.rollouts.errors import Rejected, RolloutVanished
+from orchestrator.rollouts.errors import Rejected, RejectedKind, RolloutVanished
 from orchestrator.state.records import Rollout, RolloutStore
 
 
 def unknown(rollout_id: str) -> Rejected:
     """The 404 for an id no rollout has."""
-    return Rejected(404, f"unknown rollout {rollout_id}", code="unknown_rollout")
+    return Rejected(RejectedKind.NOT_FOUND, f"unknown rollout {rollout_id}", code="unknown_rollout")
 
 
 async def known(store: RolloutStore, rollout_id: str) -> Rollout:

@@ -22,7 +22,7 @@ from orchestrator.observability import metrics
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Cause, Outcome
 from orchestrator.rollouts.bounds import Deadline
-from orchestrator.rollouts.errors import InfraError, Rejected
+from orchestrator.rollouts.errors import InfraError, Rejected, RejectedKind
 from orchestrator.rollouts.lookup import present
 from orchestrator.rollouts.models import CallReply, rollout_group
 from orchestrator.rollouts.starts import Starter
@@ -95,7 +95,9 @@ class Snapshots:
         handle = rollout.sandbox
         if handle is None or rollout.state not in (RolloutState.ACTIVE, RolloutState.PAUSED):
             raise Rejected(
-                409, f"{rollout.rollout_id} has no running sandbox to snapshot", code="not_running"
+                RejectedKind.CONFLICT,
+                f"{rollout.rollout_id} has no running sandbox to snapshot",
+                code="not_running",
             )
         snapshot_id = new_snapshot_id()
         try:
@@ -108,7 +110,7 @@ class Snapshots:
         except QueueTimeout as exc:
             made = SnapshotMade(error=f"no worker answered: {exc}")
         if made.refused is not None:
-            raise Rejected(409, made.refused, code="snapshot_refused")
+            raise Rejected(RejectedKind.CONFLICT, made.refused, code="snapshot_refused")
         if made.taken is None:
             raise InfraError(
                 f"could not snapshot {rollout.rollout_id}: {made.error or 'unknown'}",
@@ -179,7 +181,7 @@ class Snapshots:
             return None
         if self.settings.sandbox_backend != "docker":
             raise Rejected(
-                422,
+                RejectedKind.INVALID,
                 f"environment {resolved.environment.name!r} has a setup step, which needs "
                 "snapshots: the Docker backend (docs/snapshots.md)",
                 code="invalid_item",
@@ -206,7 +208,7 @@ class Snapshots:
             if raw is not None:
                 found = GroupSetup.model_validate_json(raw)
                 if found.error is not None:
-                    raise Rejected(422, found.error, code="setup_failed")
+                    raise Rejected(RejectedKind.INVALID, found.error, code="setup_failed")
                 record = await self.registry.get(found.snapshot_id or "")
                 live = {beat.host for beat in await self.queue.heartbeats.live()}
                 if record is not None and record.host in live:
@@ -264,7 +266,7 @@ class Snapshots:
                 )
                 failed = GroupSetup(error=error).model_dump_json()
                 await self.redis.set(self.keys.group_setup(key), failed, ex=SETUP_ERROR_KEEP_S)
-                raise Rejected(422, error, code="setup_failed")
+                raise Rejected(RejectedKind.INVALID, error, code="setup_failed")
             current = await self.starter.store.get(rollout_id)
             assert current is not None
             record = await self.take(current, kind=SnapshotKind.GROUP, keep_s=step.keep_s)

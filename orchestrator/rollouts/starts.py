@@ -26,7 +26,7 @@ from orchestrator.observability.logging import bind_sandbox, get_logger, in_roll
 from orchestrator.outcomes import Cause
 from orchestrator.rollouts.bounds import Deadline
 from orchestrator.rollouts.closes import Closer
-from orchestrator.rollouts.errors import InfraError, Rejected, StillStarting
+from orchestrator.rollouts.errors import InfraError, Rejected, RejectedKind, StillStarting
 from orchestrator.rollouts.lookup import present
 from orchestrator.rollouts.models import new_record, rollout_group
 from orchestrator.sandbox.agent.client import PROBE_MAX_S
@@ -109,11 +109,13 @@ class Starter:
         try:
             return self.environments.resolve(row, workspace=workspace)
         except UnknownRepository as exc:
-            raise Rejected(422, _message(exc), code="unknown_repository") from exc
+            raise Rejected(RejectedKind.INVALID, _message(exc), code="unknown_repository") from exc
         except LookupError as exc:
-            raise Rejected(422, _message(exc), code="unknown_environment_or_codebase") from exc
+            raise Rejected(
+                RejectedKind.INVALID, _message(exc), code="unknown_environment_or_codebase"
+            ) from exc
         except ValueError as exc:
-            raise Rejected(422, _message(exc), code="invalid_item") from exc
+            raise Rejected(RejectedKind.INVALID, _message(exc), code="invalid_item") from exc
 
     async def aresolve(
         self, item: dict[str, Any], *, environment: str | None = None, codebase: str | None = None
@@ -135,14 +137,14 @@ class Starter:
         try:
             wanted = row_commit(row)
         except ValueError as exc:
-            raise Rejected(422, _message(exc), code="invalid_item") from exc
+            raise Rejected(RejectedKind.INVALID, _message(exc), code="invalid_item") from exc
         if wanted is None or self.settings.sandbox_backend != "docker":
             return None  # (resolving refuses a row at a commit on other backends)
         name, commit = wanted
         record = await self.repos.get(name)
         if record is None:
             raise Rejected(
-                422,
+                RejectedKind.INVALID,
                 f"unknown repository {name!r}: the row's repo field names no registered "
                 f"repository (register it with `orchestrator repo add {name} SOURCE`)",
                 code="unknown_repository",
@@ -167,12 +169,12 @@ class Starter:
             )
         if not checked.found:
             raise Rejected(
-                422,
+                RejectedKind.INVALID,
                 f"repository {name!r} has no commit {commit} (its source: {record.source})",
                 code="unknown_commit",
             )
         if checked.setup_error is not None:
-            raise Rejected(422, checked.setup_error[-2000:], code="setup_failed")
+            raise Rejected(RejectedKind.INVALID, checked.setup_error[-2000:], code="setup_failed")
         return record.at(commit, checked.setup_image)
 
     async def _check_commit(self, workspace: CommitWorkspace) -> CommitChecked:
@@ -249,7 +251,9 @@ class Starter:
         existing = await self.store.get(rollout_id)
         if existing is not None:
             if exclusive:
-                raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
+                raise Rejected(
+                    RejectedKind.CONFLICT, f"rollout {rollout_id} exists already", code="exists"
+                )
             return await self.wait_ready(existing, deadline, reserve_s)
         if snapshot is None and self.group_setup is not None:
             # The group's set-up goes on when this request is out of time (shielded in
@@ -267,7 +271,9 @@ class Starter:
             current = await self.store.get(rollout_id)
             if current is not None:
                 if exclusive:
-                    raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
+                    raise Rejected(
+                        RejectedKind.CONFLICT, f"rollout {rollout_id} exists already", code="exists"
+                    )
                 return await self.wait_ready(current, deadline, reserve_s)
             await asyncio.sleep(0.02)  # (its starter failed: the lock is gone, we start it)
         try:
@@ -306,7 +312,9 @@ class Starter:
                 if acquired is not None:
                     await self._give_back(acquired, rollout_id)
                 if exclusive:
-                    raise Rejected(409, f"rollout {rollout_id} exists already", code="exists")
+                    raise Rejected(
+                        RejectedKind.CONFLICT, f"rollout {rollout_id} exists already", code="exists"
+                    )
                 current = present(await self.store.get(rollout_id), rollout_id, "it started")
                 return await self.wait_ready(current, deadline, reserve_s)
             if acquired.handle is None:  # the record names the host: it counts the slot now
