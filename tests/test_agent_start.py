@@ -11,9 +11,18 @@ from pathlib import Path
 import docker
 
 from orchestrator.config import Runtime, Settings
-from orchestrator.sandbox.agent import AGENT_LOADER, EXEC_AGENT_PATH, compiled_agent
+from orchestrator.sandbox.agent import (
+    AGENT_LOADER,
+    AGENT_PROTOCOL_PATH,
+    EXEC_AGENT_PATH,
+    compiled_agent,
+)
 from orchestrator.sandbox.docker.backend import DockerBackend
-from orchestrator.sandbox.docker.containers import AGENT_CACHE_IN_SANDBOX, AGENT_IN_SANDBOX
+from orchestrator.sandbox.docker.containers import (
+    AGENT_CACHE_IN_SANDBOX,
+    AGENT_IN_SANDBOX,
+    AGENT_PROTOCOL_IN_SANDBOX,
+)
 
 FROM_CACHE = f"code object from '{AGENT_CACHE_IN_SANDBOX}/exec_agent."
 
@@ -35,6 +44,7 @@ def _start(
         network_mode="none",
         volumes={
             str(EXEC_AGENT_PATH): {"bind": AGENT_IN_SANDBOX, "mode": "ro"},
+            str(AGENT_PROTOCOL_PATH): {"bind": AGENT_PROTOCOL_IN_SANDBOX, "mode": "ro"},
             str(cache): {"bind": AGENT_CACHE_IN_SANDBOX, "mode": "ro"},
         },
         detach=True,
@@ -107,6 +117,8 @@ def test_the_threads_of_a_first_burst_compile_the_agent_without_tripping_on_each
             thread.join()
         assert errors == []
         assert len(set(found)) == 1
-        assert [p.name for p in found[0].iterdir()] == [
-            f"exec_agent.{__import__('sys').implementation.cache_tag}.pyc"
+        tag = __import__("sys").implementation.cache_tag
+        assert sorted(p.name for p in found[0].iterdir()) == [
+            f"agent_protocol.{tag}.pyc",
+            f"exec_agent.{tag}.pyc",
         ]

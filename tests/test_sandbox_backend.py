@@ -24,6 +24,7 @@ from docker.errors import NotFound
 
 from orchestrator.config import Runtime, Settings
 from orchestrator.sandbox import labels
+from orchestrator.sandbox.agent import agent_protocol as protocol
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.backend import (
     ExecResult,
@@ -696,7 +697,7 @@ def test_read_file_of_a_fifo_is_the_agents_error(make_sandbox: Any, backend: Doc
     assert run(backend, handle, "mkfifo /workspace/pipe").exit_code == 0
     # The agent's protocol directly, with a short wait instead of the backend's 30 s.
     sock = str(backend.sockets_dir / handle.sandbox_id / "agent.sock")
-    request = agent.read_file_request("pipe", 1, None, 1000)
+    request = protocol.read_file_request("pipe", 1, None, 1000)
     with pytest.raises(FileError):
         agent.read_file_result(agent.call_unix(sock, request, 3.0))
 

@@ -543,7 +543,10 @@ def _recycle(request: RecycleSandbox) -> None:
 def sweep_host(_request: Nothing) -> None:
     """Destroy this host's expired sandboxes and leftovers by label, and every sandbox
     whose rollout is over or unknown to Redis (orphans)."""
-    log.info("worker.swept", **worker.current().sweep())
+    swept = worker.current().sweep()
+    # A line per sweep only when it removed something.
+    if any(value for name, value in swept.items() if name != "examined"):
+        log.info("worker.swept", **swept)
 
 
 @handles(Tasks.CHECK_COMMIT)

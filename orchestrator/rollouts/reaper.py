@@ -118,12 +118,14 @@ def _environments() -> EnvironmentRegistry:
 def reap(_request: Nothing) -> None:
     """Periodic (beat): one pass of :func:`reap_once`."""
     passed = asyncio.run(reap_once(get_settings(), _environments()))
-    log.info(
-        "reaper.passed",
-        ended=len(passed["ended"]),
-        hosts_swept=passed["hosts_swept"],
-        hosts_failing=passed["hosts_failing"],
-    )
+    # A line per pass only when it did something (each rollout it ended has its own).
+    if passed["ended"] or passed["hosts_failing"]:
+        log.info(
+            "reaper.passed",
+            rollouts_ended=len(passed["ended"]),
+            hosts_swept=passed["hosts_swept"],
+            hosts_failing=passed["hosts_failing"],
+        )
 
 
 async def reap_once(settings: Settings, environments: EnvironmentRegistry) -> dict[str, Any]:

@@ -25,9 +25,10 @@ from docker.types import Mount
 
 from orchestrator.config import Settings
 from orchestrator.sandbox import labels
-from orchestrator.sandbox.agent import EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import AGENT_PROTOCOL_PATH, EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import agent_protocol as protocol
 from orchestrator.sandbox.agent import client as agent
-from orchestrator.sandbox.agent.client import AgentProtocolError
+from orchestrator.sandbox.agent.client import AgentUnauthorized
 from orchestrator.sandbox.backend import FileError, SandboxSpec, SandboxUnavailable
 from orchestrator.sandbox.k8s import pods
 from tests.k8s import loopback
@@ -61,6 +62,7 @@ def tcp_agent(settings: Settings, base_image: str, client: docker.DockerClient) 
         # alone (defaultMode 0400, no fsGroup).
         secret_dir = Path(scratch)
         (secret_dir / pods.AGENT_KEY).write_bytes(EXEC_AGENT_PATH.read_bytes())
+        (secret_dir / pods.PROTOCOL_KEY).write_bytes(AGENT_PROTOCOL_PATH.read_bytes())
         (secret_dir / pods.TOKEN_KEY).write_text(token)
         for entry in (secret_dir, *secret_dir.iterdir()):
             os.chown(entry, 0, 0)
@@ -105,7 +107,7 @@ def tcp_agent(settings: Settings, base_image: str, client: docker.DockerClient) 
             deadline = time.monotonic() + 20
             while True:
                 try:
-                    ready.call(agent.PING_REQUEST)
+                    ready.call(protocol.ping())
                     break
                 except SandboxUnavailable:
                     if time.monotonic() > deadline:
@@ -117,7 +119,7 @@ def tcp_agent(settings: Settings, base_image: str, client: docker.DockerClient) 
 
 
 def test_right_token_runs_a_command_as_uid_1000(tcp_agent: Agent) -> None:
-    request = agent.exec_request("id -u; id -G; touch /etc/x 2>&1; echo done", 10, 4096, "/")
+    request = protocol.exec_request("id -u; id -G; touch /etc/x 2>&1; echo done", 10, 4096, "/")
     result = agent.exec_result(tcp_agent.call(request))
     assert result.exit_code == 0
     lines = result.stdout.head.splitlines()
@@ -128,18 +130,20 @@ def test_right_token_runs_a_command_as_uid_1000(tcp_agent: Agent) -> None:
 
 def test_argv_and_timeout_work_over_tcp(tcp_agent: Agent) -> None:
     argv = agent.exec_result(
-        tcp_agent.call(agent.exec_request(["printf", "%s|", "a b", "$HOME"], 10, 4096, "/"))
+        tcp_agent.call(protocol.exec_request(["printf", "%s|", "a b", "$HOME"], 10, 4096, "/"))
     )
     assert argv.stdout.head == "a b|$HOME|"
-    slow = agent.exec_result(tcp_agent.call(agent.exec_request("sleep 30", 0.5, 4096, "/")))
+    slow = agent.exec_result(tcp_agent.call(protocol.exec_request("sleep 30", 0.5, 4096, "/")))
     assert slow.timed_out and slow.exit_code is None and "timeout" in slow.limits_hit
 
 
 def test_read_file_works(tcp_agent: Agent) -> None:
-    write = agent.exec_request("printf 'one\\ntwo\\nthree\\n' > notes.txt", 10, 4096, "/workspace")
+    write = protocol.exec_request(
+        "printf 'one\\ntwo\\nthree\\n' > notes.txt", 10, 4096, "/workspace"
+    )
     assert agent.exec_result(tcp_agent.call(write)).exit_code == 0
     found = agent.read_file_result(
-        tcp_agent.call(agent.read_file_request("/workspace/notes.txt", 2, 3, 4096))
+        tcp_agent.call(protocol.read_file_request("/workspace/notes.txt", 2, 3, 4096))
     )
     assert (found.text, found.start_line, found.end_line, found.total_lines) == (
         "two\nthree\n",
@@ -148,7 +152,7 @@ def test_read_file_works(tcp_agent: Agent) -> None:
         3,
     )
     with pytest.raises(FileError) as missing:
-        agent.read_file_result(tcp_agent.call(agent.read_file_request("nope.txt", 1, None, 64)))
+        agent.read_file_result(tcp_agent.call(protocol.read_file_request("nope.txt", 1, None, 64)))
     assert missing.value.kind == "not_found"
 
 
@@ -165,20 +169,21 @@ def _logs_once_they_say(tcp_agent: Agent, text: str, timeout_s: float = 10) -> s
 
 
 def test_wrong_token_is_refused_and_logged(tcp_agent: Agent) -> None:
-    with pytest.raises(AgentProtocolError, match="Unauthorized"):
-        tcp_agent.call(agent.exec_request("touch /workspace/pwned", 10, 4096, "/"), token="guess")
+    touch = protocol.exec_request("touch /workspace/pwned", 10, 4096, "/")
+    with pytest.raises(AgentUnauthorized, match="bad token"):
+        tcp_agent.call(touch, token="guess")
     logs = _logs_once_they_say(tcp_agent, "wrong token")
     assert "refused a request" in logs
-    check = agent.exec_request("test -e /workspace/pwned && echo yes || echo no", 10, 64, "/")
+    check = protocol.exec_request("test -e /workspace/pwned && echo yes || echo no", 10, 64, "/")
     assert agent.exec_result(tcp_agent.call(check)).stdout.head == "no\n"
 
 
 def test_missing_token_is_refused_and_logged(tcp_agent: Agent) -> None:
-    request = agent.exec_request("echo ran", 10, 4096, "/")
+    request = protocol.exec_request("echo ran", 10, 4096, "/")
     with socket.create_connection((tcp_agent.ip, tcp_agent.port), timeout=10) as sock:
         sock.sendall(json.dumps(request).encode() + b"\n")
         reply = json.loads(sock.makefile("rb").readline())
-    assert reply == {"ok": False, "error": "Unauthorized: bad token"}
+    assert reply == {"ok": False, "kind": protocol.Refusal.UNAUTHORIZED, "error": "bad token"}
     _logs_once_they_say(tcp_agent, "missing token")
 
 
@@ -187,7 +192,7 @@ def test_port_checks_do_not_disturb_the_agent(tcp_agent: Agent) -> None:
     for _ in range(3):
         with socket.create_connection((tcp_agent.ip, tcp_agent.port), timeout=10):
             pass
-    assert "version" in tcp_agent.call(agent.PING_REQUEST)
+    assert "version" in tcp_agent.call(protocol.ping())
 
 
 def test_commands_cannot_touch_the_agent_or_read_its_token(tcp_agent: Agent) -> None:
@@ -199,10 +204,10 @@ def test_commands_cannot_touch_the_agent_or_read_its_token(tcp_agent: Agent) -> 
         "kill -STOP $(pgrep -f exec_agent) 2>&1 | head -c 200; "
         "kill -9 -1"
     )
-    result = agent.exec_result(tcp_agent.call(agent.exec_request(hostile, 10, 4096, "/")))
+    result = agent.exec_result(tcp_agent.call(protocol.exec_request(hostile, 10, 4096, "/")))
     out = result.stdout.head + result.stderr.head
     assert "Permission denied" in out and "Operation not permitted" in out, out
     assert tcp_agent.token not in out
-    assert "version" in tcp_agent.call(agent.PING_REQUEST)
-    again = agent.exec_result(tcp_agent.call(agent.exec_request("echo alive", 10, 64, "/")))
+    assert "version" in tcp_agent.call(protocol.ping())
+    again = agent.exec_result(tcp_agent.call(protocol.exec_request("echo alive", 10, 64, "/")))
     assert again.stdout.head == "alive\n"

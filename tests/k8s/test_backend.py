@@ -31,6 +31,7 @@ from lightkube.resources.core_v1 import Secret
 
 from orchestrator.config import Settings
 from orchestrator.environments.examples import ensure_requests_codebase
+from orchestrator.sandbox.agent import agent_protocol as protocol
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.agent.client import AgentProtocolError
 from orchestrator.sandbox.backend import (
@@ -234,13 +235,13 @@ def test_the_agent_refuses_requests_without_the_sandbox_token(
 ) -> None:
     ip = pod_ip(cluster, sandbox)
     port = k8s.settings.k8s_agent_port
-    touch = agent.exec_request("touch /workspace/pwned", 10, 256, "/")
+    touch = protocol.exec_request("touch /workspace/pwned", 10, 256, "/")
     with pytest.raises(AgentProtocolError, match="Unauthorized"):
         agent.call_tcp(ip, port, "not-the-token", touch, 10)
     with socket.create_connection((ip, port), timeout=10) as sock:
         sock.sendall(json.dumps(touch).encode() + b"\n")
         reply = json.loads(sock.makefile("rb").readline())
-    assert reply == {"ok": False, "error": "Unauthorized: bad token"}
+    assert reply == {"ok": False, "kind": protocol.Refusal.UNAUTHORIZED, "error": "bad token"}
     check = k8s.exec(
         sandbox, "test -e pwned && echo yes || echo no", timeout_s=10, output_budget_bytes=64
     )

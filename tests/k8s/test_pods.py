@@ -14,7 +14,7 @@ from lightkube.resources.core_v1 import Pod, Secret
 
 from orchestrator.config import Runtime, Settings
 from orchestrator.sandbox import labels
-from orchestrator.sandbox.agent import EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import AGENT_LOADER, AGENT_PROTOCOL_PATH, EXEC_AGENT_PATH
 from orchestrator.sandbox.backend import SandboxLimits, SandboxSpec, ScratchDir
 from orchestrator.sandbox.k8s import pods
 
@@ -164,7 +164,14 @@ def test_agent_listens_on_tcp_with_the_token_and_runs_commands_as_another_uid() 
     data = validated(render(SandboxSpec(image="img"), k8s_settings(k8s_agent_port=7444)))
     sandbox = container(data, "sandbox")
     command = sandbox["command"]
-    assert command[:4] == ["python3", "-I", "-S", "/opt/orchestrator/agent/exec_agent.py"]
+    assert command[:6] == [
+        "python3",
+        "-I",
+        "-S",
+        "-c",
+        AGENT_LOADER,
+        "/opt/orchestrator/agent/exec_agent.py",
+    ]
     assert command[command.index("--listen") + 1] == "tcp:0.0.0.0:7444"
     assert command[command.index("--token-file") + 1] == "/opt/orchestrator/agent/token"
     assert command[command.index("--uid") + 1] == command[command.index("--gid") + 1] == "1000"
@@ -180,6 +187,7 @@ def test_agent_listens_on_tcp_with_the_token_and_runs_commands_as_another_uid() 
         "defaultMode": 0o400,
         "items": [
             {"key": "exec_agent.py", "path": "exec_agent.py"},
+            {"key": "agent_protocol.py", "path": "agent_protocol.py"},
             {"key": "token", "path": "token"},
         ],
     }
@@ -284,8 +292,9 @@ def test_labels_as_on_docker_with_odd_values_in_annotations() -> None:
 def test_secret_holds_token_and_agent_and_is_owned_by_its_pod() -> None:
     pod = render(SandboxSpec(image="img", rollout_id="r-1"))
     source = EXEC_AGENT_PATH.read_bytes()
+    files = {pods.AGENT_KEY: source, pods.PROTOCOL_KEY: AGENT_PROTOCOL_PATH.read_bytes()}
     secret = validated(
-        pods.render_secret(pod, token="s3cret-token", agent_source=source, owner_uid="uid-123")
+        pods.render_secret(pod, token="s3cret-token", agent_files=files, owner_uid="uid-123")
     )
     assert secret["metadata"]["name"] == pod.metadata.name if pod.metadata else False
     assert secret["metadata"]["labels"] == (pod.metadata.labels if pod.metadata else None)
@@ -300,6 +309,7 @@ def test_secret_holds_token_and_agent_and_is_owned_by_its_pod() -> None:
     assert secret["immutable"] is True
     assert base64.b64decode(secret["data"]["token"]) == b"s3cret-token"
     assert base64.b64decode(secret["data"]["exec_agent.py"]) == source
+    assert base64.b64decode(secret["data"]["agent_protocol.py"]) == files[pods.PROTOCOL_KEY]
     # A Secret may hold at most 1 MiB.
     assert len(json.dumps(secret).encode()) < 1 << 20
 

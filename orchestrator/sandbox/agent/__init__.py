@@ -13,6 +13,9 @@ from pathlib import Path
 from orchestrator.sandbox.backend import SandboxSpec
 
 EXEC_AGENT_PATH = Path(__file__).with_name("exec_agent.py")
+AGENT_PROTOCOL_PATH = Path(__file__).with_name("agent_protocol.py")
+"""The agent's wire (agent_protocol.py), which the agent imports from beside its own file:
+every backend puts it there."""
 
 SANDBOX_UID = 1000
 """The unprivileged user (and group) every command runs as, in every backend's sandboxes."""
@@ -52,24 +55,30 @@ def publish(partial: Path, target: Path) -> None:
 
 
 def compiled_agent(source: Path, cache_root: Path) -> Path:
-    """A directory holding ``source``'s bytecode as Python looks for it in ``__pycache__``
-    (``exec_agent.<this interpreter's tag>.pyc``, checked against the source's mtime and
+    """A directory holding the bytecode of the agent's ``source`` and of its protocol
+    module (:data:`AGENT_PROTOCOL_PATH`) as Python looks for it in ``__pycache__``
+    (``<module>.<this interpreter's tag>.pyc``, checked against each source's mtime and
     size), to mount at the sandbox's ``__pycache__`` next to the agent's source. A sandbox
     whose Python is this host's version then skips compiling the agent at every start
     (about 20 ms of CPU of a sandbox's 250: bench/create_cost.py); any other Python finds
-    no file of its tag and compiles the source, as it always did."""
-    stat = source.stat()
-    key = hashlib.sha256(f"{source}:{stat.st_mtime_ns}:{stat.st_size}".encode()).hexdigest()
+    no file of its tag and compiles the sources, as it always did."""
+    sources = {"exec_agent": source, "agent_protocol": AGENT_PROTOCOL_PATH}
+    stamp = ";".join(
+        f"{path}:{path.stat().st_mtime_ns}:{path.stat().st_size}" for path in sources.values()
+    )
+    key = hashlib.sha256(stamp.encode()).hexdigest()
     directory = cache_root / key[:16]
-    target = directory / f"exec_agent.{sys.implementation.cache_tag}.pyc"
-    if not target.exists():
+    for module, path in sources.items():
+        target = directory / f"{module}.{sys.implementation.cache_tag}.pyc"
+        if target.exists():
+            continue
         directory.mkdir(parents=True, exist_ok=True)
         # Written under another name, then renamed: a sandbox never mounts half a file.
         # The name is this call's own: the creations of one worker's threads race here at
         # a fresh state_dir, and a name per process let one rename the other's file away
         # (FileNotFoundError: a first burst's sandbox failed to create, bench/datasets.py).
         partial = directory / f".{target.name}.{os.getpid()}.{uuid.uuid4().hex}"
-        py_compile.compile(str(source), cfile=str(partial), doraise=True)
+        py_compile.compile(str(path), cfile=str(partial), doraise=True)
         publish(partial, target)
     return directory
 

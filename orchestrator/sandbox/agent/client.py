@@ -11,6 +11,7 @@ from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from orchestrator.sandbox.agent import agent_protocol as protocol
 from orchestrator.sandbox.backend import (
     ExecResult,
     FileAction,
@@ -174,7 +175,7 @@ def _exchange(
                 lines = b"".join(chunks).split(b"\n")
                 chunks = [lines.pop()]  # the part after the last newline
                 for line in lines:
-                    if not line.startswith(b'{"chunk"'):
+                    if not line.startswith(protocol.CHUNK_PREFIX):
                         return line
                     stream, data = json.loads(line)["chunk"]
                     on_chunk(stream, base64.b64decode(data))
@@ -198,43 +199,13 @@ def parse_reply(raw: bytes) -> dict[str, Any]:
         raise AgentProtocolError(f"exec agent sent invalid JSON: {raw[:200]!r}") from exc
     if not isinstance(reply, dict) or not reply.get("ok"):
         error = reply.get("error") if isinstance(reply, dict) else reply
-        if isinstance(error, str) and error.startswith("Unauthorized"):
-            raise AgentUnauthorized(f"exec agent failed: {error}")
+        if isinstance(reply, dict) and reply.get("kind") == protocol.Refusal.UNAUTHORIZED:
+            raise AgentUnauthorized(f"exec agent failed: Unauthorized: {error}")
         raise AgentProtocolError(f"exec agent failed: {error}")
     result = reply.get("result")
     if not isinstance(result, dict):
         raise AgentProtocolError("exec agent reply has no result")
     return result
-
-
-def exec_request(
-    command: str | list[str],
-    timeout_s: float,
-    budget: int,
-    cwd: str,
-    env: dict[str, str] | None = None,
-    exec_id: str | None = None,
-    stream: bool = False,
-    stdin: bool = False,
-    pty: tuple[int, int] | None = None,
-) -> dict[str, Any]:
-    """A shell command line (str), or an argv run without any shell parsing (list);
-    ``stream``: its output sent as it is printed, before the reply; ``stdin``: its input a
-    pipe an ``input`` request writes; ``pty``: (rows, cols) of a pseudo-terminal it runs on
-    (its input and output: the output stream is named "pty")."""
-    request: dict[str, Any] = {"op": "exec", "timeout_s": timeout_s, "budget": budget, "cwd": cwd}
-    if stream:
-        request["stream"] = True
-    if stdin:
-        request["stdin"] = True
-    if pty is not None:
-        request["pty"] = {"rows": pty[0], "cols": pty[1]}
-    request["argv" if isinstance(command, list) else "command"] = command
-    if env:
-        request["env"] = env
-    if exec_id is not None:
-        request["exec_id"] = exec_id
-    return request
 
 
 def exec_result(result: dict[str, Any]) -> ExecResult:
@@ -261,24 +232,12 @@ def exec_result(result: dict[str, Any]) -> ExecResult:
     )
 
 
-def read_file_request(
-    path: str, start_line: int, end_line: int | None, max_bytes: int
-) -> dict[str, Any]:
-    return {
-        "op": "read_file",
-        "path": path,
-        "start_line": start_line,
-        "end_line": end_line,
-        "max_bytes": max_bytes,
-    }
-
-
 def file_op_result(result: dict[str, Any]) -> FileOpResult:
     """The agent's ``files`` reply: its result, or the path's problem as a FileError."""
     error = result.get("error")
     if isinstance(error, dict):
         kind = error.get("kind")
-        if kind == "internal":
+        if kind == protocol.INTERNAL:
             raise AgentProtocolError(f"a file operation failed inside the agent: {error}")
         raise FileError(kind, str(error.get("message")))  # type: ignore[arg-type]
     if "data" in result:
@@ -290,13 +249,10 @@ def read_file_result(result: dict[str, Any]) -> ReadFileResult:
     error = result.get("error")
     if isinstance(error, dict):
         kind = error.get("kind")
-        if kind == "internal":
+        if kind == protocol.INTERNAL:
             raise AgentProtocolError(f"read_file failed inside the agent: {error.get('message')}")
         raise FileError(kind, str(error.get("message")))  # type: ignore[arg-type]
     return ReadFileResult.model_validate(result)
-
-
-PING_REQUEST: dict[str, Any] = {"op": "ping"}
 
 
 def host_load() -> float:
@@ -360,14 +316,9 @@ class AgentBackend(SandboxBackend):
         timeout_s: float = 30.0,
     ) -> StageResult:
         """See :meth:`SandboxBackend.stage`: one request to the agent (exec_agent.stage)."""
-        request = {
-            "op": "stage",
-            "purge": purge,
-            "keep": keep,
-            "remove": remove,
-            "write": {path: base64.b64encode(data).decode() for path, data in write.items()},
-            "timeout_s": timeout_s,
-        }
+        request = protocol.stage_request(
+            purge=purge, keep=keep, remove=remove, write=write, timeout_s=timeout_s
+        )
         done = self._call(handle, request, timeout_s + 30)
         if done.get("processes"):
             raise SandboxError(
@@ -395,7 +346,7 @@ class AgentBackend(SandboxBackend):
         while True:
             remaining = budget - (time.monotonic() - started)
             try:
-                self._call(handle, PING_REQUEST, max(1.0, min(attempt, remaining)))
+                self._call(handle, protocol.ping(), max(1.0, min(attempt, remaining)))
                 break
             except AgentSilent:
                 if remaining <= attempt or not self._still_running(handle):
@@ -441,7 +392,7 @@ class AgentBackend(SandboxBackend):
         pty: tuple[int, int] | None = None,
     ) -> ExecResult:
         stream = on_output is not None
-        request = exec_request(
+        request = protocol.exec_request(
             command, timeout_s, output_budget_bytes, cwd, env, exec_id, stream, stdin, pty
         )
         return exec_result(self._call(handle, request, timeout_s + REPLY_SLACK_S, on_output))
@@ -455,18 +406,14 @@ class AgentBackend(SandboxBackend):
         close: bool = False,
         resize: tuple[int, int] | None = None,
     ) -> bool:
-        request: dict[str, Any] = {"op": "input", "exec_id": exec_id, "close": close}
-        if data:
-            request["data"] = base64.b64encode(data).decode()
-        if resize is not None:
-            request["resize"] = list(resize)
+        request = protocol.input_request(exec_id, data, close=close, resize=resize)
         done = self._call(handle, request, REPLY_SLACK_S)
         if "error" in done:
             raise InputClosed(str(done["error"]))
         return bool(done["found"])
 
     def signal_exec(self, handle: SandboxHandle, exec_id: str, *, kill: bool = True) -> bool:
-        request = {"op": "signal", "exec_id": exec_id, "signal": "kill" if kill else "term"}
+        request = protocol.signal_request(exec_id, kill=kill)
         return bool(self._call(handle, request, REPLY_SLACK_S)["found"])
 
     def file_op(
@@ -480,15 +427,9 @@ class AgentBackend(SandboxBackend):
         data: bytes | None = None,
         max_bytes: int = 0,
     ) -> FileOpResult:
-        request: dict[str, Any] = {"op": "files", "action": action, "path": path}
-        if target is not None:
-            request["target"] = target
-        if action == "list":
-            request["depth"] = depth
-        if data is not None:
-            request["data"] = base64.b64encode(data).decode()
-        if action == "read":
-            request["max_bytes"] = max_bytes
+        request = protocol.files_request(
+            action, path, target=target, depth=depth, data=data, max_bytes=max_bytes
+        )
         # Bounded by the bytes moved, not by a command: the read allowance, per 16 MB.
         size = len(data or b"") + max_bytes
         allowance = READ_FILE_TIMEOUT_S * (1 + size // (16 << 20))
@@ -503,6 +444,6 @@ class AgentBackend(SandboxBackend):
         end_line: int | None = None,
         max_bytes: int,
     ) -> ReadFileResult:
-        request = read_file_request(path, start_line, end_line, max_bytes)
+        request = protocol.read_file_request(path, start_line, end_line, max_bytes)
         # Reading is bounded by max_bytes, not by a command: a fixed allowance.
         return read_file_result(self._call(handle, request, REPLY_SLACK_S + READ_FILE_TIMEOUT_S))

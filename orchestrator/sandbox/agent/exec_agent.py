@@ -55,7 +55,13 @@ if TYPE_CHECKING:
     # A running command: started by run-as (Spawned) or, without one, by subprocess.
     Command: TypeAlias = "subprocess.Popen[bytes] | Spawned"
 
-PROTOCOL_VERSION = 2
+    from orchestrator.sandbox.agent import agent_protocol as protocol
+else:
+    try:  # in a sandbox: the file beside this one (its directory is first on sys.path)
+        import agent_protocol as protocol
+    except ImportError:  # imported on the host (run-as's constants, tests)
+        from orchestrator.sandbox.agent import agent_protocol as protocol
+
 # A request is one JSON line: a file written through the "files" op travels in it (base64).
 MAX_REQUEST_BYTES = 48 << 20
 READ_CHUNK = 65536
@@ -768,7 +774,7 @@ class Agent:
             self.env["LD_PRELOAD"] = preload
 
     def ping(self, _req: dict[str, object]) -> dict[str, object]:
-        return {"version": PROTOCOL_VERSION, "pid": os.getpid(), "time": time.time()}
+        return {"version": protocol.VERSION, "pid": os.getpid(), "time": time.time()}
 
     def manifest(self, _req: dict[str, object]) -> dict[str, object]:
         """Everywhere state can outlive a rollout, as the host compares it with a fresh
@@ -1122,7 +1128,7 @@ class Agent:
                 os.setuid(self.uid)
                 reply = work(req)
             except BaseException as exc:  # noqa: BLE001 - the child must always answer
-                reply = {"error": {"kind": "internal", "message": repr(exc)}}
+                reply = file_error(protocol.INTERNAL, repr(exc))
                 code = 1
             data = json.dumps(reply).encode()
             view = memoryview(data)
@@ -1141,8 +1147,7 @@ class Agent:
         return json.loads(b"".join(chunks))  # type: ignore[no-any-return]
 
 
-def file_error(kind: str, message: str) -> dict[str, object]:
-    return {"error": {"kind": kind, "message": message}}
+file_error = protocol.file_error
 
 
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -1726,37 +1731,39 @@ class Handler(socketserver.StreamRequestHandler):
         try:
             req = json.loads(line)
             if not authorized(req, self.client_address):
-                reply: dict[str, object] = {"ok": False, "error": "Unauthorized: bad token"}
-                self.wfile.write(json.dumps(reply).encode() + b"\n")
+                self.wfile.write(protocol.refused(protocol.Refusal.UNAUTHORIZED, "bad token"))
                 return
             op = req["op"]
-            if op == "exec" and req.get("stream"):
+            if op == protocol.Op.EXEC and req.get("stream"):
                 # The command's output as it is printed, a line per piece, before the reply.
-                reply = {"ok": True, "result": agent.exec(req, emit=self._emit)}
-                self.wfile.write(json.dumps(reply).encode() + b"\n")
-                return
-            methods: dict[str, Any] = {
-                "ping": agent.ping,
-                "exec": agent.exec,
-                "read_file": agent.read_file,
-                "signal": agent.signal,
-                "files": agent.files,
-                "manifest": agent.manifest,
-                "scrub": agent.scrub,
-                "stage": agent.stage,
-                "pack": agent.pack,
-                "input": agent.input,
-                "unpack": agent.unpack,
-            }
-            reply = {"ok": True, "result": methods[op](req)}
+                reply = protocol.ok(agent.exec(req, emit=self._emit))
+            else:
+                reply = protocol.ok(_methods(agent)[op](req))
         except Exception as exc:  # noqa: BLE001 - every failure must reach the caller
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        self.wfile.write(json.dumps(reply).encode() + b"\n")
+            reply = protocol.refused(protocol.Refusal.FAILED, f"{type(exc).__name__}: {exc}")
+        self.wfile.write(reply)
 
     def _emit(self, stream: str, data: bytes) -> None:
-        piece = {"chunk": [stream, base64.b64encode(data).decode()]}
-        self.wfile.write(json.dumps(piece).encode() + b"\n")
+        self.wfile.write(protocol.chunk(stream, data))
         self.wfile.flush()
+
+
+def _methods(agent: Agent) -> dict[str, Any]:
+    """What answers each request, by its op."""
+    op = protocol.Op
+    return {
+        op.PING: agent.ping,
+        op.EXEC: agent.exec,
+        op.READ_FILE: agent.read_file,
+        op.SIGNAL: agent.signal,
+        op.FILES: agent.files,
+        op.MANIFEST: agent.manifest,
+        op.SCRUB: agent.scrub,
+        op.STAGE: agent.stage,
+        op.PACK: agent.pack,
+        op.INPUT: agent.input,
+        op.UNPACK: agent.unpack,
+    }
 
 
 TOKEN: bytes | None = None

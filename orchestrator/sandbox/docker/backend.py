@@ -31,7 +31,13 @@ from orchestrator.config import Settings
 from orchestrator.docker_client import connect
 from orchestrator.observability.logging import get_logger
 from orchestrator.sandbox import cgroups, daemon_share, labels
-from orchestrator.sandbox.agent import AGENT_CAPABILITIES, EXEC_AGENT_PATH, compiled_agent
+from orchestrator.sandbox.agent import (
+    AGENT_CAPABILITIES,
+    AGENT_PROTOCOL_PATH,
+    EXEC_AGENT_PATH,
+    compiled_agent,
+)
+from orchestrator.sandbox.agent import agent_protocol as protocol
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.agent.exec_agent import RUN_AS
 from orchestrator.sandbox.backend import (
@@ -257,6 +263,12 @@ class DockerBackend(agent.AgentBackend):
                     containers.AGENT_IN_SANDBOX, str(self.agent_path), type="bind", read_only=True
                 ),
                 Mount(
+                    containers.AGENT_PROTOCOL_IN_SANDBOX,
+                    str(AGENT_PROTOCOL_PATH),
+                    type="bind",
+                    read_only=True,
+                ),
+                Mount(
                     containers.AGENT_CACHE_IN_SANDBOX,
                     str(compiled_agent(self.agent_path, self.settings.state_dir / "agent")),
                     type="bind",
@@ -301,7 +313,7 @@ class DockerBackend(agent.AgentBackend):
         while True:
             if Path(sock).exists():
                 try:
-                    agent.call_unix(sock, agent.PING_REQUEST, PING_TIMEOUT_S)
+                    agent.call_unix(sock, protocol.ping(), PING_TIMEOUT_S)
                     return
                 except SandboxUnavailable:
                     pass
@@ -383,7 +395,7 @@ class DockerBackend(agent.AgentBackend):
     def manifest(self, handle: SandboxHandle) -> dict[str, Any]:
         """The agent's account of everywhere state can persist in the sandbox (processes,
         mounts, writable trees, System V IPC): exec_agent.sandbox_manifest."""
-        return self._call(handle, {"op": "manifest"}, PING_TIMEOUT_S)
+        return self._call(handle, protocol.manifest_request(), PING_TIMEOUT_S)
 
     def reset(self, handle: SandboxHandle, spec: SandboxSpec) -> ResetReport:
         """Make the sandbox as a fresh one of ``spec`` is, then compare its manifest and
@@ -465,7 +477,7 @@ class DockerBackend(agent.AgentBackend):
             for point, entries in fresh.get("trees", {}).items()
             if entries and entries[0][0] == "."
         }
-        request = {"op": "scrub", "modes": modes, "timeout_s": SCRUB_TIMEOUT_S}
+        request = protocol.scrub_request(modes, SCRUB_TIMEOUT_S)
         done = self._call(handle, request, SCRUB_TIMEOUT_S + PING_TIMEOUT_S)
         if done.get("processes"):
             raise SandboxError(
@@ -518,7 +530,7 @@ class DockerBackend(agent.AgentBackend):
                 self.snapshots.copy_layer(layer, partial / LAYER)
             packed = self._call(
                 handle,
-                {"op": "pack", "to": f"{containers.SOCKET_DIR_IN_SANDBOX}/{PACKED_NAME}"},
+                protocol.pack_request(f"{containers.SOCKET_DIR_IN_SANDBOX}/{PACKED_NAME}"),
                 PACK_TIMEOUT_S,
             )
             shutil.move(socket_dir / PACKED_NAME, partial / ARCHIVE)
@@ -574,7 +586,7 @@ class DockerBackend(agent.AgentBackend):
         try:
             done = self._call(
                 handle,
-                {"op": "unpack", "path": f"{containers.SOCKET_DIR_IN_SANDBOX}/{PACKED_NAME}"},
+                protocol.unpack_request(f"{containers.SOCKET_DIR_IN_SANDBOX}/{PACKED_NAME}"),
                 PACK_TIMEOUT_S,
             )
         finally:

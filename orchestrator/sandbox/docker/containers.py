@@ -14,6 +14,7 @@ from orchestrator.sandbox.backend import SandboxSpec
 
 SOCKET_DIR_IN_SANDBOX = "/run/orchestrator"
 AGENT_IN_SANDBOX = "/opt/orchestrator/exec_agent.py"
+AGENT_PROTOCOL_IN_SANDBOX = "/opt/orchestrator/agent_protocol.py"
 # The agent's bytecode, compiled on the host (sandbox/agent/__init__.compiled_agent).
 AGENT_CACHE_IN_SANDBOX = "/opt/orchestrator/__pycache__"
 SOCKET_NAME = "agent.sock"

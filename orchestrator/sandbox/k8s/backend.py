@@ -26,7 +26,8 @@ from lightkube.resources.core_v1 import Event, Pod, Secret
 from orchestrator.config import Runtime, Settings
 from orchestrator.observability.logging import get_logger
 from orchestrator.sandbox import labels
-from orchestrator.sandbox.agent import EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import AGENT_PROTOCOL_PATH, EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import agent_protocol as protocol
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
@@ -89,7 +90,10 @@ class KubernetesBackend(agent.AgentBackend):
                     f"no Kubernetes configuration (in-cluster or KUBECONFIG): {exc}"
                 ) from exc
         self.client = client
-        self.agent_source = EXEC_AGENT_PATH.read_bytes()
+        self.agent_files = {
+            pods.AGENT_KEY: EXEC_AGENT_PATH.read_bytes(),
+            pods.PROTOCOL_KEY: AGENT_PROTOCOL_PATH.read_bytes(),
+        }
         self._endpoints: dict[str, Endpoint] = {}
         self._lock = threading.Lock()
 
@@ -130,7 +134,7 @@ class KubernetesBackend(agent.AgentBackend):
             # with the pod); the kubelet waits for the Secret before starting containers.
             uid = made.metadata.uid if made.metadata else None
             secret = pods.render_secret(
-                pod, token=token, agent_source=self.agent_source, owner_uid=uid
+                pod, token=token, agent_files=self.agent_files, owner_uid=uid
             )
             self._api("create sandbox secret", lambda: self.client.create(secret))
             ip = self._wait_ready(name, made)
@@ -237,7 +241,7 @@ class KubernetesBackend(agent.AgentBackend):
         deadline = time.monotonic() + self.settings.sandbox_start_timeout_s
         while True:
             try:
-                self._call(handle, agent.PING_REQUEST, PING_TIMEOUT_S)
+                self._call(handle, protocol.ping(), PING_TIMEOUT_S)
                 return
             except SandboxUnavailable as exc:
                 if time.monotonic() > deadline:

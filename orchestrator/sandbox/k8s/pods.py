@@ -47,6 +47,7 @@ from orchestrator.config import Settings
 from orchestrator.sandbox import labels
 from orchestrator.sandbox.agent import (
     AGENT_CAPABILITIES,
+    AGENT_LOADER,
     HOME_MB,
     SANDBOX_HOME,
     SANDBOX_UID,
@@ -59,6 +60,7 @@ CONTAINER = "sandbox"
 SEED_CONTAINER = "workspace-seed"
 AGENT_DIR = "/opt/orchestrator/agent"
 AGENT_KEY = "exec_agent.py"
+PROTOCOL_KEY = "agent_protocol.py"
 TOKEN_KEY = "token"  # noqa: S105 - the key of the Secret, not a secret
 SEED_MOUNT = "/seed"
 # The agent exits at once on SIGTERM and a sandbox holds nothing worth a graceful stop.
@@ -149,6 +151,10 @@ def agent_command(settings: Settings, spec: SandboxSpec, disk_mb: int, output_mb
         "python3",
         "-I",
         "-S",
+        # Loaded as a module from its directory, where its protocol module is (the Secret's
+        # volume): -I leaves a script's own directory off sys.path.
+        "-c",
+        AGENT_LOADER,
         f"{AGENT_DIR}/{AGENT_KEY}",
         "--listen",
         f"tcp:0.0.0.0:{settings.k8s_agent_port}",
@@ -326,6 +332,7 @@ def render_pod(
                         defaultMode=0o400,
                         items=[
                             KeyToPath(key=AGENT_KEY, path=AGENT_KEY),
+                            KeyToPath(key=PROTOCOL_KEY, path=PROTOCOL_KEY),
                             KeyToPath(key=TOKEN_KEY, path=TOKEN_KEY),
                         ],
                     ),
@@ -340,10 +347,11 @@ def _scratch_volume(index: int) -> str:
 
 
 def render_secret(
-    pod: Pod, *, token: str, agent_source: bytes, owner_uid: str | None = None
+    pod: Pod, *, token: str, agent_files: dict[str, bytes], owner_uid: str | None = None
 ) -> Secret:
-    """The sandbox's Secret: its token and the agent's code, owned by its pod (so
-    Kubernetes deletes it with the pod) once the pod's uid is known."""
+    """The sandbox's Secret: its token and the agent's code (``agent_files``: the agent and
+    its protocol module, by file name), owned by its pod (so Kubernetes deletes it with the
+    pod) once the pod's uid is known."""
     meta = pod.metadata
     assert meta is not None and meta.name is not None  # rendered by render_pod
     owners = None
@@ -361,6 +369,6 @@ def render_secret(
         immutable=True,
         data={
             TOKEN_KEY: base64.b64encode(token.encode()).decode(),
-            AGENT_KEY: base64.b64encode(agent_source).decode(),
+            **{name: base64.b64encode(code).decode() for name, code in agent_files.items()},
         },
     )
