@@ -75,7 +75,7 @@ class CallDispatcher:
             if ticket.state == TicketState.DONE:
                 return ToolCallDone.model_validate_json(ticket.result)
             if ticket.state == TicketState.QUEUED:
-                beat = await self.queue.heartbeats.get(host)
+                beat = await self.store.calls.heartbeat(host)
                 if beat is None or beat.draining:
                     await self._cancel(call, f"host {host!r} lost its worker", beat)
                 if time.monotonic() > deadline:
@@ -104,7 +104,7 @@ class CallDispatcher:
 
     async def check_running(self, rollout_id: str, call_id: str, host: str, ticket: Ticket) -> None:
         """Raise :class:`CallLost` if the worker instance running the call is gone."""
-        beat = await self.queue.heartbeats.get(host)
+        beat = await self.store.calls.heartbeat(host)
         if beat is None:
             # Gone only if it stays gone: a Redis that just restarted may have lost the
             # worker's last beat (AOF syncs every second), and the next one is on its way.
@@ -125,7 +125,7 @@ class CallDispatcher:
         deadline = time.monotonic() + beats * self.settings.heartbeat_interval_s
         while time.monotonic() < deadline:
             await asyncio.sleep(min(0.25, self.settings.heartbeat_interval_s / 4))
-            beat = await self.queue.heartbeats.get(host)
+            beat = await self.store.calls.heartbeat(host)
             if beat is not None:
                 return beat
         return None

@@ -33,9 +33,9 @@ import uuid
 from enum import StrEnum
 from typing import Any
 
-import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
+from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import TrajectoryStep
 from orchestrator.state.resp import AsyncConnection, Script, SyncConnection
@@ -289,16 +289,14 @@ OUTAGE_RETRY_S = 120.0
 
 
 class ApiCalls:
-    """The API's side: a call's start and end (on the call path's lean connection, one
-    round trip each), its stored reply; read its ticket, cancel it while queued, declare it
-    lost when the worker that claimed it is gone."""
+    """The API's side: a call's start and end (one round trip each), its stored reply; read
+    its ticket and its host's heartbeat while it waits, cancel it while queued, declare it
+    lost when the worker that claimed it is gone. Every command on the call path's lean
+    connection (state/resp.py), with its one retry policy: each is safe to run twice."""
 
-    def __init__(self, client: aioredis.Redis, connection: AsyncConnection, keys: Keys) -> None:
+    def __init__(self, connection: AsyncConnection, keys: Keys) -> None:
         self._keys = keys
-        self._redis = client
         self._connection = connection
-        self._cancel = client.register_script(CANCEL)
-        self._mark_lost = client.register_script(MARK_LOST)
 
     def _call_keys(self, rollout_id: str, call_id: str) -> list[str]:
         return [
@@ -382,22 +380,30 @@ class ApiCalls:
         return json.loads(stored) if stored else None
 
     async def stored_reply(self, rollout_id: str, call_id: str) -> dict[str, Any] | None:
-        raw = await self._redis.get(self._keys.call_reply(rollout_id, call_id))
+        key = self._keys.call_reply(rollout_id, call_id)
+        raw = await self._connection.call("GET", key, retry=True)
         return json.loads(raw) if raw else None
 
     async def read(self, rollout_id: str, call_id: str) -> Ticket:
-        raw = await self._redis.hgetall(self._keys.ticket(rollout_id, call_id))
-        return Ticket.from_hash(raw)
+        key = self._keys.ticket(rollout_id, call_id)
+        flat = await self._connection.call("HGETALL", key, retry=True)
+        return Ticket.from_hash(dict(zip(flat[::2], flat[1::2], strict=True)))
+
+    async def heartbeat(self, host: str) -> Heartbeat | None:
+        """The host's latest heartbeat, as the call's start reads it; None when it has
+        none (it stopped, or is lost)."""
+        raw = await self._connection.call("GET", self._keys.heartbeat(host), retry=True)
+        return Heartbeat.model_validate_json(raw) if raw else None
 
     async def cancel(self, rollout_id: str, call_id: str, attempt: str) -> str:
         """queued → cancelled, unless a worker claimed it first; the state after."""
         key = self._keys.ticket(rollout_id, call_id)
-        return _text(await self._cancel(keys=[key], args=[attempt]))
+        return _text(await _CANCEL.run(self._connection, [key], [attempt]))
 
     async def mark_lost(self, rollout_id: str, call_id: str, worker: str) -> str:
         """running (by ``worker``, now dead) → lost; the state after."""
         key = self._keys.ticket(rollout_id, call_id)
-        return _text(await self._mark_lost(keys=[key], args=[worker]))
+        return _text(await _MARK_LOST.run(self._connection, [key], [worker]))
 
 
 class WorkerCalls:
@@ -432,6 +438,8 @@ class WorkerCalls:
 
 _CLAIM = Script(CLAIM)
 _FINISH = Script(FINISH)
+_CANCEL = Script(CANCEL)
+_MARK_LOST = Script(MARK_LOST)
 
 
 def _text(value: Any) -> str:

@@ -264,7 +264,7 @@ class RolloutStore:
         self._call_path = AsyncConnection(redis_url, keys.client_name(role))
         self.waits = BlockingPool(redis_url, keys.client_name(role))
         self.keys = keys
-        self.calls = ApiCalls(self.redis, self._call_path, keys)
+        self.calls = ApiCalls(self._call_path, keys)
         self._create_script = self.redis.register_script(_CREATE)
         self._update_script = self.redis.register_script(_UPDATE)
         self._slot_script = self.redis.register_script(_TAKE_SLOT)
