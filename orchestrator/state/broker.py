@@ -42,7 +42,7 @@ from orchestrator.state.wire import ReplyT, Request, RequestT, Task, TaskName
 
 def make_celery(settings: Settings) -> Celery:
     keys = Keys.of(settings.deployment)
-    # The tasks register themselves where they are defined (:func:`task`): a worker
+    # The tasks register themselves where they are defined (:func:`handles`): a worker
     # process imports them through celery_main.py; the API publishes by name
     # (state/wire.TaskName) and never loads a worker's code.
     url = celery_url(settings.redis_url)
