@@ -52,6 +52,10 @@ def recycling_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> I
                         "tools": ["shell", "read_file"],
                         "grader": {"name": "file_f1"},
                         "pool_size": 1,
+                        # A pool of exactly one: sized by demand, a reaper pass that saw one
+                        # live rollout made it two (headroom), and a rollout then took the
+                        # refill's sandbox, not the recycled one this module follows.
+                        "pool_autosize": False,
                         # Never retired here (make flake-hunt repeats these tests on one
                         # sandbox): retiring is not what this module tests.
                         "max_reuses": 10_000,
@@ -126,8 +130,10 @@ def _wait_destroyed(sandbox_id: str, what: str) -> None:
     client = docker.from_env()
     try:
         label = f"orchestrator.sandbox={sandbox_id}"
+        # sparse: the listing alone (a full one inspects each container after listing it,
+        # and one removed in between raised NotFound).
         wait_for(
-            lambda: not client.containers.list(all=True, filters={"label": label}),
+            lambda: not client.containers.list(all=True, sparse=True, filters={"label": label}),
             timeout_s=60,
             what=what,
         )
