@@ -63,9 +63,8 @@ def compiled_agent(source: Path, cache_root: Path) -> Path:
     (about 20 ms of CPU of a sandbox's 250: bench/create_cost.py); any other Python finds
     no file of its tag and compiles the sources, as it always did."""
     sources = {"exec_agent": source, "agent_protocol": AGENT_PROTOCOL_PATH}
-    stamp = ";".join(
-        f"{path}:{path.stat().st_mtime_ns}:{path.stat().st_size}" for path in sources.values()
-    )
+    stats = {path: path.stat() for path in sources.values()}
+    stamp = ";".join(f"{path}:{st.st_mtime_ns}:{st.st_size}" for path, st in stats.items())
     key = hashlib.sha256(stamp.encode()).hexdigest()
     directory = cache_root / key[:16]
     for module, path in sources.items():

@@ -1738,7 +1738,7 @@ class Handler(socketserver.StreamRequestHandler):
                 # The command's output as it is printed, a line per piece, before the reply.
                 reply = protocol.ok(agent.exec(req, emit=self._emit))
             else:
-                reply = protocol.ok(_methods(agent)[op](req))
+                reply = protocol.ok(methods[op](req))
         except Exception as exc:  # noqa: BLE001 - every failure must reach the caller
             reply = protocol.refused(protocol.Refusal.FAILED, f"{type(exc).__name__}: {exc}")
         self.wfile.write(reply)
@@ -1748,8 +1748,8 @@ class Handler(socketserver.StreamRequestHandler):
         self.wfile.flush()
 
 
-def _methods(agent: Agent) -> dict[str, Any]:
-    """What answers each request, by its op."""
+def answers(agent: Agent) -> dict[str, Any]:
+    """What answers each request, by its op (made once, at the start)."""
     op = protocol.Op
     return {
         op.PING: agent.ping,
@@ -1893,10 +1893,11 @@ def log(message: str) -> None:
 
 
 agent: Agent
+methods: dict[str, Any]
 
 
 def main() -> None:
-    global agent, TOKEN
+    global agent, methods, TOKEN
     parser = argparse.ArgumentParser()
     parser.add_argument("--socket", default=None, help="Unix socket (same as --listen unix:)")
     parser.add_argument("--listen", default=None, help="unix:PATH or tcp:HOST:PORT")
@@ -1950,6 +1951,7 @@ def main() -> None:
     wrapper = shell_wrapper(args.limit_as_mb, args.limit_nproc)
     limits = Limits(args.limits, uid, args.limit_as_mb, args.limit_nproc)
     agent = Agent(uid, gid, args.home, args.preload, wrapper, limits, run_as)
+    methods = answers(agent)
     server = listen(address)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     how = f"through {run_as}" if run_as else "by fork"
