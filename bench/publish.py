@@ -4,7 +4,7 @@ side in one run, on the host's real Redis.
 
     python -m bench.publish [--messages 2000] [--rounds 3]
 
-Each round publishes ``--messages`` tool calls (a real ToolCall payload) with each variant
+Each round publishes ``--messages`` tool calls (a real RunOp payload) with each variant
 in turn, to a queue of a throwaway deployment that is deleted after:
 
 - ``send_task``: ``Celery.send_task`` by name with an expiry, the result ignored: kombu's
@@ -35,21 +35,19 @@ import redis
 
 from bench.common import write_report
 from orchestrator.config import Settings
-from orchestrator.sandbox.backend import SandboxHandle
+from orchestrator.sandbox.backend import ExecOp, SandboxHandle
 from orchestrator.state.broker import make_celery, task_message
 from orchestrator.state.keys import Keys
-from orchestrator.state.wire import TaskName, ToolCall
+from orchestrator.state.wire import RunOp, TaskName
 
 
-def _tool_call() -> ToolCall:
+def _tool_call() -> RunOp:
     now = datetime.now(UTC)
-    return ToolCall(
+    return RunOp(
         rollout_id=f"r-{uuid.uuid4().hex}",
         call_id=f"c-{uuid.uuid4().hex}",
         ticket=f"orch:bench:ticket:{uuid.uuid4().hex}",
         attempt=uuid.uuid4().hex,
-        environment="default",
-        environment_digest="0" * 64,
         handle=SandboxHandle(
             sandbox_id=f"sbx-{uuid.uuid4().hex[:12]}",
             backend="docker",
@@ -61,9 +59,7 @@ def _tool_call() -> ToolCall:
             created_at=now,
             expires_at=now + timedelta(hours=1),
         ),
-        tool="shell",
-        arguments={"command": "true"},
-        validated_arguments={"command": "true", "timeout_s": None},
+        op=ExecOp(command="true", timeout_s=30.0, output_budget_bytes=16384),
         enqueued_at=time.time(),
     )
 
@@ -93,7 +89,7 @@ def main() -> None:
     client = redis.Redis.from_url(settings.redis_url)
     payload = _tool_call().model_dump(mode="json")
     payload_json = json.dumps(payload, separators=(",", ":"))
-    name = TaskName.RUN_TOOL
+    name = TaskName.RUN_OP
 
     def send_task() -> None:
         app.send_task(name.value, args=[payload], queue=queue, expires=60, ignore_result=True)
@@ -142,7 +138,7 @@ def main() -> None:
         "|---|---|---|",
         *(f"| {label} | {row['cpu_us']} | {row['wall_us']} |" for label, row in rows.items()),
         "",
-        f"Payload: a ToolCall of {len(payload_json)} bytes of JSON. Both pushes left "
+        f"Payload: a RunOp of {len(payload_json)} bytes of JSON. Both pushes left "
         f"{lengths} messages on the queue (one each).",
     ]
     markdown = "\n".join(lines) + "\n"

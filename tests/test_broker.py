@@ -50,12 +50,12 @@ def test_the_message_is_the_one_celery_publishes(scratch: tuple[Settings, str]) 
     client = redis.Redis.from_url(settings.redis_url)
     try:
         app.send_task(
-            TaskName.RUN_TOOL.value, args=[payload], queue=queue, expires=30, ignore_result=True
+            TaskName.RUN_OP.value, args=[payload], queue=queue, expires=30, ignore_result=True
         )
         theirs = _pushed(client, queue)
         client.lpush(
             queue,
-            task_message(app, TaskName.RUN_TOOL, json.dumps(payload), queue=queue, expires_s=30),
+            task_message(app, TaskName.RUN_OP, json.dumps(payload), queue=queue, expires_s=30),
         )
         ours = _pushed(client, queue)
     finally:
@@ -88,7 +88,7 @@ def test_a_real_worker_runs_it(scratch: tuple[Settings, str]) -> None:
     def echo(payload: dict[str, Any]) -> None:
         seen.append(payload)
 
-    message = task_message(app, TaskName.RUN_TOOL, '{"x": 1}', queue=queue, expires_s=60)
+    message = task_message(app, TaskName.RUN_OP, '{"x": 1}', queue=queue, expires_s=60)
     # The same envelope, naming the throwaway task.
     envelope = json.loads(message)
     envelope["headers"]["task"] = echo_name

@@ -14,11 +14,19 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from orchestrator.config import Settings
-from orchestrator.state.calls import DUPLICATE_DELIVERY, CallStartStatus, TicketState, WorkerCalls
+from orchestrator.state.calls import (
+    DUPLICATE_DELIVERY,
+    CallStartStatus,
+    Dispatch,
+    DispatchOutcome,
+    TicketState,
+    WorkerCalls,
+)
 from orchestrator.state.connection import call_path_connection
 from orchestrator.state.forget import forget_deployment
 from orchestrator.state.keys import Keys
 from orchestrator.state.records import RolloutStore
+from orchestrator.state.wire import WIRE_VERSION
 
 pytestmark = pytest.mark.anyio
 
@@ -183,3 +191,58 @@ async def test_a_call_for_a_sandbox_the_rollout_no_longer_has_changes_nothing(
         "r1", "c1", lock_ttl_s=30, reply_to=keys.reply("r1"), sandbox_id="sbx-new"
     )
     assert start.status == CallStartStatus.RUN and start.seq == 1
+
+
+@pytest.mark.parametrize(
+    ("beat", "sent"),
+    [
+        ({"draining": False}, False),  # a worker of a release before the wire was in beats
+        ({"draining": False, "wire": WIRE_VERSION - 1}, False),
+        ({"draining": False, "wire": WIRE_VERSION}, True),
+        ({"draining": True, "wire": WIRE_VERSION}, False),
+    ],
+)
+async def test_a_call_is_sent_only_to_a_worker_that_speaks_its_wire(
+    store: RolloutStore, keys: Keys, beat: dict[str, object], sent: bool
+) -> None:
+    """An upgrade mixes releases: a worker that could not run this release's message is
+    never sent it, and the call is a never-run (its ticket queued, for the caller to
+    cancel and answer 503), not a message no handler takes."""
+    await store.redis.set(keys.heartbeat("h1"), json.dumps(beat))
+    dispatch = Dispatch(
+        heartbeat_key=keys.heartbeat("h1"),
+        queue=keys.host_queue("h1"),
+        message="the-message",
+        wire=WIRE_VERSION,
+    )
+    start = await store.calls.begin(
+        "r1", "c1", lock_ttl_s=30, reply_to=keys.reply("r1"), dispatch=dispatch
+    )
+    assert start.status == CallStartStatus.RUN
+    queued = [
+        m.decode() if isinstance(m, bytes) else m
+        for m in await store.redis.lrange(keys.host_queue("h1"), 0, -1)
+    ]
+    if sent:
+        assert start.dispatch == DispatchOutcome.SENT and queued == ["the-message"]
+    else:
+        assert start.dispatch == DispatchOutcome.NO_WORKER and queued == []
+        assert json.loads(start.heartbeat) == beat
+    await store.redis.delete(keys.host_queue("h1"))
+
+
+async def test_a_worker_refuses_an_earlier_release_call_unrun(
+    store: RolloutStore, workers: WorkerCalls, keys: Keys
+) -> None:
+    """A worker given a message it cannot run (an earlier API's) cancels its ticket: that
+    API's wait reads it as never run; a call claimed or superseded meanwhile is left be."""
+    _, _, attempt = await _begin(store)
+    key = keys.ticket("r1", "c1")
+    assert workers.refuse(key, "another-attempt") == TicketState.QUEUED
+    assert workers.refuse(key, attempt) == TicketState.CANCELLED
+    assert workers.claim(key, attempt, "w1", time.time(), "d1") == "cancelled"
+    await store.calls.end("r1", "c1", attempt, reply=None, step=None)
+    _, _, running = await _begin(store, "c2")
+    key2 = keys.ticket("r1", "c2")
+    assert workers.claim(key2, running, "w1", time.time(), "d2") == "running"
+    assert workers.refuse(key2, running) == TicketState.RUNNING

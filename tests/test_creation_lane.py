@@ -18,7 +18,7 @@ from orchestrator.queue.lane import GroupedLane
 from orchestrator.rollouts.models import rollout_group
 from orchestrator.state.models import RolloutSource
 from orchestrator.state.pools import PoolFiller
-from orchestrator.state.wire import CreateSandbox, ToolCall
+from orchestrator.state.wire import CreateSandbox, RunOp
 
 
 class Recorder:
@@ -129,7 +129,7 @@ def test_background_work_waits_for_the_hosts_calls_to_pause() -> None:
     a new rollout waits for the reset's pool, and waits no longer than its bound."""
     pools = cast(PoolFiller, _Pools({"awaited-pool"}))
     host = worker.Host(Settings(background_yield_s=0.6), pool_filler=pools)
-    call = cast(ToolCall, SimpleNamespace(ticket="t1"))  # (only its ticket is read)
+    call = cast(RunOp, SimpleNamespace(ticket="t1"))  # (only its ticket is read)
     assert host.yield_to_calls("refill") < 0.05  # nothing runs
     with host.in_flight.running(call):
         assert 0.55 < host.yield_to_calls("refill") < 1.5  # its bound

@@ -22,6 +22,7 @@ from orchestrator.sandbox.agent import exec_agent
 from orchestrator.sandbox.agent.exec_agent import Capture
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
+    ExecOp,
     ExecResult,
     FileAction,
     FileError,
@@ -29,6 +30,7 @@ from orchestrator.sandbox.backend import (
     LimitHit,
     ProbeResult,
     ReadFileResult,
+    ReadOp,
     SandboxBackend,
     SandboxError,
     SandboxHandle,
@@ -36,6 +38,7 @@ from orchestrator.sandbox.backend import (
     SandboxUnavailable,
     StreamCapture,
 )
+from orchestrator.state.wire import InfraFault, OpDone, RunOp, SandboxKilled
 from orchestrator.tools import (
     TOOLS,
     ReadFileArgs,
@@ -45,7 +48,6 @@ from orchestrator.tools import (
     run_tool,
     tool_schemas,
 )
-from orchestrator.tools.base import InvalidArguments
 from orchestrator.tools.read_file import workspace_relative
 from orchestrator.tools.shaping import (
     MARKER_MAX_BYTES,
@@ -1078,34 +1080,55 @@ def test_tool_schemas_are_json_serialisable() -> None:
     json.dumps(tool_schemas(SETTINGS, strict=True))
 
 
-# -- validated once (issue 12): the worker runs what the API parsed -----------------------
+# -- tools decided on the API side (issue 33): the worker runs an operation, not a tool ----
 
 
 @pytest.mark.parametrize(
-    ("name", "raw"),
+    ("name", "raw", "files"),
     [
-        ("shell", '{"command": "ls -la", "timeout_s": 5}'),
-        ("shell", {"command": "echo hi"}),
-        ("read_file", {"path": "src/main.py", "start_line": 2, "end_line": 9}),
+        ("shell", '{"command": "ls -la", "timeout_s": 5}', {}),
+        ("shell", {"command": "echo hi"}, {}),
+        ("read_file", {"path": "src/main.py", "start_line": 2, "end_line": 9}, None),
+        ("read_file", {"path": "missing.py"}, {}),
     ],
 )
-def test_arguments_validated_by_the_api_run_the_same_unparsed(name: str, raw: Any) -> None:
+def test_a_call_split_across_the_wire_is_the_call_run_whole(
+    name: str, raw: Any, files: dict[str, str] | None
+) -> None:
+    """The API parses, decides the operation and shapes its result; the worker runs the
+    operation from its JSON, knowing no tool: the same as running the tool in one place."""
     tool = get_tool(name)
+    files = {"src/main.py": "".join(f"line {n}\n" for n in range(20))} if files is None else files
     parsed = tool.parse(raw, SETTINGS)
-    # What the API puts in the task message, and what the worker makes of it.
-    sent = json.loads(json.dumps(parsed.model_dump(mode="json")))
-    again = tool.validated(sent)
-    assert again == parsed
-    by_worker, by_parse = FakeBackend(), FakeBackend()
-    kept = tool.run_parsed(by_worker, HANDLE, again, SETTINGS)
-    whole = tool.run(by_parse, HANDLE, raw, SETTINGS)
-    assert by_worker.calls == by_parse.calls
-    assert kept.output == whole.output and kept.outcome == whole.outcome
+    request = RunOp(
+        rollout_id="r",
+        call_id="c",
+        ticket="t",
+        attempt="a",
+        handle=HANDLE,
+        op=tool.operation(parsed, SETTINGS),
+        enqueued_at=0.0,
+    )
+    sent = RunOp.model_validate_json(request.model_dump_json())
+    by_worker, by_tool = FakeBackend(files=files), FakeBackend(files=files)
+    done = OpDone(outcome=by_worker.run_op(sent.handle, sent.op))
+    back = OpDone.model_validate_json(done.model_dump_json())
+    assert not isinstance(back.outcome, (InfraFault, SandboxKilled))
+    split = tool.result(parsed, SETTINGS, back.outcome)
+    whole = tool.run(by_tool, HANDLE, raw, SETTINGS)
+    assert by_worker.calls == by_tool.calls
+    assert split.model_dump(exclude={"duration_ms"}) == whole.model_dump(exclude={"duration_ms"})
+    if name == "read_file" and not files:
+        assert split.outcome == Outcome.AGENT_ERROR and split.error_kind == "not_found"
 
 
-def test_validated_arguments_are_not_validated_again() -> None:
-    """The worker trusts the API's validation: a value the model would refuse passes."""
-    tool = get_tool("shell")
-    with pytest.raises(InvalidArguments):
-        tool.parse({"command": ""}, SETTINGS)
-    assert tool.validated({"command": "", "timeout_s": None}).command == ""
+def test_an_operation_carries_the_limits_the_api_decided() -> None:
+    """The command's timeout and the output budget travel in the operation: the worker
+    needs no settings of its own (Agent RFT's capped timeout included)."""
+    capped = SETTINGS.model_copy(update={"command_timeout_s": 7.0, "output_budget_bytes": 999})
+    op = get_tool("shell").operation(get_tool("shell").parse({"command": "x"}, capped), capped)
+    assert isinstance(op, ExecOp)
+    assert (op.timeout_s, op.output_budget_bytes) == (7.0, 999)
+    read = get_tool("read_file")
+    op = read.operation(read.parse({"path": "a"}, capped), capped)
+    assert isinstance(op, ReadOp) and op.max_bytes == 999

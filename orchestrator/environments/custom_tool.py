@@ -9,9 +9,10 @@ Each call:
 2. renders the argv (see :class:`~orchestrator.environments.models.CustomToolConfig` for the
    placeholder rules) - a list handed to the backend, which runs it with no shell parsing,
    so ``$(id)``, ``; rm -rf /`` or a newline in an argument are only ever data;
-3. runs it with :meth:`SandboxBackend.exec` and formats the result exactly like ``shell``
-   does (:func:`~orchestrator.tools.shell.format_exec_result`), except that a timeout's
-   status line does not suggest a ``timeout_s`` argument the tool does not have.
+3. runs it in the sandbox (an :class:`~orchestrator.sandbox.backend.ExecOp`) and formats
+   the result exactly like ``shell`` does
+   (:func:`~orchestrator.tools.shell.format_exec_result`), except that a timeout's status
+   line does not suggest a ``timeout_s`` argument the tool does not have.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from orchestrator.environments.models import (
     Placeholder,
     parse_template,
 )
-from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle
+from orchestrator.sandbox.backend import ExecOp, OpResult
 from orchestrator.tools.base import (
     JSON_TYPE_NAMES,
     MAX_LISTED_ERRORS,
@@ -43,6 +44,7 @@ from orchestrator.tools.base import (
     ToolResult,
     clean_schema,
     decode_arguments,
+    exec_result,
 )
 from orchestrator.tools.shell import format_exec_result
 
@@ -282,21 +284,23 @@ class CommandTool(Tool[CommandArgs]):
     def command_timeout_s(self, args: CommandArgs, settings: Settings) -> float:
         return self.timeout_s(settings)
 
-    def execute(
-        self, backend: SandboxBackend, handle: SandboxHandle, args: CommandArgs, settings: Settings
-    ) -> ToolResult:
-        """Run the rendered argv in the sandbox; shaped like ``shell``'s output."""
-        timeout = self.timeout_s(settings)
-        result = backend.exec(
-            handle,
-            args.argv,
-            timeout_s=timeout,
+    def operation(self, args: CommandArgs, settings: Settings) -> ExecOp:
+        """Its rendered argv, run in the sandbox."""
+        return ExecOp(
+            command=args.argv,
+            timeout_s=self.timeout_s(settings),
             output_budget_bytes=settings.output_budget_bytes,
             cwd=self.config.cwd or WORKSPACE,
         )
+
+    def shape(self, args: CommandArgs, settings: Settings, ran: OpResult) -> ToolResult:
+        """Shaped like ``shell``'s output."""
         # shell's advice is to raise timeout_s, which this tool does not take.
         return format_exec_result(
-            result, timeout, settings, timeout=(self.name, "Try narrower arguments.")
+            exec_result(ran),
+            self.timeout_s(settings),
+            settings,
+            timeout=(self.name, "Try narrower arguments."),
         )
 
     # -- schema ---------------------------------------------------------------------------------

@@ -29,7 +29,11 @@ from orchestrator.queue import worker
 from orchestrator.sandbox import testrun
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
+    ExecOp,
+    ExecRan,
     FileError,
+    FileRead,
+    FileRefused,
     InputClosed,
     ProbeResult,
     SandboxError,
@@ -49,19 +53,24 @@ from orchestrator.state.wire import (
     CreateSandbox,
     DestroySandbox,
     DropSnapshot,
+    EarlierToolCall,
     FileOpReply,
     FileOpRequest,
+    InfraFault,
     InputSent,
     MeasureSandbox,
     Nothing,
+    OpDone,
     ProbeSandbox,
     RecycleSandbox,
     ReplyT,
     RequestT,
+    RunOp,
     RunTests,
     RunTestsReply,
     SandboxCreated,
     SandboxDestroyed,
+    SandboxKilled,
     SandboxMeasured,
     SendInput,
     SignalExec,
@@ -71,11 +80,7 @@ from orchestrator.state.wire import (
     SnapshotSandbox,
     Task,
     Tasks,
-    ToolCall,
-    ToolCallDone,
 )
-from orchestrator.tools.base import ToolResult, agent_error
-from orchestrator.tools.command import CommandTool
 
 log = get_logger(__name__)
 
@@ -186,19 +191,19 @@ def _set_up(spec: SandboxSpec) -> None:
         raise SandboxError(f"cannot set {wanted.label} up on this host: {exc}") from exc
 
 
-@handles(Tasks.RUN_TOOL)
-def run_tool(call: ToolCall) -> None:
-    """Run one tool call, at most once: only after claiming its ticket, whose result then
-    outlives this process (state/calls.py). The reply goes to the attempt the ticket
-    names, which may be a retry of the one that sent this message."""
+@handles(Tasks.RUN_OP)
+def run_op(call: RunOp) -> None:
+    """Run one tool call's sandbox operation, at most once: only after claiming its ticket,
+    whose result then outlives this process (state/calls.py). The reply goes to the attempt
+    the ticket names, which may be a retry of the one that sent this message."""
     started = time.time()
     with rollout_context(
         call.rollout_id, trace_id=call.trace_id, sandbox_id=call.handle.sandbox_id
     ):
-        _run_tool(call, started)
+        _run_op(call, started)
 
 
-def _run_tool(call: ToolCall, started: float) -> None:
+def _run_op(call: RunOp, started: float) -> None:
     host = worker.current()
     # This delivery's own claim: a message the broker delivered twice must still run once.
     delivery = uuid.uuid4().hex
@@ -210,10 +215,15 @@ def _run_tool(call: ToolCall, started: float) -> None:
         return
     with host.in_flight.running(call):
         try:
-            done = _run_claimed(call, started)
+            outcome = _run_claimed(call)
         except Exception as exc:  # our bug: an infra fault with its evidence, not a hang
             log.exception("tool.crashed", rollout_id=call.rollout_id, call_id=call.call_id)
-            done = ToolCallDone(infra_error=f"the worker failed to run the call: {exc!r}")
+            outcome = InfraFault(error=f"the worker failed to run the call: {exc!r}")
+    done = OpDone(
+        outcome=outcome,
+        queue_ms=max(0.0, (started - call.enqueued_at) * 1000),
+        exec_ms=(time.time() - started) * 1000,
+    )
     # The result goes onto the ticket and to the caller's reply list in one step.
     state, _ = host.calls.finish(call.ticket, host.instance, done.model_dump_json(), time.time())
     if state != TicketState.DONE:
@@ -222,44 +232,24 @@ def _run_tool(call: ToolCall, started: float) -> None:
     # Celery would make a repr of a returned one (up to the output budget) on every call.
 
 
-# Agent-caused limits after which the sandbox is probed: a limit the agent hit must not
-# have taken the sandbox with it unnoticed.
-_PROBE_AFTER = {"timeout", "memory_limit", "pids_limit", "disk_limit"}
+# Limits after which the sandbox is probed (a read refused as pids_limit included): a
+# limit the agent hit must not have taken the sandbox with it unnoticed.
+_PROBE_AFTER = {"timeout", "memory", "pids", "disk"}
 
 
-def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
+def _run_claimed(call: RunOp) -> ExecRan | FileRead | FileRefused | SandboxKilled | InfraFault:
     host = worker.current()
-    queue_ms = max(0.0, (started - call.enqueued_at) * 1000)
-    resolved = host.environment_of(call)
-    # The API let only an E2B client call a client tool (rollouts/calls.py).
-    tool = resolved.tool(call.tool, clients=True)
-    if tool is None:
-        raise LookupError(f"environment {resolved.environment.name!r} has no tool {call.tool!r}")
-    tool_settings = resolved.tool_settings(
-        host.settings.with_command_cap(call.command_timeout_max_s)
-    )
-
-    def finished(**fields: Any) -> ToolCallDone:
-        return ToolCallDone(queue_ms=queue_ms, exec_ms=(time.time() - started) * 1000, **fields)
-
     try:
-        if call.validated_arguments is not None:  # validated once, by the API
-            args = tool.validated(call.validated_arguments)
-            if call.stream_key is not None and isinstance(tool, CommandTool):
-                sink = OutputSink(host.redis, call.stream_key)
-                result = tool.run_parsed(
-                    host.backend, call.handle, args, tool_settings, on_output=sink
-                )
-            else:
-                result = tool.run_parsed(host.backend, call.handle, args, tool_settings)
+        if call.stream_key is not None and isinstance(call.op, ExecOp):
+            ran = host.backend.run_op(call.handle, call.op, OutputSink(host.redis, call.stream_key))
         else:
-            result = tool.run(host.backend, call.handle, call.arguments, tool_settings)
+            ran = host.backend.run_op(call.handle, call.op)
     except SandboxError as exc:
         probe = _probe(call.handle)
         if probe.agent_caused:
             # The agent's own doing took the whole sandbox down (gVisor ends the sandbox
             # at its memory limit): scored as the agent's mistake, with what is lost.
-            return finished(result=_killed_by_agent(probe, tool_settings.output_budget_bytes))
+            return SandboxKilled(cause=probe.agent_caused, detail=probe.detail or probe.state)
         log.error(
             "tool.infra_error",
             rollout_id=call.rollout_id,
@@ -268,35 +258,47 @@ def _run_claimed(call: ToolCall, started: float) -> ToolCallDone:
             error=str(exc),
             probe=probe.model_dump(mode="json"),
         )
-        return finished(
-            infra_error=f"{type(exc).__name__}: {exc}",
-            evidence={"probe": probe.model_dump(mode="json")},
+        return InfraFault(
+            error=f"{type(exc).__name__}: {exc}", evidence={"probe": probe.model_dump(mode="json")}
         )
-    if result.error_kind in _PROBE_AFTER:
+    hit = _limits_hit(ran)
+    if hit:
         probe = _probe(call.handle)
         if not (probe.alive and probe.agent_ok) and not probe.agent_caused:
             log.error(
                 "tool.sandbox_unhealthy_after_limit",
                 rollout_id=call.rollout_id,
                 sandbox_id=call.handle.sandbox_id,
-                limit=result.error_kind,
+                limit=hit,
                 probe=probe.model_dump(mode="json"),
             )
-            return finished(
-                infra_error=f"the sandbox is unhealthy after a {result.error_kind}: "
-                f"{probe.detail or probe.state}",
+            return InfraFault(
+                error=f"the sandbox is unhealthy after a {hit}: {probe.detail or probe.state}",
                 evidence={"probe": probe.model_dump(mode="json")},
             )
-    return finished(result=result)
+    return ran
 
 
-def _killed_by_agent(probe: ProbeResult, budget: int) -> ToolResult:
-    cause = probe.agent_caused or "limit"
-    message = (
-        f"the sandbox was killed ({cause.replace('_', ' ')}: {probe.detail or probe.state}); "
-        "it cannot run commands any more in this rollout"
-    )
-    return agent_error(message, cause, budget=budget)
+def _limits_hit(ran: ExecRan | FileRead | FileRefused) -> str:
+    """The limit the operation hit after which its sandbox is probed ('' none): its error
+    kind (memory_limit, timeout, ...), as the API will name it."""
+    if isinstance(ran, FileRefused):
+        return ran.error if ran.error == "pids_limit" else ""
+    if isinstance(ran, ExecRan):
+        hit = [kind for kind in ran.result.limits_hit if kind in _PROBE_AFTER]
+        if hit:
+            return "timeout" if hit[0] == "timeout" else f"{hit[0]}_limit"
+    return ""
+
+
+@handles(Tasks.EARLIER_TOOL_CALL)
+def refuse_tool_call(call: EarlierToolCall) -> None:
+    """A tool call from an API of an earlier release (the tool, not its operation), during
+    an upgrade that mixes releases: cancelled unrun, so that API answers it as never run (a
+    503 to retry) within a second instead of waiting out the call's bound."""
+    with rollout_context(call.rollout_id):
+        state = worker.current().calls.refuse(call.ticket, call.attempt)
+        log.warning("tool.refused_earlier_wire", call_id=call.call_id, ticket=state)
 
 
 def _probe(handle: SandboxHandle) -> ProbeResult:

@@ -17,11 +17,7 @@ from typing import Any, Generic, TypeVar, overload
 from pydantic import BaseModel
 
 from orchestrator.config import Settings, get_settings
-from orchestrator.environments.loader import (
-    EnvironmentRegistry,
-    ResolvedEnvironment,
-    load_environments,
-)
+from orchestrator.environments.loader import EnvironmentRegistry, load_environments
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import get_logger
 from orchestrator.outcomes import Cause
@@ -37,9 +33,8 @@ from orchestrator.state.heartbeat import Heartbeat, HeartbeatWriter, HostFinding
 from orchestrator.state.keys import Keys
 from orchestrator.state.pool_sizing import targets
 from orchestrator.state.pools import PoolFiller
-from orchestrator.state.records import pinned_environment
 from orchestrator.state.snapshots import kept_snapshots
-from orchestrator.state.wire import Request, ToolCall, ToolCallDone
+from orchestrator.state.wire import WIRE_VERSION, InfraFault, OpDone, Request, RunOp
 
 log = get_logger(__name__)
 
@@ -118,12 +113,12 @@ class InFlight:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._calls: dict[str, ToolCall] = {}
+        self._calls: dict[str, RunOp] = {}
         self._last_end = 0.0
         self.draining = False
 
     @contextmanager
-    def running(self, call: ToolCall) -> Iterator[None]:
+    def running(self, call: RunOp) -> Iterator[None]:
         with self._lock:
             self._calls[call.ticket] = call
         try:
@@ -139,7 +134,7 @@ class InFlight:
         with self._lock:
             return bool(self._calls) or time.monotonic() - self._last_end < quiet_s
 
-    def snapshot(self) -> list[ToolCall]:
+    def snapshot(self) -> list[RunOp]:
         with self._lock:
             return list(self._calls.values())
 
@@ -237,18 +232,6 @@ class Host:
 
     # -- calls and replies ---------------------------------------------------------------
 
-    def environment_of(self, call: ToolCall) -> ResolvedEnvironment:
-        """The environment the call's rollout was pinned to when it started: this worker's
-        own configuration when it is the same, else the snapshot kept in the rollout's
-        record (read once per digest)."""
-
-        def snapshot() -> str:
-            return pinned_environment(self.redis, self.keys, call.rollout_id)
-
-        return self.environments.pinned(
-            call.environment_digest, snapshot, image=call.handle.image, codebase=None
-        )
-
     def reply(self, request: Request, result: BaseModel) -> None:
         """Push a task's reply to the list its caller waits on, if one does (see
         state/replies.py)."""
@@ -260,10 +243,12 @@ class Host:
         hanging."""
         aborted = 0
         for call in self.in_flight.snapshot():
-            done = ToolCallDone(
-                infra_error=f"worker stopped: {reason}",
-                cause=Cause.WORKER_STOPPED,
-                evidence={"host": call.handle.host},
+            done = OpDone(
+                outcome=InfraFault(
+                    error=f"worker stopped: {reason}",
+                    cause=Cause.WORKER_STOPPED,
+                    evidence={"host": call.handle.host},
+                )
             )
             state, _ = self.calls.finish(
                 call.ticket, self.instance, done.model_dump_json(), time.time()
@@ -448,6 +433,7 @@ class Host:
             instance=self.instance,
             time=time.time(),
             running_calls=len(self.in_flight.snapshot()),
+            wire=WIRE_VERSION,
             draining=self.in_flight.draining,
             cordon_reasons=reasons,
             schedulable=not reasons,

@@ -47,8 +47,14 @@ from orchestrator.state.calls import CallStartStatus, DispatchOutcome, TicketSta
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import WorkerClient
-from orchestrator.state.wire import ToolCall, ToolCallDone
-from orchestrator.tools.base import InvalidArguments, ToolResult, agent_error
+from orchestrator.state.wire import InfraFault, OpDone, RunOp, SandboxKilled
+from orchestrator.tools.base import (
+    InvalidArguments,
+    Tool,
+    ToolResult,
+    agent_error,
+    sandbox_killed,
+)
 from orchestrator.tools.shell import LIMIT_KINDS
 
 
@@ -58,11 +64,14 @@ class PendingCall:
 
     rollout: Rollout
     resolved: ResolvedEnvironment
-    tool: str
+    tool_name: str
+    tool: Tool[Any]
     arguments: Any
     """As the agent sent them (the trajectory keeps these)."""
     parsed: BaseModel
-    """As the tool validated them (the worker runs these)."""
+    """As the tool validated them: what its operation and its result are made of."""
+    tool_settings: Settings
+    """The settings the tool sees (the environment's output budget; Agent RFT: capped)."""
     call_id: str
     received: float  # time.monotonic() when the request came
     started_at: datetime
@@ -80,7 +89,9 @@ class CallCheck:
 
     early: CallReply | None = None
     command_timeout_s: float = 0.0
+    tool: Tool[Any] | None = None
     parsed: BaseModel | None = None
+    tool_settings: Settings | None = None
 
 
 class ToolCalls:
@@ -181,13 +192,15 @@ class ToolCalls:
                 )
             if rollout.sandbox is not None:
                 self._active.put(rollout, resolved)
-        assert check.parsed is not None
+        assert check.tool is not None and check.parsed is not None and check.tool_settings
         pending = PendingCall(
             rollout=rollout,
             resolved=resolved,
-            tool=tool_name,
+            tool_name=tool_name,
+            tool=check.tool,
             arguments=arguments,
             parsed=check.parsed,
+            tool_settings=check.tool_settings,
             call_id=call_id,
             received=received,
             started_at=started_at,
@@ -218,7 +231,8 @@ class ToolCalls:
         """Run the call once, or give back what its other attempt did (a retry racing
         its original, or one whose first waiter died: the result is on its ticket)."""
         rollout, rollout_id, call_id = call.rollout, call.rollout.rollout_id, call.call_id
-        lock_ttl = call_bound_s(call.settings) + 60
+        bound = call_bound_s(call.settings)
+        lock_ttl = bound + 60
         deadline = time.monotonic() + lock_ttl
         reply_key = self.queue.reply_key()
         budget = call.resolved.environment.tool_call_budget
@@ -233,7 +247,7 @@ class ToolCalls:
                 lock_ttl_s=lock_ttl,
                 reply_to=reply_key,
                 token=payload.attempt,
-                dispatch=self.dispatcher.prepare(payload, budget),
+                dispatch=self.dispatcher.prepare(payload, budget, bound),
                 sandbox_id=rollout.sandbox.sandbox_id if rollout.sandbox else "",
             )
             if start.status == CallStartStatus.STORED:
@@ -252,7 +266,7 @@ class ToolCalls:
             # Another attempt of this call is under way.
             ticket = await self.store.calls.read(rollout_id, call_id)
             if ticket.state == TicketState.DONE:
-                finished = ToolCallDone.model_validate_json(ticket.result)
+                finished = OpDone.model_validate_json(ticket.result)
                 return await self._settle(call, ticket.seq, "", finished)
             if ticket.state == TicketState.RUNNING and rollout.sandbox is not None:
                 try:
@@ -267,15 +281,17 @@ class ToolCalls:
                 raise CallPending(rollout_id)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)
-        done: ToolCallDone | None = None
+        done: OpDone | ToolResult | None = None
         try:
             if start.status == CallStartStatus.DONE:
                 ticket = await self.store.calls.read(rollout_id, call_id)
-                done = ToolCallDone.model_validate_json(ticket.result)
+                done = OpDone.model_validate_json(ticket.result)
             elif start.dispatch == DispatchOutcome.OVER_BUDGET:
                 done = self._over_budget(call)
             else:
-                done = await self.dispatcher.run(payload, reply_key=reply_key, start=start)
+                done = await self.dispatcher.run(
+                    payload, reply_key=reply_key, start=start, bound_s=bound
+                )
         except CallLost as exc:
             raise await self._lost(exc) from exc
         finally:
@@ -283,36 +299,29 @@ class ToolCalls:
                 await self.store.calls.end(rollout_id, call_id, start.token, reply=None, step=None)
         return await self._settle(call, start.seq, start.token, done)
 
-    def _over_budget(self, call: PendingCall) -> ToolCallDone:
+    def _over_budget(self, call: PendingCall) -> ToolResult:
         """The answer to a call past its rollout's tool-call budget: never sent."""
         environment = call.resolved.environment
-        return ToolCallDone(
-            result=agent_error(
-                f"the tool-call budget of {environment.tool_call_budget} calls for this "
-                "rollout is spent; give your final answer now",
-                "budget_exhausted",
-                budget=environment.effective_output_budget(self.settings),
-            )
+        return agent_error(
+            f"the tool-call budget of {environment.tool_call_budget} calls for this "
+            "rollout is spent; give your final answer now",
+            "budget_exhausted",
+            budget=environment.effective_output_budget(self.settings),
         )
 
-    def _payload(self, call: PendingCall, *, attempt: str) -> ToolCall:
-        """The task of this attempt of the call, for its host's worker."""
-        rollout, resolved = call.rollout, call.resolved
+    def _payload(self, call: PendingCall, *, attempt: str) -> RunOp:
+        """The task of this attempt of the call, for its host's worker: the tool's
+        operation, decided here, which the worker runs without knowing the tool."""
+        rollout = call.rollout
         assert rollout.sandbox is not None
-        return ToolCall(
+        return RunOp(
             rollout_id=rollout.rollout_id,
             trace_id=rollout.rollout_id,
             call_id=call.call_id,
             ticket=self.keys.ticket(rollout.rollout_id, call.call_id),
             attempt=attempt,
-            environment=resolved.environment.name,
-            environment_digest=resolved.environment.digest,
             handle=rollout.sandbox,
-            tool=call.tool,
-            arguments=call.arguments,
-            # Validated once, here: the worker runs these as they are.
-            validated_arguments=call.parsed.model_dump(mode="json"),
-            command_timeout_max_s=call.settings.command_timeout_max_s,
+            op=call.tool.operation(call.parsed, call.tool_settings),
             stream_key=call.stream_key,
             enqueued_at=time.time(),
         )
@@ -363,7 +372,10 @@ class ToolCalls:
             try:
                 args = tool.parse(arguments, tool_settings)
                 return CallCheck(
-                    command_timeout_s=tool.command_timeout_s(args, tool_settings), parsed=args
+                    command_timeout_s=tool.command_timeout_s(args, tool_settings),
+                    tool=tool,
+                    parsed=args,
+                    tool_settings=tool_settings,
                 )
             except InvalidArguments as exc:
                 result = agent_error(exc.message, "invalid_arguments", budget=budget)
@@ -384,25 +396,37 @@ class ToolCalls:
             )
 
     async def _settle(
-        self, call: PendingCall, seq: int, token: str, done: ToolCallDone
+        self, call: PendingCall, seq: int, token: str, done: OpDone | ToolResult
     ) -> CallReply:
         """Store a finished call's reply and trajectory step (the first stored wins) and
-        return it; an infrastructure fault marks the rollout infra_failed instead."""
+        return it; an infrastructure fault marks the rollout infra_failed instead. ``done``:
+        what the call's operation did, shaped here by its tool; or a result given without
+        running it (past the budget)."""
         rollout, rollout_id, call_id = call.rollout, call.rollout.rollout_id, call.call_id
-        if done.result is None:
-            await self.store.calls.end(rollout_id, call_id, token, reply=None, step=None)
-            message = done.infra_error or "tool call failed"
-            raise await self.closer.fail(rollout_id, done.cause, message, done.evidence)
-        result = done.result
-        ran = rollout.sandbox is not None and (done.queue_ms or done.exec_ms)
-        queue_ms = round(done.queue_ms, 2) if ran else None
-        exec_ms = round(done.exec_ms, 2) if ran else None
+        queue_ms = exec_ms = None
+        if isinstance(done, ToolResult):
+            result = done
+        else:
+            outcome = done.outcome
+            if isinstance(outcome, InfraFault):
+                await self.store.calls.end(rollout_id, call_id, token, reply=None, step=None)
+                raise await self.closer.fail(
+                    rollout_id, outcome.cause, outcome.error, outcome.evidence
+                )
+            if isinstance(outcome, SandboxKilled):
+                budget = call.tool.fitted_budget(call.tool_settings)
+                result = sandbox_killed(outcome.cause, outcome.detail, budget)
+            else:
+                result = call.tool.result(
+                    call.parsed, call.tool_settings, outcome, duration_ms=done.exec_ms
+                )
+            queue_ms, exec_ms = round(done.queue_ms, 2), round(done.exec_ms, 2)
         duration_ms = (time.monotonic() - call.received) * 1000
         reply = _reply(call_id, seq, result, duration_ms)
         step = TrajectoryStep(
             seq=seq,
             call_id=call_id,
-            tool=call.tool,
+            tool=call.tool_name,
             arguments=call.arguments,
             outcome=result.outcome,
             exit_code=result.exit_code,
@@ -417,7 +441,7 @@ class ToolCalls:
         stored = await self.store.calls.end(
             rollout_id, call_id, token, reply=reply.model_dump(mode="json"), step=step
         )
-        metrics.TOOL_CALLS.labels(call.tool, result.outcome).inc()
+        metrics.TOOL_CALLS.labels(call.tool_name, result.outcome).inc()
         if result.error_kind in LIMIT_KINDS:
             # A spike of these says the environment is mis-sized: its rollouts are being
             # scored on what its limits cut, not on what the agent could do.

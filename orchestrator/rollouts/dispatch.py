@@ -20,13 +20,12 @@ from typing import Any
 
 from orchestrator.config import Settings
 from orchestrator.outcomes import Cause
-from orchestrator.rollouts.bounds import call_bound_s
 from orchestrator.rollouts.errors import CallLost, CallNotRun
 from orchestrator.state.calls import CallStart, Dispatch, DispatchOutcome, Ticket, TicketState
 from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.replies import WorkerClient
-from orchestrator.state.wire import Tasks, ToolCall, ToolCallDone
+from orchestrator.state.wire import WIRE_VERSION, OpDone, RunOp, Tasks
 
 CHECK_S = 1.0
 # A missing heartbeat must stay missing this many intervals before a running call's worker
@@ -40,40 +39,44 @@ class CallDispatcher:
         self.store = store
         self.queue = queue
 
-    def prepare(self, call: ToolCall, budget: int | None) -> Dispatch:
-        """What :meth:`ApiCalls.begin` needs to send ``call`` in its own step."""
+    def prepare(self, call: RunOp, budget: int | None, bound_s: float) -> Dispatch:
+        """What :meth:`ApiCalls.begin` needs to send ``call`` in its own step; ``bound_s``:
+        the call's bound (rollouts/bounds.call_bound_s), its message's expiry."""
         host = call.handle.host
-        bound = call_bound_s(self.settings, call.command_timeout_max_s)
-        message = self.queue.message(Tasks.RUN_TOOL, call, host=host, expires=bound)
+        message = self.queue.message(Tasks.RUN_OP, call, host=host, expires=bound_s)
         return Dispatch(
             heartbeat_key=self.store.keys.heartbeat(host),
             queue=self.queue.queue_of(host),
             message=message,
             budget=budget,
+            wire=WIRE_VERSION,
         )
 
-    async def run(self, call: ToolCall, *, reply_key: str, start: CallStart) -> ToolCallDone:
+    async def run(self, call: RunOp, *, reply_key: str, start: CallStart, bound_s: float) -> OpDone:
         """Await the result of ``call`` (whose ticket is queued for ``call.attempt``, and
-        which ``start`` sent, or found no live worker to send to), for at most its bound:
+        which ``start`` sent, or found no live worker to send to), for at most ``bound_s``:
         the longest command, the wait for a worker, the exec agent's reply allowance and a
         probe after it (rollouts/bounds.py)."""
         host = call.handle.host
-        bound = call_bound_s(self.settings, call.command_timeout_max_s)
         beat: Heartbeat | None = None
         if start.dispatch == DispatchOutcome.NO_WORKER:
             beat = Heartbeat.model_validate_json(start.heartbeat) if start.heartbeat else None
-            await self._cancel(call, f"host {host!r} has no live worker", beat)
+            if beat is not None and not beat.draining and beat.wire < WIRE_VERSION:
+                why = f"host {host!r} runs a worker of an earlier release (its wire {beat.wire})"
+            else:
+                why = f"host {host!r} has no live worker"
+            await self._cancel(call, why, beat)
         else:
             assert start.dispatch in (DispatchOutcome.SENT, DispatchOutcome.RETRIED), start
-        deadline = time.monotonic() + bound
+        deadline = time.monotonic() + bound_s
         while True:
             remaining = deadline - time.monotonic()
             reply = await self.queue.wait_reply(reply_key, max(0.01, min(remaining, CHECK_S)))
             if reply is not None:
-                return ToolCallDone.model_validate(reply)
+                return OpDone.model_validate(reply)
             ticket = await self.store.calls.read(call.rollout_id, call.call_id)
             if ticket.state == TicketState.DONE:
-                return ToolCallDone.model_validate_json(ticket.result)
+                return OpDone.model_validate_json(ticket.result)
             if ticket.state == TicketState.QUEUED:
                 beat = await self.store.calls.heartbeat(host)
                 if beat is None or beat.draining:
@@ -88,7 +91,7 @@ class CallDispatcher:
                 await self.check_running(call.rollout_id, call.call_id, host, ticket)
                 if time.monotonic() > deadline:
                     raise CallLost(
-                        f"the call ran past its {bound:.0f} s bound on {host!r}",
+                        f"the call ran past its {bound_s:.0f} s bound on {host!r}",
                         rollout_id=call.rollout_id,
                         evidence={"ticket": _evidence(ticket)},
                         cause=Cause.CALL_OVERRAN,
@@ -130,7 +133,7 @@ class CallDispatcher:
                 return beat
         return None
 
-    async def _cancel(self, call: ToolCall, why: str, beat: Heartbeat | None) -> None:
+    async def _cancel(self, call: RunOp, why: str, beat: Heartbeat | None) -> None:
         """Cancel the queued call; if a worker claimed it meanwhile, keep waiting."""
         state = await self.store.calls.cancel(call.rollout_id, call.call_id, call.attempt)
         if state == TicketState.CANCELLED:

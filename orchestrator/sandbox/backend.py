@@ -503,10 +503,100 @@ class FileOpResult(BaseModel):
     data: bytes | None = Field(None, description="read: the file's bytes.")
 
 
+class ExecOp(BaseModel):
+    """Run a command (:meth:`SandboxBackend.exec`): what a tool call asks of a sandbox, as
+    the API's tool decided it (tools/), so the worker runs it without knowing the tool."""
+
+    kind: Literal["exec"] = "exec"
+    command: str | list[str] = Field(description="A bash command line, or an argv run as is.")
+    timeout_s: float = Field(gt=0)
+    output_budget_bytes: int = Field(gt=0, description="Kept of each stream, head and tail.")
+    cwd: str = "/workspace"
+    env: dict[str, str] | None = None
+    exec_id: str | None = None
+    stdin: bool = False
+    pty: tuple[int, int] | None = None
+
+
+class ReadOp(BaseModel):
+    """Read lines of a file under /workspace (:meth:`SandboxBackend.read_file`)."""
+
+    kind: Literal["read"] = "read"
+    path: str
+    start_line: int = Field(1, ge=1)
+    end_line: int | None = None
+    max_bytes: int = Field(gt=0)
+
+
+SandboxOp = Annotated[ExecOp | ReadOp, Field(discriminator="kind")]
+"""One operation in a sandbox: what a tool call's worker runs."""
+
+
+class ExecRan(BaseModel):
+    """An :class:`ExecOp` ran (its command may have failed, or hit a limit: its doing)."""
+
+    kind: Literal["exec"] = "exec"
+    result: ExecResult
+
+
+class FileRead(BaseModel):
+    """A :class:`ReadOp` read what it asked for."""
+
+    kind: Literal["read"] = "read"
+    result: ReadFileResult
+
+
+class FileRefused(BaseModel):
+    """A :class:`ReadOp`'s path was the caller's mistake (:class:`FileError`)."""
+
+    kind: Literal["file_error"] = "file_error"
+    error: FileErrorKind
+    message: str
+
+
+OpResult = ExecRan | FileRead | FileRefused
+"""What a :data:`SandboxOp` did in a sandbox that ran it."""
+
+
 class SandboxBackend(ABC):
     """Creates, drives and destroys sandboxes on one kind of infrastructure."""
 
     name: str
+
+    def run_op(
+        self,
+        handle: SandboxHandle,
+        op: ExecOp | ReadOp,
+        on_output: Callable[[str, bytes], None] | None = None,
+    ) -> OpResult:
+        """Run one operation; a path's problem comes back as :class:`FileRefused`,
+        :class:`SandboxError` (ours) propagates. ``on_output``: an exec's output as printed."""
+        if isinstance(op, ReadOp):
+            try:
+                read = self.read_file(
+                    handle,
+                    op.path,
+                    start_line=op.start_line,
+                    end_line=op.end_line,
+                    max_bytes=op.max_bytes,
+                )
+            except FileError as exc:
+                return FileRefused(error=exc.kind, message=exc.message)
+            return FileRead(result=read)
+        return ExecRan(
+            result=self.exec(
+                handle,
+                op.command,
+                timeout_s=op.timeout_s,
+                output_budget_bytes=op.output_budget_bytes,
+                cwd=op.cwd,
+                env=op.env,
+                exec_id=op.exec_id,
+                on_output=on_output,
+                stdin=op.stdin,
+                pty=op.pty,
+            )
+        )
 
     @abstractmethod
     def create(self, spec: SandboxSpec) -> SandboxHandle:

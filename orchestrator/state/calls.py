@@ -87,7 +87,8 @@ class Ticket(BaseModel):
 # last two '' when not sending). ARGV: attempt (also the lock token), lock ttl (ms), now,
 # rollout id, ticket ttl (s), reply list of this attempt, the task message ('': do not
 # send), the rollout's call budget ('': none), the id of the sandbox the caller knows
-# ('': none). Returns {status, value[, dispatch outcome [, heartbeat]]} (CallStart).
+# ('': none), the wire the host's worker must speak (its heartbeat's 'wire'). Returns
+# {status, value[, dispatch outcome [, heartbeat]]} (CallStart).
 # Nothing changes for a rollout that is not active, or not on that sandbox.
 _BEGIN_CALL = Script("""
 local stored = redis.call('GET', KEYS[1])
@@ -131,7 +132,11 @@ redis.call('ZADD', KEYS[5], 'XX', ARGV[3], ARGV[4])
 if ARGV[7] == '' then return {'run', seq, ''} end
 if ARGV[8] ~= '' and tonumber(seq) > tonumber(ARGV[8]) then return {'run', seq, 'over_budget'} end
 local beat = redis.call('GET', KEYS[7])
-if not beat or cjson.decode(beat)['draining'] then return {'run', seq, 'no_worker', beat or ''} end
+if not beat then return {'run', seq, 'no_worker', ''} end
+local found = cjson.decode(beat)
+if found['draining'] or (tonumber(found['wire']) or 0) < tonumber(ARGV[10]) then
+  return {'run', seq, 'no_worker', beat}
+end
 redis.call('LPUSH', KEYS[8], ARGV[7])
 return {'run', seq, 'sent'}
 """)
@@ -192,6 +197,9 @@ class Dispatch(BaseModel):
     queue: str
     message: str = Field(description="The task message (state/broker.task_message).")
     budget: int | None = Field(None, description="Calls the rollout may make; None: no cap.")
+    wire: int = Field(
+        0, description="The wire the host's worker must speak (its heartbeat's); else not sent."
+    )
 
 
 class DispatchOutcome(StrEnum):
@@ -202,7 +210,8 @@ class DispatchOutcome(StrEnum):
     OVER_BUDGET = "over_budget"
     """Not sent: the call's sequence number is past the rollout's budget."""
     NO_WORKER = "no_worker"
-    """Not sent: the host has no live worker, or it is draining (``heartbeat``: its last)."""
+    """Not sent: the host has no live worker, or it is draining, or speaks another wire
+    (``heartbeat``: its last)."""
     RETRIED = "retried"
     """The step ran twice (a dropped connection, retried): whether the first sent it is
     unknown, so the caller waits as for a sent call, whose checks of the ticket and the
@@ -339,7 +348,7 @@ class ApiCalls:
             budget = "" if dispatch.budget is None else dispatch.budget
             args += [dispatch.message, budget]
             keys += [dispatch.heartbeat_key, dispatch.queue]
-        args.append(sandbox_id)
+        args += [sandbox_id, dispatch.wire if dispatch is not None else 0]
         status, value, *rest = await _BEGIN_CALL.run(self._connection, keys, args)
         found = CallStartStatus(status)
         if found == CallStartStatus.STORED:
@@ -434,6 +443,12 @@ class WorkerCalls:
             retry_for_s=OUTAGE_RETRY_S,
         )
         return _text(state), _text(reply_to)
+
+    def refuse(self, key: str, attempt: str) -> str:
+        """queued → cancelled, unrun (a message this worker cannot run), unless it was
+        claimed or superseded; the state after."""
+        state = _CANCEL.run_sync(self._connection, [key], [attempt], retry_for_s=OUTAGE_RETRY_S)
+        return _text(state)
 
 
 _CLAIM = Script(CLAIM)

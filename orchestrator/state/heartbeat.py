@@ -56,6 +56,11 @@ class Heartbeat(HostFinding):
     )
     time: float = Field(description="time.time() when it was sent.")
     running_calls: int = 0
+    wire: int = Field(
+        0,
+        description="The queue's wire the worker speaks (state/wire.WIRE_VERSION; 0: a "
+        "worker of a release before it had one). A call is sent only to a worker of its own.",
+    )
     draining: bool = False
     schedulable: bool = False
 

@@ -556,12 +556,3 @@ def sandbox_owner(client: redis.Redis, keys: Keys, rollout_id: str) -> SandboxOw
         sandbox_id=owned.get("sandbox_id") if isinstance(owned, dict) else None,
         closed_at=float(closed_at) if closed_at else None,
     )
-
-
-def pinned_environment(client: redis.Redis, keys: Keys, rollout_id: str) -> str:
-    """The worker's read (sync) of the environment snapshot ``rollout_id`` was pinned to
-    when it started (its record's ``environment_config``, EnvironmentConfig JSON)."""
-    raw = client.hget(keys.rollout(rollout_id), "environment_config")
-    if not raw:
-        raise LookupError(f"rollout {rollout_id} has no pinned environment")
-    return raw.decode() if isinstance(raw, bytes) else str(raw)

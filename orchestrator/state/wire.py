@@ -8,31 +8,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from orchestrator.outcomes import Cause
 from orchestrator.sandbox.backend import (
     CommitWorkspace,
+    ExecRan,
     FileAction,
     FileErrorKind,
     FileOpResult,
+    FileRead,
+    FileRefused,
     ProbeResult,
     SandboxHandle,
+    SandboxOp,
     SandboxSpec,
     SandboxUsage,
     SnapshotTaken,
 )
 from orchestrator.sandbox.testrun import TestRun, TestRunResult
-from orchestrator.tools.base import ToolResult
 
 
 class TaskName(StrEnum):
     """Every task a worker runs (queue/handlers.py; the reaper's: rollouts/reaper.py)."""
 
     CREATE_SANDBOX = "orchestrator.create_sandbox"
-    RUN_TOOL = "orchestrator.run_tool"
+    RUN_OP = "orchestrator.run_op"
+    EARLIER_TOOL_CALL = "orchestrator.run_tool"
+    """A tool call as an API of an earlier release sends it (the tool, not its operation):
+    refused unrun (queue/handlers.refuse_tool_call)."""
     PROBE_SANDBOX = "orchestrator.probe_sandbox"
     RUN_TESTS = "orchestrator.run_tests"
     FILE_OP = "orchestrator.file_op"
@@ -47,6 +53,13 @@ class TaskName(StrEnum):
     MEASURE_SANDBOX = "orchestrator.measure_sandbox"
     DROP_SNAPSHOT = "orchestrator.drop_snapshot"
     REAP = "orchestrator.reap"
+
+
+WIRE_VERSION = 2
+"""This release's wire, in every heartbeat (state/heartbeat.Heartbeat.wire): a call is sent
+only to a worker that speaks it (an earlier one's heartbeat has none), so an upgrade that
+mixes releases answers a call never run (a 503 to retry) rather than losing it. Raise it
+when a task's request changes so that a worker of the earlier release cannot run it."""
 
 
 class Request(BaseModel):
@@ -155,7 +168,11 @@ class SandboxCreated(BaseModel):
     error: str | None = Field(None, description="Why creation failed: an infra fault.")
 
 
-class ToolCall(Request):
+class RunOp(Request):
+    """A tool call's work on its sandbox's host: one sandbox operation, decided by the API
+    from the tool and its arguments (tools/), so the worker needs no tool, environment or
+    setting to run it, and run at most once under the call's run ticket (state/calls.py)."""
+
     rollout_id: str
     trace_id: str | None = Field(
         None, description="The rollout's trace id for logs (Agent RFT's; None: the rollout id)."
@@ -163,38 +180,51 @@ class ToolCall(Request):
     call_id: str
     ticket: str = Field(description="The call's run ticket key (state/calls.py).")
     attempt: str = Field(description="The attempt the ticket must name for this to run.")
-    environment: str
-    environment_digest: str = Field(
-        description="The environment the rollout was pinned to (EnvironmentConfig.digest)."
-    )
     handle: SandboxHandle
-    tool: str
-    arguments: Any
-    validated_arguments: dict[str, Any] | None = Field(
-        None,
-        description="The tool's argument model as the API validated it, dumped: a worker "
-        "runs these and does not parse ``arguments`` again. None (an API of an earlier "
-        "release): the worker parses ``arguments``, which a worker of an earlier release "
-        "always does, so both stay: a rolling upgrade mixes them.",
-    )
+    op: SandboxOp
     stream_key: str | None = Field(
         None,
         description="Append the command's output to this list as it is printed (a client's "
         "command: state/streams.py); None: only its result.",
     )
-    command_timeout_max_s: float | None = Field(
-        None,
-        description="Cap on the call's command timeout (Agent RFT's bound); None: the "
-        "deployment's command_timeout_max_s.",
-    )
     enqueued_at: float = Field(description="time.time() when the API enqueued it.")
 
 
-class ToolCallDone(BaseModel):
-    result: ToolResult | None = None
-    infra_error: str | None = Field(None, description="Set when the sandbox failed us.")
-    cause: Cause = Field(Cause.TOOL_CALL_FAILED, description="The infra_error's cause.")
+class EarlierToolCall(Request):
+    """A tool call as an API of an earlier release sends it: only what refusing it reads."""
+
+    rollout_id: str
+    call_id: str
+    ticket: str
+    attempt: str
+
+
+class SandboxKilled(BaseModel):
+    """The agent's own doing took its whole sandbox down while the operation ran (gVisor
+    ends the sandbox at its memory limit): scored as the agent's mistake."""
+
+    kind: Literal["killed"] = "killed"
+    cause: str = Field(description="The limit it hit, as an error kind (memory_limit, ...).")
+    detail: str
+
+
+class InfraFault(BaseModel):
+    """The sandbox or its host failed us: never scored; the rollout fails with ``cause``."""
+
+    kind: Literal["infra"] = "infra"
+    error: str
+    cause: Cause = Cause.TOOL_CALL_FAILED
     evidence: dict[str, Any] = Field(default_factory=dict)
+
+
+class OpDone(BaseModel):
+    """A :class:`RunOp`'s reply, kept on its ticket: what the operation did (ok, or the
+    agent's doing) or the infrastructure's fault, and where the time went."""
+
+    outcome: Annotated[
+        ExecRan | FileRead | FileRefused | SandboxKilled | InfraFault,
+        Field(discriminator="kind"),
+    ]
     queue_ms: float = 0.0
     exec_ms: float = 0.0
 
@@ -322,7 +352,8 @@ class Tasks:
     queue, which any host takes from."""
 
     CREATE_SANDBOX = Task(TaskName.CREATE_SANDBOX, CreateSandbox, SandboxCreated)
-    RUN_TOOL = Task(TaskName.RUN_TOOL, ToolCall, ToolCallDone)
+    RUN_OP = Task(TaskName.RUN_OP, RunOp, OpDone)
+    EARLIER_TOOL_CALL = Task(TaskName.EARLIER_TOOL_CALL, EarlierToolCall, Nothing)
     PROBE_SANDBOX = Task(TaskName.PROBE_SANDBOX, ProbeSandbox, ProbeResult)
     RUN_TESTS = Task(TaskName.RUN_TESTS, RunTests, RunTestsReply)
     FILE_OP = Task(TaskName.FILE_OP, FileOpRequest, FileOpReply)

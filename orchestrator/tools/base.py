@@ -1,7 +1,9 @@
 """What every tool is: a name, an argument model, a JSON Schema and a ``run`` method.
 
-Tools turn one call of the model into backend calls and back into text for the model. They
-know nothing of HTTP or of which backend runs them. Their contract on errors:
+Tools turn one call of the model into one sandbox operation (:class:`ExecOp`,
+:class:`ReadOp`: decided by the API, run by the worker of the sandbox's host, which knows no
+tools) and what it did back into text for the model. They know nothing of HTTP or of which
+backend runs them. Their contract on errors:
 
 - The agent's mistakes (bad arguments, a file that does not exist, a command that hit one
   of the sandbox's limits: time, memory, processes, disk, output) come back as a
@@ -26,7 +28,15 @@ from pydantic_core import ErrorDetails
 
 from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
-from orchestrator.sandbox.backend import SandboxBackend, SandboxHandle
+from orchestrator.sandbox.backend import (
+    ExecOp,
+    ExecRan,
+    ExecResult,
+    OpResult,
+    ReadOp,
+    SandboxBackend,
+    SandboxHandle,
+)
 from orchestrator.tools.shaping import fit
 
 ArgsT = TypeVar("ArgsT", bound=BaseModel)
@@ -75,6 +85,23 @@ def agent_error(
         duration_ms=elapsed_ms(started),
         error_kind=kind,
     )
+
+
+def sandbox_killed(cause: str, detail: str, budget: int | None) -> ToolResult:
+    """The result of a call during which the agent's own doing took its whole sandbox down
+    (gVisor ends the sandbox at its memory limit): the agent's mistake, named ``cause``."""
+    message = (
+        f"the sandbox was killed ({cause.replace('_', ' ')}: {detail}); "
+        "it cannot run commands any more in this rollout"
+    )
+    return agent_error(message, cause, budget=budget)
+
+
+def exec_result(ran: OpResult) -> ExecResult:
+    """What an :class:`ExecOp` ran, from its result (another is our bug)."""
+    if not isinstance(ran, ExecRan):
+        raise TypeError(f"an exec operation came back as {ran.kind!r}")
+    return ran.result
 
 
 def elapsed_ms(started: float | None) -> float:
@@ -161,7 +188,8 @@ class Tool(ABC, Generic[ArgsT]):
     """One tool the model can call.
 
     Subclasses set :attr:`name`, :attr:`description`, :attr:`args_model` and :attr:`usage`
-    and implement :meth:`execute`; :meth:`run` does the parsing and the error contract.
+    and implement :meth:`operation` and :meth:`shape`; :meth:`parse` checks the arguments,
+    :meth:`result` keeps the error contract and the output budget.
     """
 
     name: ClassVar[str]
@@ -194,8 +222,10 @@ class Tool(ABC, Generic[ArgsT]):
         arguments: dict[str, Any] | str | None,
         settings: Settings,
     ) -> ToolResult:
-        """Run one call. Agent mistakes come back as ``agent_error`` results, and then the
-        backend is never called for bad arguments; :class:`SandboxError` propagates."""
+        """Run one call here, with ``backend`` (the CLI's smoke test; a rollout's call is
+        split: its API decides and shapes, its host's worker runs :meth:`operation`).
+        Agent mistakes come back as ``agent_error`` results, and then the backend is never
+        called for bad arguments; :class:`SandboxError` propagates."""
         started = time.perf_counter()
         try:
             args = self.parse(arguments, settings)
@@ -204,45 +234,41 @@ class Tool(ABC, Generic[ArgsT]):
                 exc.message,
                 "invalid_arguments",
                 started=started,
-                budget=settings.output_budget_bytes,
+                budget=self.fitted_budget(settings),
             )
-        return self.run_parsed(backend, handle, args, settings, started=started)
+        ran = backend.run_op(handle, self.operation(args, settings))
+        return self.result(args, settings, ran, duration_ms=elapsed_ms(started))
 
-    def validated(self, data: dict[str, Any]) -> ArgsT:
-        """Arguments :meth:`parse` already validated, from their JSON dump, not validated
-        again: the worker's copy of what the API checked (state/wire.ToolCall)."""
-        return self.args_model.model_construct(**data)  # type: ignore[return-value]
+    def fitted_budget(self, settings: Settings) -> int | None:
+        """The bytes a result's output is cut to: the model's output budget (None: not cut,
+        a client's tool whose operation bounds it)."""
+        return settings.output_budget_bytes
 
-    def run_parsed(
-        self,
-        backend: SandboxBackend,
-        handle: SandboxHandle,
-        args: ArgsT,
-        settings: Settings,
-        *,
-        started: float | None = None,
+    def result(
+        self, args: ArgsT, settings: Settings, ran: OpResult, *, duration_ms: float = 0.0
     ) -> ToolResult:
-        """:meth:`run` for arguments :meth:`parse` made."""
-        started = time.perf_counter() if started is None else started
-        result = self.execute(backend, handle, args, settings)
-        # The guarantee callers rely on, whatever execute did: output fits the budget and
-        # the duration covers the whole call.
+        """What the model is given for what :meth:`operation` did: :meth:`shape`'s result,
+        whatever it made, within the output budget, lasting ``duration_ms``."""
+        result = self.shape(args, settings, ran)
+        budget = self.fitted_budget(settings)
         output = result.output
-        if len(output.encode()) > settings.output_budget_bytes:
-            output = fit(output, settings.output_budget_bytes)
+        if budget is not None and len(output.encode()) > budget:
+            output = fit(output, budget)
         return result.model_copy(
             update={
                 "output": output,
                 "truncated": result.truncated or output != result.output,
-                "duration_ms": elapsed_ms(started),
+                "duration_ms": duration_ms,
             }
         )
 
     @abstractmethod
-    def execute(
-        self, backend: SandboxBackend, handle: SandboxHandle, args: ArgsT, settings: Settings
-    ) -> ToolResult:
-        """Do the work for validated arguments."""
+    def operation(self, args: ArgsT, settings: Settings) -> ExecOp | ReadOp:
+        """What validated arguments ask of the sandbox: one operation, with its limits."""
+
+    @abstractmethod
+    def shape(self, args: ArgsT, settings: Settings, ran: OpResult) -> ToolResult:
+        """The call's result, from what its :meth:`operation` did."""
 
     def command_timeout_s(self, args: ArgsT, settings: Settings) -> float:
         """The longest the work of a call with ``args`` may take in the sandbox: what the

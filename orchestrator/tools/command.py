@@ -10,7 +10,6 @@ model, so it is not cut to the model's output budget.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -18,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
-from orchestrator.sandbox.backend import ExecResult, SandboxBackend, SandboxHandle
-from orchestrator.tools.base import InvalidArguments, Tool, ToolResult, agent_error, elapsed_ms
+from orchestrator.sandbox.backend import ExecOp, ExecResult, OpResult
+from orchestrator.tools.base import Tool, ToolResult, exec_result
 
 OnOutput = Callable[[str, bytes], None]
 """Given a command's output as it is printed: "stdout" or "stderr", the bytes."""
@@ -106,59 +105,25 @@ class CommandTool(Tool[CommandArgs]):
         'sandbox.command {"argv": [..], "env"?: {..}, "cwd"?: str, "timeout_s": number}'
     )
 
-    def run(
-        self,
-        backend: SandboxBackend,
-        handle: SandboxHandle,
-        arguments: dict[str, Any] | str | None,
-        settings: Settings,
-    ) -> ToolResult:
-        """As :meth:`Tool.run`, without cutting the output to the model's budget: it is
-        JSON for a client, bounded by the client budget it was captured with."""
-        started = time.perf_counter()
-        try:
-            args = self.parse(arguments, settings)
-        except InvalidArguments as exc:
-            return agent_error(exc.message, "invalid_arguments", started=started)
-        return self.run_parsed(backend, handle, args, settings, started=started)
+    def fitted_budget(self, settings: Settings) -> int | None:
+        # JSON for a client, bounded by the client budget it was captured with: never cut
+        # to the model's.
+        return None
 
-    def run_parsed(
-        self,
-        backend: SandboxBackend,
-        handle: SandboxHandle,
-        args: CommandArgs,
-        settings: Settings,
-        *,
-        started: float | None = None,
-        on_output: OnOutput | None = None,
-    ) -> ToolResult:
-        """As :meth:`Tool.run_parsed`, without cutting the output to the model's budget (as
-        :meth:`run`); ``on_output``: given the output as it is printed (a client's stream:
-        state/streams.py)."""
-        started = time.perf_counter() if started is None else started
-        result = self.execute(backend, handle, args, settings, on_output)
-        return result.model_copy(update={"duration_ms": elapsed_ms(started)})
-
-    def execute(
-        self,
-        backend: SandboxBackend,
-        handle: SandboxHandle,
-        args: CommandArgs,
-        settings: Settings,
-        on_output: OnOutput | None = None,
-    ) -> ToolResult:
-        result = backend.exec(
-            handle,
-            args.argv,
+    def operation(self, args: CommandArgs, settings: Settings) -> ExecOp:
+        return ExecOp(
+            command=args.argv,
             timeout_s=args.timeout_s,
             output_budget_bytes=settings.e2b_output_mb << 20,
             cwd=args.cwd,
             env=args.env,
             exec_id=args.exec_id,
-            on_output=on_output,
             stdin=args.stdin and args.exec_id is not None,
             pty=args.pty if args.exec_id is not None else None,
         )
+
+    def shape(self, args: CommandArgs, settings: Settings, ran: OpResult) -> ToolResult:
+        result = exec_result(ran)
         output = CommandOutput.of(result)
         return ToolResult(
             output=output.model_dump_json(),

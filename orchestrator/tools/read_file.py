@@ -13,8 +13,9 @@ file's). A footer line in brackets follows whenever less than the whole file is 
 
 An empty file shows ``(empty file)``. A start_line past the end is an ``agent_error`` (the
 model asked for lines that do not exist); so are the backend's
-:class:`~orchestrator.sandbox.backend.FileError` kinds, whose ``kind`` becomes the
-result's ``error_kind``. The whole output is at most ``settings.output_budget_bytes`` bytes.
+:class:`~orchestrator.sandbox.backend.FileError` kinds (a
+:class:`~orchestrator.sandbox.backend.FileRefused`), whose ``kind`` becomes the result's
+``error_kind``. The whole output is at most ``settings.output_budget_bytes`` bytes.
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.agent.client import READ_FILE_TIMEOUT_S
 from orchestrator.sandbox.backend import (
-    FileError,
+    FileRead,
+    FileRefused,
+    OpResult,
     ReadFileResult,
-    SandboxBackend,
-    SandboxHandle,
+    ReadOp,
 )
 from orchestrator.tools.base import Tool, ToolResult, agent_error
 from orchestrator.tools.shaping import clean_text, utf8_prefix
@@ -219,24 +221,19 @@ class ReadFileTool(Tool[ReadFileArgs]):
     def command_timeout_s(self, args: ReadFileArgs, settings: Settings) -> float:
         return READ_FILE_TIMEOUT_S
 
-    def execute(
-        self,
-        backend: SandboxBackend,
-        handle: SandboxHandle,
-        args: ReadFileArgs,
-        settings: Settings,
-    ) -> ToolResult:
+    def operation(self, args: ReadFileArgs, settings: Settings) -> ReadOp:
+        return ReadOp(
+            path=args.path,
+            start_line=args.start_line or 1,
+            end_line=args.end_line,
+            # Raw text beyond the budget could never be shown: do not ship it.
+            max_bytes=min(settings.read_file_max_bytes, settings.output_budget_bytes),
+        )
+
+    def shape(self, args: ReadFileArgs, settings: Settings, ran: OpResult) -> ToolResult:
         budget = settings.output_budget_bytes
-        start = args.start_line or 1
-        try:
-            result = backend.read_file(
-                handle,
-                args.path,
-                start_line=start,
-                end_line=args.end_line,
-                # Raw text beyond the budget could never be shown: do not ship it.
-                max_bytes=min(settings.read_file_max_bytes, budget),
-            )
-        except FileError as exc:
-            return agent_error(exc.message, exc.kind, budget=budget)
-        return format_read_result(result, start, budget, args.path)
+        if isinstance(ran, FileRefused):
+            return agent_error(ran.message, ran.error, budget=budget)
+        if not isinstance(ran, FileRead):
+            raise TypeError(f"a read came back as {ran.kind!r}")
+        return format_read_result(ran.result, args.start_line or 1, budget, args.path)

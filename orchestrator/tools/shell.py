@@ -40,14 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
-from orchestrator.sandbox.backend import (
-    ExecResult,
-    LimitHit,
-    LimitKind,
-    SandboxBackend,
-    SandboxHandle,
-)
-from orchestrator.tools.base import Tool, ToolResult
+from orchestrator.sandbox.backend import ExecOp, ExecResult, LimitHit, LimitKind, OpResult
+from orchestrator.tools.base import Tool, ToolResult, exec_result
 from orchestrator.tools.shaping import SHELL_HINT, Shaped, capture_demand, shape_capture
 
 MAX_COMMAND_CHARS = 64 * 1024
@@ -347,17 +341,15 @@ class ShellTool(Tool[ShellArgs]):
     def command_timeout_s(self, args: ShellArgs, settings: Settings) -> float:
         return args.effective_timeout_s(settings)
 
-    def execute(
-        self, backend: SandboxBackend, handle: SandboxHandle, args: ShellArgs, settings: Settings
-    ) -> ToolResult:
-        timeout_s = args.effective_timeout_s(settings)
-        result = backend.exec(
-            handle,
-            args.command,
-            timeout_s=timeout_s,
+    def operation(self, args: ShellArgs, settings: Settings) -> ExecOp:
+        return ExecOp(
+            command=args.command,
+            timeout_s=args.effective_timeout_s(settings),
             output_budget_bytes=settings.output_budget_bytes,
         )
-        return format_exec_result(result, timeout_s, settings)
+
+    def shape(self, args: ShellArgs, settings: Settings, ran: OpResult) -> ToolResult:
+        return format_exec_result(exec_result(ran), args.effective_timeout_s(settings), settings)
 
     def parameters_schema(self, settings: Settings, *, strict: bool = False) -> dict[str, Any]:
         """The schema, with this deployment's default and maximum timeout filled in."""

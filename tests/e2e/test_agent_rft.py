@@ -17,7 +17,8 @@ from orchestrator.state.broker import celery_app, task_message
 from orchestrator.state.calls import TicketState
 from orchestrator.state.keys import Keys
 from orchestrator.state.records import RolloutStore
-from orchestrator.state.wire import TaskName, ToolCall
+from orchestrator.state.wire import RunOp, TaskName
+from orchestrator.tools.registry import get_tool
 from tests.e2e.helpers import (
     REPLY_KEYS,
     assert_no_rollout,
@@ -379,22 +380,20 @@ def test_a_message_delivered_twice_runs_once(stack: Stack, planning_item: dict[s
                 ticket = await store.calls.read(trace, slow["call_id"])
             rollout = await store.get(trace)
             assert rollout is not None and rollout.sandbox is not None
-            assert rollout.environment_digest is not None
-            again = ToolCall(
+            shell = get_tool("shell")
+            args = shell.parse(runs, settings)
+            again = RunOp(
                 rollout_id=trace,
                 call_id=slow["call_id"],
                 ticket=keys.ticket(trace, slow["call_id"]),
                 attempt=ticket.attempt,
-                environment=rollout.environment,
-                environment_digest=rollout.environment_digest,
                 handle=rollout.sandbox,
-                tool="shell",
-                arguments=runs,
+                op=shell.operation(args, settings),
                 enqueued_at=time.time(),
             )
             queue = keys.host_queue(rollout.sandbox.host)
             message = task_message(
-                celery_app(), TaskName.RUN_TOOL, again.model_dump_json(),
+                celery_app(), TaskName.RUN_OP, again.model_dump_json(),
                 queue=queue, expires_s=60,
             )  # fmt: skip
             await store.redis.lpush(queue, message)
