@@ -37,7 +37,7 @@ from orchestrator.rollouts.lookup import present
 from orchestrator.rollouts.models import CallReply
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.sandbox.agent.client import READ_FILE_TIMEOUT_S, REPLY_SLACK_S
-from orchestrator.sandbox.backend import FileAction, FileOpResult
+from orchestrator.sandbox.backend import FileAction, FileOpResult, FileRefused
 from orchestrator.state.e2b import E2BProcesses, E2BWatchers
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout
@@ -46,6 +46,8 @@ from orchestrator.state.snapshots import SnapshotKind, SnapshotRecord
 from orchestrator.state.streams import follow
 from orchestrator.state.wire import (
     FileOpRequest,
+    InfraFault,
+    InputNotTaken,
     MeasureSandbox,
     ReplyT,
     RequestT,
@@ -396,13 +398,13 @@ class E2BSandboxes:
         measured = await self._worker(
             Tasks.MEASURE_SANDBOX, rollout, MeasureSandbox(handle=rollout.sandbox)
         )
-        if measured.usage is None:
+        if isinstance(measured.root, InfraFault):
             raise InfraError(
-                f"could not measure sandbox {sandbox_id}: {measured.error}",
+                f"could not measure sandbox {sandbox_id}: {measured.root.error}",
                 rollout_id=sandbox_id,
                 code=Cause.NOT_RUN,
             )
-        usage = measured.usage
+        usage = measured.root.usage
         return [
             MetricOut(
                 timestamp=usage.at,
@@ -550,9 +552,9 @@ class E2BSandboxes:
             if record is None or rollout.sandbox is None:
                 return False
             payload = SignalExec(handle=rollout.sandbox, exec_id=record["exec_id"], kill=kill)
-            reply = await self._worker(Tasks.SIGNAL_EXEC, rollout, payload)
-            if reply.infra_error is not None:
-                raise InfraError(reply.infra_error, rollout_id=rollout.rollout_id)
+            reply = (await self._worker(Tasks.SIGNAL_EXEC, rollout, payload)).root
+            if isinstance(reply, InfraFault):
+                raise InfraError(reply.error, rollout_id=rollout.rollout_id)
             if reply.found or time.monotonic() > deadline:
                 return reply.found
             await asyncio.sleep(0.05)
@@ -582,11 +584,11 @@ class E2BSandboxes:
                 close=close,
                 resize=resize,
             )
-            sent = await self._worker(Tasks.SEND_INPUT, rollout, payload)
-            if sent.infra_error is not None:
-                raise InfraError(sent.infra_error, rollout_id=rollout.rollout_id)
-            if sent.closed is not None:
-                raise ConnectError(Code.FAILED_PRECONDITION, f"process {pid}: {sent.closed}")
+            sent = (await self._worker(Tasks.SEND_INPUT, rollout, payload)).root
+            if isinstance(sent, InfraFault):
+                raise InfraError(sent.error, rollout_id=rollout.rollout_id)
+            if isinstance(sent, InputNotTaken):
+                raise ConnectError(Code.FAILED_PRECONDITION, f"process {pid}: {sent.reason}")
             if sent.found:
                 return
             if time.monotonic() > deadline:
@@ -655,14 +657,13 @@ class E2BSandboxes:
             data=data,
             max_bytes=limit if action == "read" else 0,
         )
-        reply = await self._worker(Tasks.FILE_OP, rollout, request)
-        if reply.infra_error is not None:
+        reply = (await self._worker(Tasks.FILE_OP, rollout, request)).root
+        if isinstance(reply, InfraFault):
             raise await self.service.fail(
-                rollout.rollout_id, Cause.TOOL_CALL_FAILED, reply.infra_error, reply.evidence
+                rollout.rollout_id, reply.cause, reply.error, reply.evidence
             )
-        if reply.file_error is not None:
-            raise FileProblem(reply.file_error, reply.message)
-        assert reply.result is not None
+        if isinstance(reply, FileRefused):
+            raise FileProblem(reply.error, reply.message)
         return reply.result
 
     # -- helpers -------------------------------------------------------------------------

@@ -50,14 +50,19 @@ from orchestrator.state.wire import (
     Accepted,
     CheckCommit,
     CommitChecked,
+    Created,
     CreateSandbox,
     DestroySandbox,
     DropSnapshot,
     EarlierToolCall,
+    FileOpDone,
     FileOpReply,
     FileOpRequest,
     InfraFault,
+    InputNotTaken,
     InputSent,
+    InputWritten,
+    Measured,
     MeasureSandbox,
     Nothing,
     OpDone,
@@ -74,12 +79,16 @@ from orchestrator.state.wire import (
     SandboxMeasured,
     SendInput,
     SignalExec,
+    Signalled,
     SignalReply,
     SnapshotDropped,
     SnapshotMade,
+    SnapshotNotTaken,
     SnapshotSandbox,
+    Snapshotted,
     Task,
     Tasks,
+    TestsRan,
 )
 
 log = get_logger(__name__)
@@ -166,13 +175,13 @@ def _create_and_reply(request: CreateSandbox) -> None:
             _set_up(request.spec)
             handle = host.backend.create(request.spec)
             bind_sandbox(handle.sandbox_id)
-            created = SandboxCreated(handle=handle)
+            created = SandboxCreated(Created(handle=handle))
         except SandboxError as exc:
             log.error("sandbox.create_failed", rollout_id=request.rollout_id, error=str(exc))
-            created = SandboxCreated(error=str(exc))
+            created = SandboxCreated(InfraFault(error=str(exc)))
         except Exception as exc:
             log.exception("sandbox.create_crashed", rollout_id=request.rollout_id)
-            created = SandboxCreated(error=f"{type(exc).__name__}: {exc}")
+            created = SandboxCreated(InfraFault(error=f"{type(exc).__name__}: {exc}"))
         host.reply(request, created)
 
 
@@ -328,8 +337,10 @@ def run_tests(request: RunTests) -> RunTestsReply:
             probe = _probe(handle)
             log.warning("grade.tests_failed", error=str(exc), probe=probe.state)
             return RunTestsReply(
-                infra_error=f"{type(exc).__name__}: {exc}",
-                evidence={"probe": probe.model_dump(mode="json")},
+                InfraFault(
+                    error=f"{type(exc).__name__}: {exc}",
+                    evidence={"probe": probe.model_dump(mode="json")},
+                )
             )
         log.info(
             "grade.tests_ran",
@@ -337,7 +348,7 @@ def run_tests(request: RunTests) -> RunTestsReply:
             passed=sum(1 for o in result.outcomes.values() if o == testrun.TestOutcome.PASSED),
             timed_out=result.timed_out,
         )
-        return RunTestsReply(result=result)
+        return RunTestsReply(TestsRan(result=result))
 
 
 @handles(Tasks.FILE_OP)
@@ -355,14 +366,16 @@ def file_op(request: FileOpRequest) -> FileOpReply:
                 data=request.data,
                 max_bytes=request.max_bytes,
             )
-            reply = FileOpReply(result=result)
+            reply = FileOpReply(FileOpDone(result=result))
         except FileError as exc:
-            reply = FileOpReply(file_error=exc.kind, message=exc.message)
+            reply = FileOpReply(FileRefused(error=exc.kind, message=exc.message))
         except SandboxError as exc:
             probe = _probe(request.handle)
             reply = FileOpReply(
-                infra_error=f"{type(exc).__name__}: {exc}",
-                evidence={"probe": probe.model_dump(mode="json")},
+                InfraFault(
+                    error=f"{type(exc).__name__}: {exc}",
+                    evidence={"probe": probe.model_dump(mode="json")},
+                )
             )
         return reply
 
@@ -373,13 +386,15 @@ def snapshot_sandbox(request: SnapshotSandbox) -> SnapshotMade:
     with rollout_context(request.handle.rollout_id, sandbox_id=request.handle.sandbox_id):
         try:
             made = SnapshotMade(
-                taken=worker.current().backend.snapshot(request.handle, request.snapshot_id)
+                Snapshotted(
+                    taken=worker.current().backend.snapshot(request.handle, request.snapshot_id)
+                )
             )
         except SnapshotRefused as exc:
-            made = SnapshotMade(refused=str(exc))
+            made = SnapshotMade(SnapshotNotTaken(reason=str(exc)))
         except SandboxError as exc:
             log.error("sandbox.snapshot_failed", snapshot_id=request.snapshot_id, error=str(exc))
-            made = SnapshotMade(error=f"{type(exc).__name__}: {exc}")
+            made = SnapshotMade(InfraFault(error=f"{type(exc).__name__}: {exc}"))
         return made
 
 
@@ -387,9 +402,9 @@ def snapshot_sandbox(request: SnapshotSandbox) -> SnapshotMade:
 def measure_sandbox(request: MeasureSandbox) -> SandboxMeasured:
     """What a sandbox uses now (E2B's ``get_metrics``)."""
     try:
-        return SandboxMeasured(usage=worker.current().backend.usage(request.handle))
+        return SandboxMeasured(Measured(usage=worker.current().backend.usage(request.handle)))
     except SandboxError as exc:
-        return SandboxMeasured(error=f"{type(exc).__name__}: {exc}")
+        return SandboxMeasured(InfraFault(error=f"{type(exc).__name__}: {exc}"))
 
 
 @handles(Tasks.DROP_SNAPSHOT)
@@ -414,11 +429,11 @@ def send_input(request: SendInput) -> InputSent:
                 close=request.close,
                 resize=request.resize,
             )
-            reply = InputSent(found=found)
+            reply = InputSent(InputWritten(found=found))
         except InputClosed as exc:
-            reply = InputSent(found=True, closed=str(exc))
+            reply = InputSent(InputNotTaken(reason=str(exc)))
         except SandboxError as exc:
-            reply = InputSent(infra_error=f"{type(exc).__name__}: {exc}")
+            reply = InputSent(InfraFault(error=f"{type(exc).__name__}: {exc}"))
         return reply
 
 
@@ -430,9 +445,9 @@ def signal_exec(request: SignalExec) -> SignalReply:
             found = worker.current().backend.signal_exec(
                 request.handle, request.exec_id, kill=request.kill
             )
-            reply = SignalReply(found=found)
+            reply = SignalReply(Signalled(found=found))
         except SandboxError as exc:
-            reply = SignalReply(infra_error=f"{type(exc).__name__}: {exc}")
+            reply = SignalReply(InfraFault(error=f"{type(exc).__name__}: {exc}"))
         return reply
 
 

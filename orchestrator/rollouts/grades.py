@@ -58,7 +58,7 @@ from orchestrator.state.errors import StateError
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import GradeInputs, Rollout, RolloutStore
 from orchestrator.state.replies import QueueTimeout
-from orchestrator.state.wire import RunTests, Tasks
+from orchestrator.state.wire import InfraFault, RunTests, Tasks
 
 log = get_logger(__name__)
 
@@ -342,11 +342,9 @@ class QueuedSandbox:
             )
         except QueueTimeout as exc:
             raise SandboxUnusable(f"no worker ran the tests: {exc}") from exc
-        if reply.result is None:
-            raise SandboxUnusable(
-                reply.infra_error or "the test run gave no result", reply.evidence
-            )
-        return reply.result
+        if isinstance(reply.root, InfraFault):
+            raise SandboxUnusable(reply.root.error, reply.root.evidence)
+        return reply.root.result
 
 
 class StoreServices:

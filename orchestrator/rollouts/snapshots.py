@@ -40,7 +40,9 @@ from orchestrator.state.snapshots import (
 from orchestrator.state.wire import (
     DestroySandbox,
     DropSnapshot,
+    InfraFault,
     SnapshotMade,
+    SnapshotNotTaken,
     SnapshotSandbox,
     Tasks,
 )
@@ -108,16 +110,17 @@ class Snapshots:
                 timeout_s=self.settings.queue_wait_s + SNAPSHOT_TIMEOUT_S,
             )
         except QueueTimeout as exc:
-            made = SnapshotMade(error=f"no worker answered: {exc}")
-        if made.refused is not None:
-            raise Rejected(RejectedKind.CONFLICT, made.refused, code="snapshot_refused")
-        if made.taken is None:
+            made = SnapshotMade(InfraFault(error=f"no worker answered: {exc}"))
+        if isinstance(made.root, SnapshotNotTaken):
+            raise Rejected(RejectedKind.CONFLICT, made.root.reason, code="snapshot_refused")
+        if isinstance(made.root, InfraFault):
             raise InfraError(
-                f"could not snapshot {rollout.rollout_id}: {made.error or 'unknown'}",
+                f"could not snapshot {rollout.rollout_id}: {made.root.error}",
                 rollout_id=rollout.rollout_id,
                 evidence={"host": handle.host, "sandbox_id": handle.sandbox_id},
                 code=Cause.SNAPSHOT_FAILED,
             )
+        taken = made.root.taken
         record = SnapshotRecord(
             snapshot_id=snapshot_id,
             name=name,
@@ -131,20 +134,20 @@ class Snapshots:
             workspace=rollout.workspace,
             runtime=handle.runtime,
             template=template,
-            taken=made.taken,
+            taken=taken,
             kind=kind,
             keep_until=time.time() + keep_s if keep_s is not None else None,
         )
         await self.registry.add(record)
-        metrics.SNAPSHOT_SECONDS.labels(kind, "taken").observe(made.taken.ms / 1000)
-        metrics.SNAPSHOT_SECONDS.labels(kind, "frozen").observe(made.taken.paused_ms / 1000)
+        metrics.SNAPSHOT_SECONDS.labels(kind, "taken").observe(taken.ms / 1000)
+        metrics.SNAPSHOT_SECONDS.labels(kind, "frozen").observe(taken.paused_ms / 1000)
         log.info(
             "snapshot.taken",
             rollout_id=rollout.rollout_id,
             sandbox_id=handle.sandbox_id,
             snapshot_id=snapshot_id,
-            bytes=made.taken.bytes,
-            ms=made.taken.ms,
+            bytes=taken.bytes,
+            ms=taken.ms,
         )
         return record
 

@@ -44,6 +44,7 @@ from orchestrator.state.wire import (
     CommitChecked,
     CreateSandbox,
     DestroySandbox,
+    InfraFault,
     Nothing,
     ProbeSandbox,
     SandboxCreated,
@@ -486,17 +487,17 @@ class Starter:
                 timeout_s=self.settings.sandbox_create_timeout_s,
             )
         except QueueTimeout as exc:
-            created = SandboxCreated(error=f"no worker created the sandbox: {exc}")
-        if created.handle is None:
+            created = SandboxCreated(InfraFault(error=f"no worker created the sandbox: {exc}"))
+        if isinstance(created.root, InfraFault):
             # A creation that timed out may still finish: the orphan sweep takes it then.
             await self.admission.release(host)
             raise await self.closer.fail(
                 record.rollout_id,
                 Cause.SANDBOX_CREATE_FAILED,
-                f"could not create the sandbox: {created.error or 'unknown'}",
-                {},
+                f"could not create the sandbox: {created.root.error}",
+                created.root.evidence,
             )
-        return created.handle
+        return created.root.handle
 
     async def _request_refill(self) -> None:
         """Top the pools up after a claim (queue/handlers.refill_pools). One request a second

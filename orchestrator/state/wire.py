@@ -10,14 +10,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, RootModel
 
 from orchestrator.outcomes import Cause
 from orchestrator.sandbox.backend import (
     CommitWorkspace,
     ExecRan,
     FileAction,
-    FileErrorKind,
     FileOpResult,
     FileRead,
     FileRefused,
@@ -84,6 +83,16 @@ class Accepted(BaseModel):
     accepted: bool = True
 
 
+class InfraFault(BaseModel):
+    """The sandbox, its backend or its host failed us: the one infrastructure variant of
+    every reply that can have one (never scored; a rollout fails with ``cause``)."""
+
+    kind: Literal["infra"] = "infra"
+    error: str
+    cause: Cause = Cause.TOOL_CALL_FAILED
+    evidence: dict[str, Any] = Field(default_factory=dict)
+
+
 class CreateSandbox(Request):
     rollout_id: str
     trace_id: str | None = Field(
@@ -104,13 +113,22 @@ class SnapshotSandbox(Request):
     snapshot_id: str
 
 
-class SnapshotMade(BaseModel):
-    """A :class:`SnapshotSandbox`'s reply: the snapshot, or why not (``refused``: the
-    caller's doing, e.g. too many generations; ``error``: ours)."""
+class Snapshotted(BaseModel):
+    kind: Literal["taken"] = "taken"
+    taken: SnapshotTaken
 
-    taken: SnapshotTaken | None = None
-    refused: str | None = None
-    error: str | None = None
+
+class SnapshotNotTaken(BaseModel):
+    """The caller's doing (e.g. too many generations): not ours."""
+
+    kind: Literal["refused"] = "refused"
+    reason: str
+
+
+class SnapshotMade(
+    RootModel[Annotated[Snapshotted | SnapshotNotTaken | InfraFault, Field(discriminator="kind")]]
+):
+    """A :class:`SnapshotSandbox`'s reply: the snapshot, or why not."""
 
 
 class MeasureSandbox(Request):
@@ -119,12 +137,14 @@ class MeasureSandbox(Request):
     handle: SandboxHandle
 
 
-class SandboxMeasured(BaseModel):
+class Measured(BaseModel):
+    kind: Literal["measured"] = "measured"
+    usage: SandboxUsage
+
+
+class SandboxMeasured(RootModel[Annotated[Measured | InfraFault, Field(discriminator="kind")]]):
     """A :class:`MeasureSandbox`'s reply: what the sandbox uses now, or why it could not
     be told."""
-
-    usage: SandboxUsage | None = None
-    error: str | None = None
 
 
 class DropSnapshot(Request):
@@ -163,9 +183,13 @@ class CommitChecked(BaseModel):
     error: str | None = Field(None, description="The host could not tell: an infra fault.")
 
 
-class SandboxCreated(BaseModel):
-    handle: SandboxHandle | None = None
-    error: str | None = Field(None, description="Why creation failed: an infra fault.")
+class Created(BaseModel):
+    kind: Literal["created"] = "created"
+    handle: SandboxHandle
+
+
+class SandboxCreated(RootModel[Annotated[Created | InfraFault, Field(discriminator="kind")]]):
+    """A :class:`CreateSandbox`'s reply: the sandbox, or why it could not be made (ours)."""
 
 
 class RunOp(Request):
@@ -206,15 +230,6 @@ class SandboxKilled(BaseModel):
     kind: Literal["killed"] = "killed"
     cause: str = Field(description="The limit it hit, as an error kind (memory_limit, ...).")
     detail: str
-
-
-class InfraFault(BaseModel):
-    """The sandbox or its host failed us: never scored; the rollout fails with ``cause``."""
-
-    kind: Literal["infra"] = "infra"
-    error: str
-    cause: Cause = Cause.TOOL_CALL_FAILED
-    evidence: dict[str, Any] = Field(default_factory=dict)
 
 
 class OpDone(BaseModel):
@@ -266,12 +281,13 @@ class RunTests(Request):
     run: TestRun
 
 
-class RunTestsReply(BaseModel):
-    """The run's result; ``infra_error`` (the sandbox or the backend failed) means none."""
+class TestsRan(BaseModel):
+    kind: Literal["ran"] = "ran"
+    result: TestRunResult
 
-    result: TestRunResult | None = None
-    infra_error: str | None = None
-    evidence: dict[str, Any] = Field(default_factory=dict)
+
+class RunTestsReply(RootModel[Annotated[TestsRan | InfraFault, Field(discriminator="kind")]]):
+    """The run's result; or the sandbox or the backend failed, and there is none."""
 
 
 class FileOpRequest(Request):
@@ -288,14 +304,15 @@ class FileOpRequest(Request):
     max_bytes: int = Field(0, ge=0)
 
 
-class FileOpReply(BaseModel):
-    """Its result; or the path's problem (the client's); or an infrastructure fault."""
+class FileOpDone(BaseModel):
+    kind: Literal["done"] = "done"
+    result: FileOpResult
 
-    result: FileOpResult | None = None
-    file_error: FileErrorKind | None = None
-    message: str = ""
-    infra_error: str | None = None
-    evidence: dict[str, Any] = Field(default_factory=dict)
+
+class FileOpReply(
+    RootModel[Annotated[FileOpDone | FileRefused | InfraFault, Field(discriminator="kind")]]
+):
+    """Its result; or the path's problem (the client's); or an infrastructure fault."""
 
 
 class SignalExec(Request):
@@ -306,9 +323,13 @@ class SignalExec(Request):
     kill: bool = True
 
 
-class SignalReply(BaseModel):
-    found: bool = False
-    infra_error: str | None = None
+class Signalled(BaseModel):
+    kind: Literal["signalled"] = "signalled"
+    found: bool = Field(description="False: no such command runs (yet).")
+
+
+class SignalReply(RootModel[Annotated[Signalled | InfraFault, Field(discriminator="kind")]]):
+    """A :class:`SignalExec`'s reply."""
 
 
 class SendInput(Request):
@@ -324,13 +345,22 @@ class SendInput(Request):
     resize: tuple[int, int] | None = Field(None, description="A terminal's new (rows, cols).")
 
 
-class InputSent(BaseModel):
-    """A :class:`SendInput`'s reply: ``found`` False when no such command runs (yet);
-    ``closed`` when it has no input to write to (started without, or closed)."""
+class InputWritten(BaseModel):
+    kind: Literal["written"] = "written"
+    found: bool = Field(description="False: no such command runs (yet); nothing written.")
 
-    found: bool = False
-    closed: str | None = None
-    infra_error: str | None = None
+
+class InputNotTaken(BaseModel):
+    """The command has no input to write to (started without, or closed): the caller's."""
+
+    kind: Literal["closed"] = "closed"
+    reason: str
+
+
+class InputSent(
+    RootModel[Annotated[InputWritten | InputNotTaken | InfraFault, Field(discriminator="kind")]]
+):
+    """A :class:`SendInput`'s reply."""
 
 
 RequestT = TypeVar("RequestT", bound=Request)
