@@ -1,5 +1,5 @@
-# The orchestrator's own service image: the API, workers and beat of the Helm chart
-# (`orchestrator serve|worker|beat`; helm/orchestrator's image.repository).
+# The orchestrator's own service image: the API, workers and reapers of the Helm chart
+# (`orchestrator serve|worker|reaper`; helm/orchestrator's image.repository).
 #
 # Python packages come from a wheelhouse made on the host, because build containers may
 # have no route to PyPI (they do reach Debian's mirrors):

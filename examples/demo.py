@@ -1,7 +1,7 @@
 """`make demo`: a scripted agent plans changes to a real codebase through the Agent RFT
 endpoints, exactly as a trainer would drive a model, and each rollout is graded.
 
-Starts its own deployment (API, worker, beat) on a free loopback port, registers the
+Starts its own deployment (API, worker, reaper) on a free loopback port, registers the
 `requests` codebase, runs examples/codebase_planning/dataset.jsonl, prints a table, and
 tears everything down.
 """

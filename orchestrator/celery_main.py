@@ -1,8 +1,7 @@
-"""Entry point for ``celery -A orchestrator.celery_main``: the process's Celery app, with
-the tasks of both sides registered (the worker's, queue/handlers.py; the reaper's,
-rollouts/reaper.py). The one module that imports both: the composition root."""
+"""Entry point for ``celery -A orchestrator.celery_main``: the worker process's Celery app,
+with the worker's tasks registered (queue/handlers.py) and its lifecycle wired to Celery's
+signals. The reaper is a process of its own (``orchestrator reaper``, rollouts/reaper.py)."""
 
-import orchestrator.rollouts.reaper  # noqa: F401 - registers the reaper's task
 from orchestrator.queue import handlers
 from orchestrator.state.broker import celery_app
 

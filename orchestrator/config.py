@@ -70,7 +70,7 @@ class Settings(BaseSettings):
     reaper_interval_s: float = Field(
         10.0,
         gt=0,
-        description="How often beat runs the reaper (idle, expired and orphaned rollouts and "
+        description="How often the reaper passes (idle, expired and orphaned rollouts and "
         "sandboxes; dead hosts), in seconds.",
     )
     sandbox_create_timeout_s: float = Field(
@@ -375,9 +375,23 @@ class Settings(BaseSettings):
         description="Port a worker process serves its own Prometheus metrics on (/metrics); "
         "0 disables. A port already taken is logged and skipped, not fatal.",
     )
-    worker_metrics_host: str = Field(
-        "127.0.0.1", description="Address the worker's metrics endpoint binds (0.0.0.0: all)."
+    reaper_metrics_port: int = Field(
+        9110,
+        ge=0,
+        le=65535,
+        description="Port the reaper process serves its own Prometheus metrics on "
+        "(/metrics: sandboxes reaped, rollouts it failed); 0 disables.",
     )
+    worker_metrics_host: str = Field(
+        "127.0.0.1",
+        description="Address the worker's and the reaper's metrics endpoints bind (0.0.0.0: all).",
+    )
+
+    @property
+    def reaper_alive_file(self) -> Path:
+        """The file a reaper touches after every try at a pass, lease held or not: its
+        liveness (the chart's files/probes/reaper_probe.py reads its age)."""
+        return self.state_dir / f"reaper-{self.deployment}.alive"
 
     @property
     def sockets_dir(self) -> Path:

@@ -1,4 +1,4 @@
-"""Every deployment the suite starts, made one way: a real API, Celery worker and beat as
+"""Every deployment the suite starts, made one way: a real API, Celery worker and reaper as
 subprocesses on real Redis and dockerd (or a Kubernetes control plane), with a deployment
 name, ports, host id and logs of its own.
 
@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import httpx
 
-from orchestrator.cli.serve import api_command, beat_command, worker_command
+from orchestrator.cli.serve import api_command, reaper_command, worker_command
 from orchestrator.config import Settings
 from orchestrator.local import free_port, settings_env
 from orchestrator.sandbox.docker.backend import DockerBackend
@@ -41,8 +41,8 @@ from orchestrator.tls import tls
 
 TOKEN = "e2e-token-" + uuid.uuid4().hex[:8]
 
-Role = Literal["worker", "beat", "api"]
-ROLES: tuple[Role, ...] = ("worker", "beat", "api")
+Role = Literal["worker", "reaper", "api"]
+ROLES: tuple[Role, ...] = ("worker", "reaper", "api")
 
 TEST_FIELDS: dict[str, Any] = {
     "api_tokens": TOKEN,
@@ -92,8 +92,8 @@ class Stack:
         """The command line of one of the deployment's processes."""
         if role == "worker":
             return worker_command(self.settings)
-        if role == "beat":
-            return beat_command(self.settings)
+        if role == "reaper":
+            return reaper_command(self.settings)
         return api_command(self.settings)
 
     def start(self, name: str, command: list[str], env: dict[str, str] | None = None) -> None:
@@ -148,9 +148,9 @@ class Stack:
         raise RuntimeError(f"stack not ready in {timeout_s} s: {last}")
 
     def stop_all(self) -> None:
-        """Stop every process, beat first: its reaper passes would wait for a worker that
+        """Stop every process, the reaper first: its passes would wait for a worker that
         is gone."""
-        for name in sorted(self.procs, key=lambda name: name != "beat"):
+        for name in sorted(self.procs, key=lambda name: name != "reaper"):
             self.stop(name)
 
     def shut_down(self, *hosts: Settings) -> None:
@@ -181,7 +181,7 @@ def deployment(
     **fields: Any,
 ) -> Stack:
     """A stack (not started) of deployment ``<base.deployment>-<name>``: ``base`` with
-    :data:`TEST_FIELDS`, a free API port, no worker metrics port of its own unless asked,
+    :data:`TEST_FIELDS`, a free API port, no worker or reaper metrics port unless asked,
     host id ``<name>-<random>``, and ``fields`` on top. Its processes' environment is those
     settings (``orchestrator.local.settings_env``) and ``env`` (what is not a setting:
     ``KUBECONFIG``, ``PYTHONPATH``, a debug switch)."""
@@ -191,6 +191,7 @@ def deployment(
             "deployment": f"{base.deployment}-{name}",
             "api_port": free_port(),
             "worker_metrics_port": 0,
+            "reaper_metrics_port": 0,
             "host_id": f"{name}-{uuid.uuid4().hex[:6]}",
             **fields,
         }

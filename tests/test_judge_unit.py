@@ -330,7 +330,7 @@ def test_a_429_is_asked_again_no_sooner_than_its_retry_after() -> None:
 
 
 def test_no_process_imports_the_judges_sdk_before_a_judge_is_asked() -> None:
-    """The openai SDK takes 1-2 s to import here: every API, worker and beat start paid it,
+    """The openai SDK takes 1-2 s to import here: every API, worker and reaper start paid it,
     and the suite restarts them often, until the judge imported it only when it asks."""
     probe = (
         "import sys, orchestrator.celery_main, orchestrator.api.app, orchestrator.grading; "

@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("orchestrator.cli.serve", "up"),
     "serve": ("orchestrator.cli.serve", "serve"),
     "worker": ("orchestrator.cli.serve", "worker"),
-    "beat": ("orchestrator.cli.serve", "beat"),
+    "reaper": ("orchestrator.cli.serve", "reaper"),
     "smoke": ("orchestrator.cli.smoke", "smoke"),
     "tools": ("orchestrator.cli.tools", "tools"),
     "status": ("orchestrator.cli.status", "status"),
@@ -38,6 +38,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+ALIASES = {"beat": "reaper"}
+"""Old names still taken, not listed: ``beat`` ran Celery beat, the reaper's scheduler,
+until 2026-12 (a deployment's scripts and charts name it)."""
+
+
 class LazyCommands(TyperGroup):
     """The root group: :data:`COMMANDS`, each built from its module on first use."""
 
@@ -45,6 +50,7 @@ class LazyCommands(TyperGroup):
         return list(COMMANDS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        cmd_name = ALIASES.get(cmd_name, cmd_name)
         if cmd_name not in COMMANDS:
             return None
         module, attribute = COMMANDS[cmd_name]

@@ -1,6 +1,6 @@
-"""``orchestrator serve|worker|beat|up``: the processes of a deployment.
+"""``orchestrator serve|worker|reaper|up``: the processes of a deployment.
 
-``up`` runs Redis (if not running), the API, one worker and beat in the foreground and
+``up`` runs Redis (if not running), the API, one worker and the reaper in the foreground and
 stops them all on Ctrl-C, ending the rollouts and sandboxes it holds (unless
 ``--keep-sandboxes``); ``make up`` calls it after installing everything.
 """
@@ -60,9 +60,9 @@ def worker_command(settings: Settings) -> list[str]:
     )
 
 
-def beat_command(settings: Settings) -> list[str]:
-    schedule = settings.state_dir / f"beat-{settings.deployment}.schedule"
-    return _celery(settings, "beat", "--schedule", str(schedule), "--loglevel", settings.log_level)
+def reaper_command(settings: Settings) -> list[str]:
+    """The reaper, a process of its own (rollouts/reaper.Reaper)."""
+    return [sys.executable, "-m", "orchestrator.cli", "reaper"]
 
 
 def api_command(settings: Settings) -> list[str]:
@@ -96,9 +96,26 @@ def worker() -> None:
     os.execv(sys.executable, worker_command(get_settings()))
 
 
-def beat() -> None:
-    """Run beat (the periodic reaper) in the foreground. Run exactly one per deployment."""
-    os.execv(sys.executable, beat_command(get_settings()))
+def reaper() -> None:
+    """Run the reaper (the control plane's controller: idle and expired rollouts, lost
+    hosts, slots, sweeps, refills) in the foreground. Run one per deployment, or more as
+    standbys: they share a lease and one reaps. ``beat`` is its name before 2026-12."""
+    from orchestrator.observability.logging import configure_logging
+    from orchestrator.observability.metrics import serve_process_metrics
+    from orchestrator.rollouts.reaper import Reaper
+
+    settings = get_settings()
+    configure_logging(settings)
+    serve_process_metrics("reaper", settings.reaper_metrics_port, settings)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await Reaper(settings).run(stop)
+
+    asyncio.run(run())
 
 
 def api_token(settings: Settings) -> str:
@@ -133,7 +150,7 @@ def up(
         ),
     ] = False,
 ) -> None:
-    """Serve: API, one worker and beat in the foreground; Ctrl-C stops them all and ends
+    """Serve: API, one worker and the reaper in the foreground; Ctrl-C stops them all and ends
     the rollouts and sandboxes this host holds (a trainer coming back to one is told to
     discard it), unless ``--keep-sandboxes``."""
     settings = get_settings()
@@ -147,7 +164,7 @@ def up(
         )
         for name, command in (
             ("worker", worker_command(settings)),
-            ("beat", beat_command(settings)),
+            ("reaper", reaper_command(settings)),
             ("api", api_command(settings)),
         )
     }
@@ -185,7 +202,7 @@ def up(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # No new rollouts, calls or pool refills first; the worker goes on destroying nothing
     # until the records are ended, so no call runs in a sandbox about to go.
-    _stop(procs, "api", "beat")
+    _stop(procs, "api", "reaper")
     if not keep_sandboxes:
         code = _end_what_it_holds(settings, lambda: _stop(procs, "worker")) or code
     _stop(procs, "worker")

@@ -94,8 +94,8 @@ def configure_logging(settings: Settings | None = None) -> None:
         logging.getLogger(name).handlers = []
         logging.getLogger(name).propagate = True
     # Noise, not logs: a line per HTTP request from a client library, and Celery's "task
-    # received/succeeded" and beat's "sending due task" for every call and reaper pass (the
-    # worker logs what matters itself; a failed task still logs at ERROR).
+    # received/succeeded" for every call (the worker logs what matters itself; a failed
+    # task still logs at ERROR).
     for chatty in (
         "httpx",
         "httpcore",
@@ -104,7 +104,6 @@ def configure_logging(settings: Settings | None = None) -> None:
         "httpcore2",
         "celery.worker.strategy",
         "celery.app.trace",
-        "celery.beat",
     ):
         logging.getLogger(chatty).setLevel(max(level, logging.WARNING))
     _configured = True

@@ -7,7 +7,7 @@ files there and :func:`exposition` merges every process's files. There are no ga
 the state of the deployment (hosts, sandboxes, pools, queues) is read from Redis at scrape
 time by :mod:`orchestrator.state.collector`, one source of truth for any number of
 processes. Workers serve their own counters on ``worker_metrics_port``
-(:func:`serve_worker_metrics`).
+(:func:`serve_worker_metrics`), the reaper its own on ``reaper_metrics_port``.
 """
 
 from __future__ import annotations
@@ -198,18 +198,21 @@ def exposition(*extra: Collector) -> bytes:
 
 def serve_worker_metrics(settings: Settings) -> bool:
     """Serve this worker process's metrics at ``/metrics`` on ``worker_metrics_port``
-    (0: not at all). A port taken (several workers on one machine) is a warning: the
-    worker carries on without its endpoint rather than failing to start."""
-    if settings.worker_metrics_port == 0:
+    (0: not at all)."""
+    return serve_process_metrics("worker", settings.worker_metrics_port, settings)
+
+
+def serve_process_metrics(role: str, port: int, settings: Settings) -> bool:
+    """Serve this process's metrics (a worker's, the reaper's) at ``/metrics`` on ``port``
+    (0: not at all), bound to ``worker_metrics_host``. A port taken (several workers on one
+    machine) is a warning: the process carries on without its endpoint rather than
+    failing to start."""
+    if port == 0:
         return False
     try:
-        start_http_server(settings.worker_metrics_port, addr=settings.worker_metrics_host)
+        start_http_server(port, addr=settings.worker_metrics_host)
     except OSError as exc:
-        log.warning(
-            "worker.metrics_port_unavailable",
-            port=settings.worker_metrics_port,
-            error=str(exc),
-        )
+        log.warning(f"{role}.metrics_port_unavailable", port=port, error=str(exc))
         return False
-    log.info("worker.metrics_serving", port=settings.worker_metrics_port)
+    log.info(f"{role}.metrics_serving", port=port)
     return True

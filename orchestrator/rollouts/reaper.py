@@ -1,29 +1,34 @@
-"""The reaper, the control plane's controller (run by beat on the shared queue): ends
-rollouts that are idle, too old, or graded and past their grace period; fails the
-rollouts of hosts that are lost or unhealthy; recounts the hosts' slots from what holds
-them; and has every live host sweep its expired and orphaned sandboxes (queue/sweep.py).
+"""The reaper, the control plane's controller, a process of its own (``orchestrator
+reaper``, :class:`Reaper`): ends rollouts that are idle, too old, or graded and past their
+grace period; fails the rollouts of hosts that are lost or unhealthy; recounts the hosts'
+slots from what holds them; and has every live host sweep its expired and orphaned
+sandboxes (queue/sweep.py). Several may run (a standby): one holds the deployment's
+reaper lease and reaps.
 
-It runs in a worker process, but it is the API side's code (it ends rollouts as the API
-does, through :class:`RolloutService`): the worker process loads it through
-celery_main.py, and the worker's own code (queue/) imports none of it."""
+It is the API side's code (it ends rollouts as the API does, through
+:class:`RolloutService`); the worker's code (queue/) imports none of it."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import socket
 import time
+import uuid
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import lru_cache
 from typing import Any
 
-from orchestrator.config import Settings, get_settings
+from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry, load_environments
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import bind_sandbox, get_logger, rollout_context
 from orchestrator.outcomes import Cause
 from orchestrator.rollouts.errors import InfraError
 from orchestrator.rollouts.service import RolloutService
-from orchestrator.state.broker import celery_app, handles
+from orchestrator.state.broker import celery_app
+from orchestrator.state.errors import StateError
 from orchestrator.state.models import RolloutState
 from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
@@ -109,33 +114,91 @@ def reason_to_end(rollout: Rollout, service: RolloutService, now: float) -> End 
     return None
 
 
-@lru_cache(maxsize=1)
-def _environments() -> EnvironmentRegistry:
-    return load_environments(get_settings())
+class Reaper:
+    """The reaper as a process of its own (``orchestrator reaper``): one service, store and
+    queue client built once, a pass every ``reaper_interval_s`` while it holds the
+    deployment's reaper lease (``RolloutStore.hold_reaper_lease``). Run one, or more for
+    a standby: the others wait for the lease, which lapses ``lease_s`` after its holder's
+    last renewal, so a reaper that died is replaced within that."""
 
+    def __init__(
+        self,
+        settings: Settings,
+        environments: EnvironmentRegistry | None = None,
+        *,
+        holder: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.environments = environments or load_environments(settings)
+        self.holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.store = RolloutStore.connect(settings, role="reaper")
+        self.queue = WorkerClient(settings, celery_app(), self.store)
+        self.service = RolloutService(settings, self.store, self.environments, self.queue)
+        self.alive_file = settings.reaper_alive_file
+        self.alive_file.parent.mkdir(parents=True, exist_ok=True)
 
-@handles(Tasks.REAP)
-def reap(_request: Nothing) -> None:
-    """Periodic (beat): one pass of :func:`reap_once`."""
-    passed = asyncio.run(reap_once(get_settings(), _environments()))
-    # A line per pass only when it did something (each rollout it ended has its own).
-    if passed["ended"] or passed["hosts_failing"]:
-        log.info(
-            "reaper.passed",
-            rollouts_ended=len(passed["ended"]),
-            hosts_swept=passed["hosts_swept"],
-            hosts_failing=passed["hosts_failing"],
-        )
+    @property
+    def lease_s(self) -> float:
+        """How long the lease outlives its holder's last renewal: three passes, at least
+        30 s. A pass longer than that may meet a standby's: both are safe to run at once
+        (each close takes its rollout's close lease; the recount writes nothing when slots
+        moved during it), only wasteful."""
+        return max(30.0, 3 * self.settings.reaper_interval_s)
 
+    async def run(self, stop: asyncio.Event) -> None:
+        """Pass after pass until ``stop`` is set; then give the lease up, so a standby
+        takes over at once rather than when it lapses."""
+        interval = self.settings.reaper_interval_s
+        held = False
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                held = await self._pass_if_held(held)
+                self.alive_file.touch()
+                rest = max(0.0, interval - (time.monotonic() - started))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), rest)
+        finally:
+            with contextlib.suppress(StateError):
+                await self.store.drop_reaper_lease(self.holder)
+            await self.store.close()
 
-async def reap_once(settings: Settings, environments: EnvironmentRegistry) -> dict[str, Any]:
-    store = RolloutStore.connect(settings, role="reaper")
-    queue = WorkerClient(settings, celery_app(), store)
-    service = RolloutService(settings, store, environments, queue)
-    ended: dict[str, str] = {}
-    try:
+    async def _pass_if_held(self, held: bool) -> bool:
+        """One pass if this process holds the lease (taken or renewed now); whether it does."""
+        try:
+            holds = await self.store.hold_reaper_lease(self.holder, self.lease_s)
+        except StateError as exc:
+            log.warning("reaper.redis_unavailable", error=str(exc))
+            return False
+        if holds != held:
+            log.info("reaper.lease_taken" if holds else "reaper.standing_by", holder=self.holder)
+        if not holds:
+            return False
+        try:
+            passed = await self.pass_once()
+        except StateError as exc:
+            log.warning("reaper.pass_interrupted", error=str(exc))
+            return True
+        except Exception:  # a bug in one pass must not end the controller
+            log.exception("reaper.pass_failed")
+            return True
+        # A line per pass only when it did something (each rollout it ended has its own).
+        if passed["ended"] or passed["hosts_failing"]:
+            log.info(
+                "reaper.passed",
+                rollouts_ended=len(passed["ended"]),
+                hosts_swept=passed["hosts_swept"],
+                hosts_failing=passed["hosts_failing"],
+            )
+        return True
+
+    async def pass_once(self) -> dict[str, Any]:
+        """One pass: end what must end, fail the rollouts of failing hosts, recount slots,
+        record pools' demand, ask every live host to sweep and one to refill pools."""
+        store, queue, service = self.store, self.queue, self.service
+        ended: dict[str, str] = {}
         now = time.time()
-        failing = await _failing_hosts(settings, store, queue, now)
+        failing = await _failing_hosts(self.settings, store, queue, now)
         for rollout_id in await store.live_ids():
             with rollout_context(rollout_id):
                 reason = await _reap_one(service, rollout_id, failing, now)
@@ -144,16 +207,14 @@ async def reap_once(settings: Settings, environments: EnvironmentRegistry) -> di
         await _recount_host_loads(store, service)
         # Two intervals back: a late pass still sees every rollout since the last.
         await _record_pool_demand(
-            store, service.pools, time.time() - 2 * service.settings.reaper_interval_s
+            store, service.pools, time.time() - 2 * self.settings.reaper_interval_s
         )
         hosts = [beat.host for beat in await queue.heartbeats.live()]
         for host in hosts:
             await queue.send(Tasks.SWEEP_HOST, Nothing(), host=host)
         await queue.send(Tasks.REFILL_POOLS, Nothing(), host=None)
         await store.mark_reaper_pass(time.time())
-    finally:
-        await store.close()
-    return {"ended": ended, "hosts_swept": hosts, "hosts_failing": sorted(failing)}
+        return {"ended": ended, "hosts_swept": hosts, "hosts_failing": sorted(failing)}
 
 
 async def _reap_one(

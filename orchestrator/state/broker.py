@@ -68,14 +68,6 @@ def make_celery(settings: Settings) -> Celery:
             "ack_emulation": False,
             "client_name": keys.client_name("broker"),
         },
-        beat_schedule={
-            "reap": {
-                "task": TaskName.REAP.value,
-                "schedule": settings.reaper_interval_s,
-                "args": ({},),
-                "options": {"queue": keys.shared_queue, "expires": settings.reaper_interval_s},
-            }
-        },
     )
     return app
 

@@ -186,9 +186,16 @@ class Keys:
 
     @cached_property
     def reaper_pass(self) -> str:
-        """String: when beat's reaper last finished a pass (Unix seconds): the reaper-down
+        """String: when the reaper last finished a pass (Unix seconds): the reaper-down
         alert's source (state/collector.py)."""
         return f"{self.prefix}reaper-last-pass"
+
+    @cached_property
+    def reaper_lease(self) -> str:
+        """String: the reaper process that runs the passes (its holder id), with a TTL it
+        renews every pass: of several reapers one reaps, the others stand by
+        (rollouts/reaper.Reaper)."""
+        return f"{self.prefix}reaper-lease"
 
     @cached_property
     def pool_refill_requested(self) -> str:

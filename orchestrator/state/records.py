@@ -208,6 +208,19 @@ def _failure_entry(rollout: Rollout, failure: dict[str, Any]) -> InfraFailureEnt
     )
 
 
+# A lease one holder at a time keeps. KEYS: the lease. ARGV: holder, ttl (ms; 0: give it
+# up). Taken when free, renewed when the holder's; returns 1 when the holder has it after.
+_LEASE = """
+local held = redis.call('GET', KEYS[1])
+if held and held ~= ARGV[1] then return 0 end
+if ARGV[2] == '0' then
+  redis.call('DEL', KEYS[1])
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
 # A slot (KEYS[1], a sorted set of holders scored by when their hold lapses): lapsed holds
 # are dropped, then ARGV[1] takes one if fewer than ARGV[2] are held, for ARGV[3] ms. Redis's
 # own clock, so API replicas' clocks need not agree. Safe to run twice (a holder holds once).
@@ -268,6 +281,7 @@ class RolloutStore:
         self._create_script = self.redis.register_script(_CREATE)
         self._update_script = self.redis.register_script(_UPDATE)
         self._slot_script = self.redis.register_script(_TAKE_SLOT)
+        self._lease_script = self.redis.register_script(_LEASE)
 
     @classmethod
     def connect(cls, settings: Settings, role: str = "api") -> RolloutStore:
@@ -423,8 +437,21 @@ class RolloutStore:
         return count
 
     async def mark_reaper_pass(self, at: float) -> None:
-        """Beat's reaper finished a pass at ``at`` (state/keys.Keys.reaper_pass)."""
+        """The reaper finished a pass at ``at`` (state/keys.Keys.reaper_pass)."""
         await self.redis.set(self.keys.reaper_pass, repr(at))
+
+    async def hold_reaper_lease(self, holder: str, ttl_s: float) -> bool:
+        """Take the deployment's reaper lease for ``holder`` when it is free, or renew it
+        when ``holder`` has it; False while another holds it. It lapses ``ttl_s`` after
+        its holder's last renewal."""
+        held = await self._lease_script(
+            keys=[self.keys.reaper_lease], args=[holder, int(ttl_s * 1000)]
+        )
+        return bool(held)
+
+    async def drop_reaper_lease(self, holder: str) -> None:
+        """Give the lease up, if ``holder`` has it: a standby takes it at its next try."""
+        await self._lease_script(keys=[self.keys.reaper_lease], args=[holder, 0])
 
     async def recent_failures(self) -> list[InfraFailureEntry]:
         """The newest infrastructure failures, newest first."""

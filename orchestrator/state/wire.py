@@ -31,7 +31,7 @@ from orchestrator.sandbox.testrun import TestRun, TestRunResult
 
 
 class TaskName(StrEnum):
-    """Every task a worker runs (queue/handlers.py; the reaper's: rollouts/reaper.py)."""
+    """Every task a worker runs (queue/handlers.py)."""
 
     CREATE_SANDBOX = "orchestrator.create_sandbox"
     RUN_OP = "orchestrator.run_op"
@@ -51,7 +51,6 @@ class TaskName(StrEnum):
     SNAPSHOT_SANDBOX = "orchestrator.snapshot_sandbox"
     MEASURE_SANDBOX = "orchestrator.measure_sandbox"
     DROP_SNAPSHOT = "orchestrator.drop_snapshot"
-    REAP = "orchestrator.reap"
 
 
 WIRE_VERSION = 2
@@ -378,7 +377,7 @@ class Task(Generic[RequestT, ReplyT]):
 
 class Tasks:
     """Every task, request and reply paired: the one table both ends are built from. A
-    task is sent to one host's queue, or (CHECK_COMMIT, REFILL_POOLS, REAP) to the shared
+    task is sent to one host's queue, or (CHECK_COMMIT, REFILL_POOLS) to the shared
     queue, which any host takes from."""
 
     CREATE_SANDBOX = Task(TaskName.CREATE_SANDBOX, CreateSandbox, SandboxCreated)
@@ -397,4 +396,3 @@ class Tasks:
     SNAPSHOT_SANDBOX = Task(TaskName.SNAPSHOT_SANDBOX, SnapshotSandbox, SnapshotMade)
     MEASURE_SANDBOX = Task(TaskName.MEASURE_SANDBOX, MeasureSandbox, SandboxMeasured)
     DROP_SNAPSHOT = Task(TaskName.DROP_SNAPSHOT, DropSnapshot, SnapshotDropped)
-    REAP = Task(TaskName.REAP, Nothing, Nothing)

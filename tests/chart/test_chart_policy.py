@@ -117,7 +117,7 @@ def test_redis_is_reachable_only_from_the_release(rendered: Objects, scenario: s
         for p in ingress["from"]
         if "podSelector" in p
     }
-    assert components == {"api", "worker", "beat"}
+    assert components == {"api", "worker", "reaper"}
     namespaces = [p for p in ingress["from"] if "namespaceSelector" in p]
     keda = any(o["kind"] == "ScaledObject" for o in objects)
     assert len(namespaces) == (1 if keda else 0)
@@ -149,9 +149,10 @@ def test_upgrades_drain_workers_and_keep_api_capacity(rendered: Objects) -> None
         assert worker["spec"]["updateStrategy"]["type"] == "RollingUpdate"
         api = find(objects, "Deployment", f"{FULLNAME}-api")
         assert api["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
-        beat = find(objects, "Deployment", f"{FULLNAME}-beat")
-        assert beat["spec"]["replicas"] == 1
-        assert beat["spec"]["strategy"] == {"type": "Recreate"}
+        # Reapers share a lease: a standby, and a rolling update that overlaps them.
+        reaper = find(objects, "Deployment", f"{FULLNAME}-reaper")
+        assert reaper["spec"]["replicas"] == 2
+        assert "strategy" not in reaper["spec"]
         budgets = {
             o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "PodDisruptionBudget"
         }
@@ -166,7 +167,7 @@ def test_probes_point_at_what_the_app_and_chart_provide(rendered: Objects) -> No
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     probes = find(objects, "ConfigMap", f"{FULLNAME}-probes")["data"]
-    for kind, name in [("StatefulSet", "worker"), ("Deployment", "beat")]:
+    for kind, name in [("StatefulSet", "worker"), ("Deployment", "reaper")]:
         pod = find(objects, kind, f"{FULLNAME}-{name}")["spec"]["template"]["spec"]
         [container] = pod["containers"]
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -229,3 +230,22 @@ def test_worker_metrics_port_is_served_and_scraped(rendered: Objects) -> None:
     assert worker["spec"]["serviceName"] == service["metadata"]["name"]
     config = find(objects, "ConfigMap", f"{FULLNAME}-config")["data"]
     assert config["ORCH_WORKER_METRICS_PORT"] == "9109"
+
+
+def test_reaper_metrics_port_is_served_and_scraped(rendered: Objects) -> None:
+    """The reaper counts what it reaps in its own process: a port, a headless Service, a
+    ServiceMonitor and a policy that lets only the scraper in."""
+    objects = rendered["production"]
+    reaper = find(objects, "Deployment", f"{FULLNAME}-reaper")
+    ports = reaper["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert ports == [{"name": "metrics", "containerPort": 9110, "protocol": "TCP"}]
+    service = find(objects, "Service", f"{FULLNAME}-reaper")
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["ports"][0]["port"] == 9110
+    config = find(objects, "ConfigMap", f"{FULLNAME}-config")["data"]
+    assert config["ORCH_REAPER_METRICS_PORT"] == "9110"
+    monitor = find(objects, "ServiceMonitor", f"{FULLNAME}-reaper")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+    policy = find(objects, "NetworkPolicy", f"{FULLNAME}-reaper")
+    [ingress] = policy["spec"]["ingress"]
+    assert ingress["ports"] == [{"protocol": "TCP", "port": 9110}]

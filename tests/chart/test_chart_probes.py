@@ -1,4 +1,4 @@
-"""The worker's and beat's exec probes (helm/orchestrator/files/probes/), run as the
+"""The worker's and the reaper's exec probes (helm/orchestrator/files/probes/), run as the
 kubelet runs them, against the real Redis and a real heartbeat."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -85,21 +84,40 @@ def test_worker_probe_does_not_restart_workers_for_a_redis_outage(settings: Sett
     assert run_probe("worker_probe.py", env, "ready").returncode == 1
 
 
-def test_beat_probe_reads_the_schedule_file_age(settings: Settings) -> None:
-    env = probe_env(settings)
-    schedule = Path(settings.state_dir) / f"beat-{settings.deployment}.schedule.dat"
+def test_reaper_probe_follows_the_real_reapers_loop(
+    settings: Settings, redis_keys: redis.Redis
+) -> None:
+    """The real reaper (a process of its own, ``orchestrator reaper``) touches its file
+    after each turn of its loop; the probe reads its age."""
+    env = probe_env(settings, ORCH_REAPER_INTERVAL_S="0.2", ORCH_REAPER_METRICS_PORT="0")
+    alive = settings.reaper_alive_file
+    alive.unlink(missing_ok=True)
     try:
-        missing = run_probe("beat_probe.py", env)
+        missing = run_probe("reaper_probe.py", env)
         assert missing.returncode == 1
-        assert "no schedule file" in missing.stdout
-        schedule.write_bytes(b"")
-        fresh = run_probe("beat_probe.py", env)
-        assert fresh.returncode == 0, fresh.stdout + fresh.stderr
-        # Older than beat's 180 s sync plus three reaper intervals and a minute of slack.
-        stale = time.time() - (180 + 3 * settings.reaper_interval_s + 61)
-        os.utime(schedule, (stale, stale))
-        old = run_probe("beat_probe.py", env)
+        assert "has not finished a first try" in missing.stdout
+        reaper = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "reaper"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while not alive.exists():
+                assert reaper.poll() is None, reaper.stderr.read() if reaper.stderr else ""
+                assert time.monotonic() < deadline, "the reaper never turned"
+                time.sleep(0.1)
+            fresh = run_probe("reaper_probe.py", env)
+            assert fresh.returncode == 0, fresh.stdout + fresh.stderr
+        finally:
+            reaper.terminate()
+            assert reaper.wait(timeout=30) == 0
+        # Three intervals and the pass allowance: a loop stuck that long is restarted.
+        stale = time.time() - (3 * 0.2 + 121)
+        os.utime(alive, (stale, stale))
+        old = run_probe("reaper_probe.py", env)
         assert old.returncode == 1
-        assert "schedule written" in old.stdout
+        assert "last turned" in old.stdout
     finally:
-        schedule.unlink(missing_ok=True)
+        alive.unlink(missing_ok=True)

@@ -214,7 +214,7 @@ def test_environments_are_mounted_where_the_setting_points(
     envs = find(objects, "ConfigMap", f"{FULLNAME}-environments")["data"]
     assert yaml.safe_load(envs["environments.yaml"])["environments"][0]["name"] == "e"
     path = data["ORCH_ENVIRONMENTS_FILE"]
-    for kind, name in [("Deployment", "api"), ("StatefulSet", "worker"), ("Deployment", "beat")]:
+    for kind, name in [("Deployment", "api"), ("StatefulSet", "worker"), ("Deployment", "reaper")]:
         pod = find(objects, kind, f"{FULLNAME}-{name}")["spec"]["template"]["spec"]
         mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         assert path == f"{mounts['environments']}/environments.yaml"
@@ -229,7 +229,7 @@ def test_the_codebase_catalogue_is_mounted_and_read_by_the_real_loader(
     data = find(objects, "ConfigMap", f"{FULLNAME}-config")["data"]
     catalogue = find(objects, "ConfigMap", f"{FULLNAME}-codebases")["data"]["codebases.yaml"]
     path = data["ORCH_CODEBASES_FILE"]
-    for kind, name in [("Deployment", "api"), ("StatefulSet", "worker"), ("Deployment", "beat")]:
+    for kind, name in [("Deployment", "api"), ("StatefulSet", "worker"), ("Deployment", "reaper")]:
         pod = find(objects, kind, f"{FULLNAME}-{name}")["spec"]["template"]["spec"]
         mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
         assert path == f"{mounts['codebases']}/codebases.yaml"

@@ -1,6 +1,6 @@
 """The end-to-end suite's deployments (tests/stacks.py makes every one): the main stack
 (API and worker on Redis started by `make test`'s host set-up, real sandboxes, a real
-codebase) that most tests use, and the shared side deployments with beat that tests
+codebase) that most tests use, and the shared side deployments with a reaper that tests
 borrow by name instead of each starting one.
 """
 
@@ -52,7 +52,7 @@ def stacks(
 
 @pytest.fixture(scope="session")
 def stack(stacks: Stacks, e2e_codebase: str) -> Stack:
-    """The main stack: API and worker, no beat (no reaper), on the default environments."""
+    """The main stack: API and worker, no reaper, on the default environments."""
     return stacks.borrow(
         "e2e", codebase=e2e_codebase, roles=("worker", "api"), worker_metrics_port=free_port()
     )
@@ -265,7 +265,7 @@ def judge(judge_home: JudgeHome) -> Iterator[JudgeServer]:
 def side(
     stack: Stack, stacks: Stacks, tmp_path_factory: pytest.TempPathFactory, judge_home: JudgeHome
 ) -> Stack:
-    """The shared side deployment, with beat (the reaper every second): one stack for the
+    """The shared side deployment, with a reaper (a pass every second): one stack for the
     tests that differ from the main stack only by the environments they run (the E2B API,
     Harbor, the agent-caused table, the reaper's tests, the judge's), on its own Redis keys
     and API port, sharing the main stack's codebase."""
@@ -277,6 +277,7 @@ def side(
         env={"OPENAI_API_KEY": JUDGE_KEY},
         reaper_interval_s=1.0,
         worker_metrics_port=free_port(),
+        reaper_metrics_port=free_port(),
     )
 
 
@@ -296,7 +297,7 @@ def side_stack(
     env: dict[str, str] | None = None,
     **fields: Any,
 ) -> Iterator[Stack]:
-    """A deployment of a test's or a module's own beside ``stack`` (own worker, beat, API
+    """A deployment of a test's or a module's own beside ``stack`` (own worker, reaper, API
     port, Redis keys), for what differs by more than environments (other settings, a debug
     switch), on ``environments_file`` and ``stack``'s codebase. ``fields``: settings;
     ``env``: what is not a setting."""

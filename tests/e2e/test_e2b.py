@@ -1,5 +1,5 @@
 """The stock ``e2b`` SDK (pinned in the ``sdk-tests`` extra) against the real stack, on a
-deployment of its own (API, worker, beat), configured only as docs/e2b.md says: its API URL
+deployment of its own (API, worker, reaper), configured only as docs/e2b.md says: its API URL
 and its sandbox URL are the orchestrator's, its API key one of the deployment's tokens.
 
 Covered: create (a codebase or an environment as the template), commands (foreground with

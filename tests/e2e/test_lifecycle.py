@@ -1,4 +1,4 @@
-"""Teardown and infrastructure faults on the shared side stack, which runs beat (the reaper
+"""Teardown and infrastructure faults on the shared side stack, which runs the reaper (a pass
 every second), in its environment ``codebase-planning-reaped`` (a 4 s idle timeout and 2 s
 of grace after grading).
 

@@ -62,6 +62,10 @@ def worker_url(stack: Stack) -> str:
     return f"http://127.0.0.1:{stack.settings.worker_metrics_port}"
 
 
+def reaper_url(stack: Stack) -> str:
+    return f"http://127.0.0.1:{stack.settings.reaper_metrics_port}"
+
+
 # --- the API's counters ---------------------------------------------------------------------
 
 
@@ -189,13 +193,16 @@ def test_state_gauges_follow_the_deployment(stack: Stack, planning_item: dict[st
     assert delta(during, after, "orchestrator_rollouts_live") == -1
 
 
-# --- the worker's own endpoint --------------------------------------------------------------
+# --- the worker's and the reaper's own endpoints -------------------------------------------
 
 
-def test_reaps_and_orphans_move_the_workers_counters(
+def test_reaps_and_orphans_move_the_reapers_and_the_workers_counters(
     reaper_stack: Stack, base_image: str, planning_item: dict[str, Any]
 ) -> None:
+    """The reaper (a process of its own) counts the idle rollout it ended on its endpoint;
+    the worker, the orphan its host's sweep destroyed on its own."""
     before = scrape(worker_url(reaper_stack))
+    reaper_before = scrape(reaper_url(reaper_stack))
     item = {**planning_item, "environment": REAPED, "codebase": reaper_stack.codebase}
     trace = new_trace()
     backend = DockerBackend(reaper_stack.settings)
@@ -224,16 +231,19 @@ def test_reaps_and_orphans_move_the_workers_counters(
 
             wait_for(reaped, timeout_s=30, what="the idle rollout and the orphan to be reaped")
         after = scrape(worker_url(reaper_stack))
+        reaper_after = scrape(reaper_url(reaper_stack))
     finally:
         if orphan.sandbox_id in {h.sandbox_id for h in backend.list_owned()}:
             backend.destroy(orphan)
         backend.client.close()
 
-    assert delta(before, after, "orchestrator_sandboxes_reaped_total", reason="idle") >= 1
-    assert delta(before, after, "orchestrator_sandboxes_reaped_total", reason="orphan") >= 1
+    reaped_total = "orchestrator_sandboxes_reaped_total"
+    assert delta(reaper_before, reaper_after, reaped_total, reason="idle") >= 1
+    assert delta(before, after, reaped_total, reason="orphan") >= 1
     assert delta(before, after, "orchestrator_orphans_found_total") >= 1
-    # The worker's endpoint has its own counters, never the API's state gauges.
+    # Each endpoint has its own counters, never the API's state gauges.
     assert not any(name == "orchestrator_redis_up" for name, _ in after)
+    assert not any(name == "orchestrator_redis_up" for name, _ in reaper_after)
 
 
 # --- several API processes ------------------------------------------------------------------

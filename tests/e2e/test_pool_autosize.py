@@ -2,7 +2,7 @@
 off): an environment's declared ``expected_concurrency`` is ready before any rollout
 comes; a pool no one configured grows to the peak of its live rollouts, serves the next
 rollout warm, and shrinks once that demand has passed its window. Real stack: API,
-worker, beat (the reaper records demand every second), Redis, sandboxes."""
+worker, reaper (it records demand every second), Redis, sandboxes."""
 
 from __future__ import annotations
 

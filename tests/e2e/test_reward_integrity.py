@@ -1,4 +1,4 @@
-"""Reward integrity end to end, on a stack of its own (API, worker, beat every second):
+"""Reward integrity end to end, on a stack of its own (API, worker, a reaper pass every second):
 
 - a rollout the orchestrator ended before its grade (idle, past its lifetime, its
   environment removed) is discarded: its next call and its grade are 503s naming why;
@@ -218,14 +218,14 @@ def test_a_rollout_whose_environment_is_removed_is_discarded(
         assert first.status_code == 200, first.text
     without = tmp_path / "environments.yaml"
     without.write_text(environments(removable=False))
-    # The reaper runs on a worker (beat only schedules it): the worker gets the new file.
-    integrity.restart_worker(ORCH_ENVIRONMENTS_FILE=str(without))
+    # The reaper (a process of its own) reads the new file.
+    integrity.restart("reaper", ORCH_ENVIRONMENTS_FILE=str(without))
     try:
         wait_closed(integrity, trace, timeout_s=30)
         assert view(integrity, trace)["ended_by"]["cause"] == "environment_removed"
         assert_discarded(integrity, trace, item, "environment_removed")
     finally:
-        integrity.restart_worker()
+        integrity.restart("reaper")
 
 
 # -- pinned ------------------------------------------------------------------------------------

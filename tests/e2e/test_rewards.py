@@ -201,7 +201,7 @@ def test_export_and_regrade_refuse_bad_input_and_write_nothing(side: Stack, tmp_
 
 
 def test_the_reapers_last_pass_is_a_gauge_of_the_api(side: Stack) -> None:
-    """The reaper-down alert's source: the side stack runs beat (a pass every second)."""
+    """The reaper-down alert's source: the side stack runs the reaper (a pass every second)."""
     with side.client() as client:
         text = client.get("/metrics").text
     (line,) = [

@@ -185,18 +185,18 @@ def _running(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
-def test_a_killed_up_takes_its_worker_api_and_beat_with_it(up_stack: Stack) -> None:
+def test_a_killed_up_takes_its_worker_api_and_reaper_with_it(up_stack: Stack) -> None:
     """SIGKILLed, ``up`` cannot stop its children: they end themselves when it dies (a
     worker left running went on refilling its pool with nobody to end it)."""
     with running_up(up_stack) as proc:
         children = _children(proc.pid)
-        assert len(children) == 3, children  # worker, beat, API
+        assert len(children) == 3, children  # worker, reaper, API
         proc.kill()
         proc.wait()
         wait_for(
             lambda: not any(_running(pid) for pid in children),
             timeout_s=60,
-            what="the worker, beat and API to end with their parent",
+            what="the worker, reaper and API to end with their parent",
         )
     # The drained worker kept its pool's sandboxes, as a restarted production worker does;
     # the next start's sweep (here, the fixture's) takes them.

@@ -3,13 +3,13 @@
 Everything a fault breaks is the suite's own, so the rest of the suite (running beside it
 under xdist) never notices: a Redis server (AOF on) on a free port, a third dockerd
 (tests/daemons.py) with its own socket, data root and bridge, and a deployment (API, one
-worker, beat) pointed at both, with short timeouts.
+worker, reaper) pointed at both, with short timeouts.
 
 Each test appends one row per fault to a JSON-lines file named by ``ORCH_FAULTS_REPORT``,
 which the controlling process creates in ``pytest_configure`` (xdist workers inherit it)
 and prints as a table in ``pytest_terminal_summary``.
 
-The deployment's logs (api.log, worker.log, beat.log) live in its state directory, which
+The deployment's logs (api.log, worker.log, reaper.log) live in its state directory, which
 goes with the module; ``ORCH_FAULTS_KEEP_LOGS=<dir>`` copies them there first.
 """
 

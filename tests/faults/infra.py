@@ -1,5 +1,5 @@
 """The fault suite's own infrastructure, so that breaking it disturbs no other test: a
-Redis server (AOF on) and a deployment (API, one worker, beat) on the suite's own dockerd.
+Redis server (AOF on) and a deployment (API, one worker, reaper) on the suite's own dockerd.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class FaultStack:
         raise RuntimeError(f"the fault stack is not healthy after {timeout_s} s: {last}")
 
     def log_lines(self, rollout_id: str, limit: int = 80) -> list[str]:
-        """The stack's log lines (api, worker, beat) that name ``rollout_id``, by file."""
+        """The stack's log lines (api, worker, reaper) that name ``rollout_id``, by file."""
         found: list[str] = []
         for log in sorted(self.stack.logs.glob("*.log")) if self.stack.logs else []:
             with contextlib.suppress(OSError):

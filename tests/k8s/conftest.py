@@ -1,4 +1,4 @@
-"""A whole deployment on the Kubernetes backend: the real API, Celery worker and beat as
+"""A whole deployment on the Kubernetes backend: the real API, Celery worker and reaper as
 subprocesses with ``ORCH_SANDBOX_BACKEND=kubernetes``, talking to a real control plane
 (cluster.py: kube-apiserver, controllers and scheduler on loopback, and the test kubelet in
 this process) through a kubeconfig file as the chart's worker ServiceAccount, with
@@ -129,7 +129,7 @@ def k8s_stack(
     requests_image: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[K8sStack]:
-    """API, worker and beat of a deployment of its own whose sandboxes are pods."""
+    """API, worker and reaper of a deployment of its own whose sandboxes are pods."""
     root = tmp_path_factory.mktemp("k8s-stack")
     kubeconfig = root / "kubeconfig"
     kubeconfig.write_text(json.dumps(k8s_cluster.kubeconfig(NAMESPACE)))  # JSON is YAML

@@ -47,7 +47,7 @@ def chart_objects() -> list[Obj]:
 
 def worker_objects(objects: list[Obj] | None = None) -> list[Obj]:
     """The worker's ServiceAccount and the Role and RoleBinding that let it manage sandboxes,
-    as rendered (the API and beat's account is not the worker's: it mounts no token)."""
+    as rendered (the API and the reaper's account is not the worker's: it mounts no token)."""
     rendered = chart_objects() if objects is None else objects
     found = [
         o

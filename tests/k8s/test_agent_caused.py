@@ -1,6 +1,6 @@
 """The agent-caused table's Kubernetes column: each act of tests/agent_caused.py as a real
 Agent RFT rollout on the whole stack on the Kubernetes backend (conftest.py's
-``k8s_stack``: real API, worker and beat; pods run by the test kubelet (cluster.py) as real
+``k8s_stack``: real API, worker and reaper; pods run by the test kubelet (cluster.py) as real
 containers), scored, never discarded.
 
 What makes it hold here: the agent runs as root with only SETUID, SETGID, SETPCAP and KILL

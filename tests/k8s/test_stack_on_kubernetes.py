@@ -1,7 +1,7 @@
 """The whole stack on the Kubernetes backend: a trainer's calls go API → Redis/Celery →
 worker → ``KubernetesBackend`` → the pod's exec agent over TCP, against the real control
 plane and the test kubelet of cluster.py (conftest.py's ``k8s_stack``). The API, worker and
-beat have no Docker daemon to reach (``ORCH_DOCKER_HOST`` names none), so anything on this
+reaper have no Docker daemon to reach (``ORCH_DOCKER_HOST`` names none), so anything on this
 path that still asks Docker fails here.
 
 Checked: an Agent RFT rollout with sequential and parallel calls, graded, its pod there
