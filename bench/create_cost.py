@@ -56,7 +56,7 @@ from bench.common import (
 from orchestrator.config import Runtime, Settings
 from orchestrator.images.base import build_base_image
 from orchestrator.sandbox import labels
-from orchestrator.sandbox.agent import EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import AGENT_MODULES
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker.backend import DockerBackend
 
@@ -242,7 +242,7 @@ def run_variant(meter: Meter, variant: Variant, image: str, n: int) -> dict[str,
         backend.settings, image=image, runtime=variant.runtime, rollout_id="bench"
     )
     # The agent of the commit before the reset existed has no manifest to audit with.
-    resettable = backend.agent_path == EXEC_AGENT_PATH
+    resettable = backend.agent_modules == AGENT_MODULES
     try:
         before = meter.snapshot(set())
         for _ in range(n):
@@ -345,7 +345,7 @@ def variants_for(
             if old_agent is None:
                 print(f"no git history: {name} runs the current agent")
             else:
-                backend.agent_path = old_agent
+                backend.agent_modules = {"exec_agent": old_agent}
         found.append(Variant(name, runtime, backend))
     return found
 

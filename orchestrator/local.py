@@ -1,14 +1,17 @@
-"""Run a whole deployment (API, worker, beat) on this machine for the length of a ``with``
+"""Run a whole deployment (API, worker, reaper) on this machine for the length of a ``with``
 block: what ``make demo`` and the benchmarks use. The same processes as ``orchestrator up``."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,12 +36,46 @@ from orchestrator.tls import tls
 TEARDOWN_PARALLEL = 8
 
 
+_PICKED: dict[int, int] = {}
+"""Ports this process picked, each with the descriptor of its lock, held while it lives."""
+PORTS_BELOW_EPHEMERAL = 12_000
+"""How many ports below the kernel's ephemeral range :func:`free_port` picks from."""
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
+    """A TCP port on loopback that nothing listens on right now, for a listener started
+    soon (an API, a metrics endpoint, a test's model server). Picked below the kernel's
+    ephemeral range: a port picked by binding port 0 is one the kernel also gives outgoing
+    connections, and a Redis or HTTP client took one as its own address between the pick
+    and the listener's bind (a test's judge server failed with EADDRINUSE). Held by a lock
+    file (``<tmp>/orchestrator-ports/<port>``) while this process lives, so processes picking at
+    once (the suite's xdist workers) never pick the same one; a process's end frees it."""
+    low = _ephemeral_low()
+    locks = Path(tempfile.gettempdir()) / "orchestrator-ports"
+    locks.mkdir(exist_ok=True)
+    for _ in range(1000):
+        port = random.randrange(max(1024, low - PORTS_BELOW_EPHEMERAL), low)  # noqa: S311
+        if port in _PICKED:
+            continue
+        fd = os.open(locks / str(port), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", port))
+        except OSError:  # another process holds it, or something listens there
+            os.close(fd)
+            continue
+        _PICKED[port] = fd
         return port
+    raise RuntimeError(f"no free port among the {PORTS_BELOW_EPHEMERAL} below {low}")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 when it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def settings_env(settings: Settings) -> dict[str, str]:

@@ -11,20 +11,17 @@ from pathlib import Path
 import docker
 
 from orchestrator.config import Runtime, Settings
-from orchestrator.sandbox.agent import (
-    AGENT_LOADER,
-    AGENT_PROTOCOL_PATH,
-    EXEC_AGENT_PATH,
-    compiled_agent,
-)
+from orchestrator.sandbox.agent import AGENT_LOADER, AGENT_MODULES, compiled_agent
 from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.docker.containers import (
     AGENT_CACHE_IN_SANDBOX,
+    AGENT_DIR_IN_SANDBOX,
     AGENT_IN_SANDBOX,
-    AGENT_PROTOCOL_IN_SANDBOX,
 )
 
-FROM_CACHE = f"code object from '{AGENT_CACHE_IN_SANDBOX}/exec_agent."
+
+def from_cache(module: str) -> str:
+    return f"code object from '{AGENT_CACHE_IN_SANDBOX}/{module}."
 
 
 def _start(
@@ -43,8 +40,10 @@ def _start(
         read_only=True,
         network_mode="none",
         volumes={
-            str(EXEC_AGENT_PATH): {"bind": AGENT_IN_SANDBOX, "mode": "ro"},
-            str(AGENT_PROTOCOL_PATH): {"bind": AGENT_PROTOCOL_IN_SANDBOX, "mode": "ro"},
+            **{
+                str(path): {"bind": f"{AGENT_DIR_IN_SANDBOX}/{name}.py", "mode": "ro"}
+                for name, path in AGENT_MODULES.items()
+            },
             str(cache): {"bind": AGENT_CACHE_IN_SANDBOX, "mode": "ro"},
         },
         detach=True,
@@ -65,11 +64,13 @@ def test_the_agent_starts_from_the_hosts_bytecode(
     runtime: Runtime,
     settings: Settings,
 ) -> None:
-    cache = compiled_agent(EXEC_AGENT_PATH, settings.state_dir / "agent")
-    assert cache == compiled_agent(EXEC_AGENT_PATH, settings.state_dir / "agent"), "made once"
+    cache = compiled_agent(AGENT_MODULES, settings.state_dir / "agent")
+    assert cache == compiled_agent(AGENT_MODULES, settings.state_dir / "agent"), "made once"
     out, err = _start(client, backend, base_image, runtime, cache)
     assert "usage: exec_agent.py" in out
-    assert FROM_CACHE in err, [line for line in err.splitlines() if "exec_agent" in line]
+    # Every module of the agent, each from the host's bytecode: none compiled at a start.
+    for module in AGENT_MODULES:
+        assert from_cache(module) in err, [line for line in err.splitlines() if module in line]
 
 
 def test_without_bytecode_of_its_version_the_agent_compiles_its_source(
@@ -80,7 +81,7 @@ def test_without_bytecode_of_its_version_the_agent_compiles_its_source(
 ) -> None:
     out, err = _start(client, backend, base_image, "runc", tmp_path)
     assert "usage: exec_agent.py" in out
-    assert FROM_CACHE not in err
+    assert not any(from_cache(module) in err for module in AGENT_MODULES)
 
 
 def test_the_threads_of_a_first_burst_compile_the_agent_without_tripping_on_each_other(
@@ -106,7 +107,7 @@ def test_the_threads_of_a_first_burst_compile_the_agent_without_tripping_on_each
         ) -> None:
             start.wait()
             try:
-                found.append(compiled_agent(EXEC_AGENT_PATH, root))
+                found.append(compiled_agent(AGENT_MODULES, root))
             except BaseException as exc:  # noqa: BLE001 (the test reports it)
                 errors.append(exc)
 
@@ -118,7 +119,6 @@ def test_the_threads_of_a_first_burst_compile_the_agent_without_tripping_on_each
         assert errors == []
         assert len(set(found)) == 1
         tag = __import__("sys").implementation.cache_tag
-        assert sorted(p.name for p in found[0].iterdir()) == [
-            f"agent_protocol.{tag}.pyc",
-            f"exec_agent.{tag}.pyc",
-        ]
+        assert sorted(p.name for p in found[0].iterdir()) == sorted(
+            f"{module}.{tag}.pyc" for module in AGENT_MODULES
+        )

@@ -11,7 +11,7 @@ import docker
 import pytest
 
 from orchestrator.config import Runtime
-from orchestrator.sandbox.agent.exec_agent import RUN_AS
+from orchestrator.sandbox.agent.agent_processes import RUN_AS
 from orchestrator.sandbox.backend import ExecResult, SandboxHandle
 from orchestrator.sandbox.docker.backend import DockerBackend
 

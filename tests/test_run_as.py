@@ -1,5 +1,5 @@
 """run-as (sandbox_images/base/run-as/run_as.c), the setuid helper the exec agent starts
-every command through, and the agent's use of it (exec_agent.spawn_as, trusted_run_as).
+every command through, and the agent's use of it (agent_processes.spawn_as, trusted_run_as).
 
 In the real base image, in a container with a sandbox's capabilities and
 no-new-privileges, on runc and gVisor: a command started through it has the user's ids, no
@@ -28,7 +28,7 @@ import pytest
 from orchestrator.config import Runtime
 from orchestrator.images.base import image_store_lock, run_build
 from orchestrator.sandbox.agent import AGENT_CAPABILITIES, EXEC_AGENT_PATH
-from orchestrator.sandbox.agent.exec_agent import RUN_AS, trusted_run_as
+from orchestrator.sandbox.agent.agent_processes import RUN_AS, trusted_run_as
 from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.docker.run_as import extract_run_as
 
@@ -37,7 +37,7 @@ from orchestrator.sandbox.docker.run_as import extract_run_as
 IN_SANDBOX = r"""
 import errno, json, os, sys
 sys.path.insert(0, "/opt/agent")
-import exec_agent as ea
+import agent_processes as ea
 run_as = ea.trusted_run_as(ea.RUN_AS)
 ea.keep_inheritable()
 ea.drop_bounding_set()

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
+from orchestrator.sandbox.agent import agent_limits
 from orchestrator.sandbox.agent import client as agent_client
-from orchestrator.sandbox.agent import exec_agent
-from orchestrator.sandbox.agent.exec_agent import Capture
+from orchestrator.sandbox.agent.agent_processes import Capture
 from orchestrator.sandbox.backend import (
     BackendUnavailable,
     ExecOp,
@@ -720,16 +720,16 @@ def test_limits_output_property(kinds: list[str], budget: int, stdout: str) -> N
 
 def test_a_filesystem_is_full_near_its_end_or_out_of_inodes() -> None:
     mb = 1 << 20
-    assert exec_agent.is_full((100 * 1024, 64 * mb, 100))
-    assert not exec_agent.is_full((10 * mb, 64 * mb, 100))
-    assert exec_agent.is_full((10 * mb, 64 * mb, 0))
-    assert not exec_agent.is_full((10 * mb, 64 * mb, -1)), "-1: inodes not counted (gVisor)"
-    assert exec_agent.is_full((4 * mb, 2048 * mb, 100))
-    assert not exec_agent.is_full((9 * mb, 2048 * mb, 100))
+    assert agent_limits.is_full((100 * 1024, 64 * mb, 100))
+    assert not agent_limits.is_full((10 * mb, 64 * mb, 100))
+    assert agent_limits.is_full((10 * mb, 64 * mb, 0))
+    assert not agent_limits.is_full((10 * mb, 64 * mb, -1)), "-1: inodes not counted (gVisor)"
+    assert agent_limits.is_full((4 * mb, 2048 * mb, 100))
+    assert not agent_limits.is_full((9 * mb, 2048 * mb, 100))
 
 
 def test_agent_limits_read_only_capped_filesystems_and_counters() -> None:
-    limits = exec_agent.Limits(
+    limits = agent_limits.Limits(
         {"memory_mb": 512, "pids": 64, "output_mb": 8, "disk": {"/workspace": 0, "/tmp": 32}},
         uid=1000,
         limit_as_mb=384,
@@ -760,10 +760,10 @@ def test_a_failed_fork_with_half_the_process_limit_held_is_the_limit() -> None:
     limit held is evidence enough; the same text from a user holding a few is not."""
     sleepers = [subprocess.Popen(["sleep", "60"], user=IDLE_UID, group=IDLE_UID) for _ in range(6)]
     try:
-        assert exec_agent.user_tasks(IDLE_UID) == 6
+        assert agent_limits.user_tasks(IDLE_UID) == 6
 
         def evidence(limit: int, fork_failed: bool) -> str | None:
-            limits = exec_agent.Limits({"pids": limit}, IDLE_UID, None, limit)
+            limits = agent_limits.Limits({"pids": limit}, IDLE_UID, None, limit)
             return limits.processes_at_limit(fork_failed=fork_failed)
 
         assert evidence(7, fork_failed=False) == "the agent's user held its RLIMIT_NPROC of 7"

@@ -25,7 +25,7 @@ from docker.types import Mount
 
 from orchestrator.config import Settings
 from orchestrator.sandbox import labels
-from orchestrator.sandbox.agent import AGENT_PROTOCOL_PATH, EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import AGENT_MODULES
 from orchestrator.sandbox.agent import agent_protocol as protocol
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.agent.client import AgentUnauthorized
@@ -61,8 +61,8 @@ def tcp_agent(settings: Settings, base_image: str, client: docker.DockerClient) 
         # As the pod's Secret volume: the agent's code and its token, read-only, root's
         # alone (defaultMode 0400, no fsGroup).
         secret_dir = Path(scratch)
-        (secret_dir / pods.AGENT_KEY).write_bytes(EXEC_AGENT_PATH.read_bytes())
-        (secret_dir / pods.PROTOCOL_KEY).write_bytes(AGENT_PROTOCOL_PATH.read_bytes())
+        for name, path in AGENT_MODULES.items():
+            (secret_dir / f"{name}.py").write_bytes(path.read_bytes())
         (secret_dir / pods.TOKEN_KEY).write_text(token)
         for entry in (secret_dir, *secret_dir.iterdir()):
             os.chown(entry, 0, 0)

@@ -14,7 +14,7 @@ from lightkube.resources.core_v1 import Pod, Secret
 
 from orchestrator.config import Runtime, Settings
 from orchestrator.sandbox import labels
-from orchestrator.sandbox.agent import AGENT_LOADER, AGENT_PROTOCOL_PATH, EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import AGENT_LOADER, AGENT_MODULES
 from orchestrator.sandbox.backend import SandboxLimits, SandboxSpec, ScratchDir
 from orchestrator.sandbox.k8s import pods
 
@@ -186,8 +186,7 @@ def test_agent_listens_on_tcp_with_the_token_and_runs_commands_as_another_uid() 
         "secretName": "orch-prod-1-sbx-0123456789ab",
         "defaultMode": 0o400,
         "items": [
-            {"key": "exec_agent.py", "path": "exec_agent.py"},
-            {"key": "agent_protocol.py", "path": "agent_protocol.py"},
+            *({"key": f"{name}.py", "path": f"{name}.py"} for name in AGENT_MODULES),
             {"key": "token", "path": "token"},
         ],
     }
@@ -291,8 +290,7 @@ def test_labels_as_on_docker_with_odd_values_in_annotations() -> None:
 
 def test_secret_holds_token_and_agent_and_is_owned_by_its_pod() -> None:
     pod = render(SandboxSpec(image="img", rollout_id="r-1"))
-    source = EXEC_AGENT_PATH.read_bytes()
-    files = {pods.AGENT_KEY: source, pods.PROTOCOL_KEY: AGENT_PROTOCOL_PATH.read_bytes()}
+    files = {f"{name}.py": path.read_bytes() for name, path in AGENT_MODULES.items()}
     secret = validated(
         pods.render_secret(pod, token="s3cret-token", agent_files=files, owner_uid="uid-123")
     )
@@ -308,8 +306,8 @@ def test_secret_holds_token_and_agent_and_is_owned_by_its_pod() -> None:
     ]
     assert secret["immutable"] is True
     assert base64.b64decode(secret["data"]["token"]) == b"s3cret-token"
-    assert base64.b64decode(secret["data"]["exec_agent.py"]) == source
-    assert base64.b64decode(secret["data"]["agent_protocol.py"]) == files[pods.PROTOCOL_KEY]
+    for key, code in files.items():  # every module of the agent, side by side
+        assert base64.b64decode(secret["data"][key]) == code
     # A Secret may hold at most 1 MiB.
     assert len(json.dumps(secret).encode()) < 1 << 20
 

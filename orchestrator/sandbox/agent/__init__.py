@@ -1,4 +1,6 @@
-"""The exec agent that runs inside every sandbox (``exec_agent.py``, standard library only)."""
+"""The exec agent that runs inside every sandbox: a set of modules side by side, standard
+library only (:data:`AGENT_MODULES`), which every backend puts in one directory of the
+sandbox; and what every backend gives it."""
 
 from __future__ import annotations
 
@@ -12,10 +14,21 @@ from pathlib import Path
 
 from orchestrator.sandbox.backend import SandboxSpec
 
-EXEC_AGENT_PATH = Path(__file__).with_name("exec_agent.py")
-AGENT_PROTOCOL_PATH = Path(__file__).with_name("agent_protocol.py")
-"""The agent's wire (agent_protocol.py), which the agent imports from beside its own file:
-every backend puts it there."""
+AGENT_MODULES = {
+    name: Path(__file__).with_name(f"{name}.py")
+    for name in (
+        "exec_agent",  # its entry (main) and its ops (Agent)
+        "agent_protocol",  # its wire, shared with the host's client (client.py)
+        "agent_server",  # the socket or TCP server, one request per connection
+        "agent_processes",  # commands as processes: run-as, terminals, trees ended
+        "agent_limits",  # which of the sandbox's limits a command hit, and their values
+        "agent_files",  # files, the manifest a reset is audited by, staging and packing
+    )
+}
+"""Every module of the agent, by name: each imports the others by name from its own
+directory, so every backend puts them all side by side (Docker: a read-only bind mount
+each; Kubernetes: a key each of the sandbox's Secret)."""
+EXEC_AGENT_PATH = AGENT_MODULES["exec_agent"]
 
 SANDBOX_UID = 1000
 """The unprivileged user (and group) every command runs as, in every backend's sandboxes."""
@@ -54,15 +67,15 @@ def publish(partial: Path, target: Path) -> None:
         partial.unlink(missing_ok=True)
 
 
-def compiled_agent(source: Path, cache_root: Path) -> Path:
-    """A directory holding the bytecode of the agent's ``source`` and of its protocol
-    module (:data:`AGENT_PROTOCOL_PATH`) as Python looks for it in ``__pycache__``
+def compiled_agent(modules: dict[str, Path], cache_root: Path) -> Path:
+    """A directory holding the bytecode of the agent's ``modules`` (by name: normally
+    :data:`AGENT_MODULES`) as Python looks for it in ``__pycache__``
     (``<module>.<this interpreter's tag>.pyc``, checked against each source's mtime and
-    size), to mount at the sandbox's ``__pycache__`` next to the agent's source. A sandbox
+    size), to mount at the sandbox's ``__pycache__`` next to the agent's sources. A sandbox
     whose Python is this host's version then skips compiling the agent at every start
     (about 20 ms of CPU of a sandbox's 250: bench/create_cost.py); any other Python finds
     no file of its tag and compiles the sources, as it always did."""
-    sources = {"exec_agent": source, "agent_protocol": AGENT_PROTOCOL_PATH}
+    sources = modules
     stats = {path: path.stat() for path in sources.values()}
     stamp = ";".join(f"{path}:{st.st_mtime_ns}:{st.st_size}" for path, st in stats.items())
     key = hashlib.sha256(stamp.encode()).hexdigest()
@@ -110,7 +123,7 @@ def agent_arguments(spec: SandboxSpec, *, disk_mb: int, output_mb: int) -> list[
         ),
     ]
     if spec.runtime == "runsc":
-        # See exec_agent.shell_wrapper: gVisor ends the whole sandbox at its memory limit,
+        # See agent_processes.shell_wrapper: gVisor ends the whole sandbox at its memory limit,
         # so commands get a per-process limit below it.
         arguments += ["--preload", GVISOR_COMPAT_PRELOAD]
         arguments += ["--limit-as-mb", str(limits.memory_mb * 3 // 4)]

@@ -31,15 +31,10 @@ from orchestrator.config import Settings
 from orchestrator.docker_client import connect
 from orchestrator.observability.logging import get_logger
 from orchestrator.sandbox import cgroups, daemon_share, labels
-from orchestrator.sandbox.agent import (
-    AGENT_CAPABILITIES,
-    AGENT_PROTOCOL_PATH,
-    EXEC_AGENT_PATH,
-    compiled_agent,
-)
+from orchestrator.sandbox.agent import AGENT_CAPABILITIES, AGENT_MODULES, compiled_agent
 from orchestrator.sandbox.agent import agent_protocol as protocol
 from orchestrator.sandbox.agent import client as agent
-from orchestrator.sandbox.agent.exec_agent import RUN_AS
+from orchestrator.sandbox.agent.agent_processes import RUN_AS
 from orchestrator.sandbox.backend import (
     HostHealth,
     ProbeResult,
@@ -107,9 +102,9 @@ class DockerBackend(agent.AgentBackend):
         # A fresh sandbox's manifest per spec (:func:`spec_key`), taken at the first create
         # of that spec in this process: what a reset sandbox is audited against.
         self._fresh: dict[str, dict[str, Any]] = {}
-        # The agent's source on this host, bind-mounted into every sandbox (a benchmark
-        # points it at another version).
-        self.agent_path = EXEC_AGENT_PATH
+        # The agent's modules on this host, each bind-mounted into every sandbox (a
+        # benchmark points them at another version).
+        self.agent_modules = AGENT_MODULES
         self._daemon_cpu: daemon_share.DaemonShare | None = None
         # The base image's run-as on this host (sandbox/docker/run_as.py), looked up at the first
         # create; None after that lookup: sandboxes have only their image's.
@@ -259,18 +254,18 @@ class DockerBackend(agent.AgentBackend):
             runtime=self.oci_runtime(spec.runtime),
             mounts=[
                 Mount(containers.SOCKET_DIR_IN_SANDBOX, str(socket_dir), type="bind"),
-                Mount(
-                    containers.AGENT_IN_SANDBOX, str(self.agent_path), type="bind", read_only=True
-                ),
-                Mount(
-                    containers.AGENT_PROTOCOL_IN_SANDBOX,
-                    str(AGENT_PROTOCOL_PATH),
-                    type="bind",
-                    read_only=True,
+                *(
+                    Mount(
+                        f"{containers.AGENT_DIR_IN_SANDBOX}/{name}.py",
+                        str(path),
+                        type="bind",
+                        read_only=True,
+                    )
+                    for name, path in self.agent_modules.items()
                 ),
                 Mount(
                     containers.AGENT_CACHE_IN_SANDBOX,
-                    str(compiled_agent(self.agent_path, self.settings.state_dir / "agent")),
+                    str(compiled_agent(self.agent_modules, self.settings.state_dir / "agent")),
                     type="bind",
                     read_only=True,
                 ),
@@ -394,7 +389,7 @@ class DockerBackend(agent.AgentBackend):
 
     def manifest(self, handle: SandboxHandle) -> dict[str, Any]:
         """The agent's account of everywhere state can persist in the sandbox (processes,
-        mounts, writable trees, System V IPC): exec_agent.sandbox_manifest."""
+        mounts, writable trees, System V IPC): agent_files.sandbox_manifest."""
         return self._call(handle, protocol.manifest_request(), PING_TIMEOUT_S)
 
     def reset(self, handle: SandboxHandle, spec: SandboxSpec) -> ResetReport:

@@ -13,10 +13,11 @@ from orchestrator.sandbox.agent import (
 from orchestrator.sandbox.backend import SandboxSpec
 
 SOCKET_DIR_IN_SANDBOX = "/run/orchestrator"
-AGENT_IN_SANDBOX = "/opt/orchestrator/exec_agent.py"
-AGENT_PROTOCOL_IN_SANDBOX = "/opt/orchestrator/agent_protocol.py"
+AGENT_DIR_IN_SANDBOX = "/opt/orchestrator"
+"""Where the agent's modules are, side by side (sandbox/agent/__init__.AGENT_MODULES)."""
+AGENT_IN_SANDBOX = f"{AGENT_DIR_IN_SANDBOX}/exec_agent.py"
 # The agent's bytecode, compiled on the host (sandbox/agent/__init__.compiled_agent).
-AGENT_CACHE_IN_SANDBOX = "/opt/orchestrator/__pycache__"
+AGENT_CACHE_IN_SANDBOX = f"{AGENT_DIR_IN_SANDBOX}/__pycache__"
 SOCKET_NAME = "agent.sock"
 
 

@@ -28,7 +28,7 @@ from requests.exceptions import RequestException
 from orchestrator.observability.logging import get_logger
 from orchestrator.sandbox import labels
 from orchestrator.sandbox.agent import publish
-from orchestrator.sandbox.agent.exec_agent import RUN_AS
+from orchestrator.sandbox.agent.agent_processes import RUN_AS
 
 log = get_logger(__name__)
 

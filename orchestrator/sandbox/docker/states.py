@@ -43,7 +43,7 @@ def spec_key(spec: SandboxSpec) -> str:
 
 
 def manifest_differences(fresh: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    """Each way ``after`` differs from ``fresh`` (exec_agent.sandbox_manifest), named."""
+    """Each way ``after`` differs from ``fresh`` (agent_files.sandbox_manifest), named."""
     differences = []
     for part in ("processes", "mounts", "ipc"):
         if fresh.get(part) != after.get(part):

@@ -26,7 +26,7 @@ from lightkube.resources.core_v1 import Event, Pod, Secret
 from orchestrator.config import Runtime, Settings
 from orchestrator.observability.logging import get_logger
 from orchestrator.sandbox import labels
-from orchestrator.sandbox.agent import AGENT_PROTOCOL_PATH, EXEC_AGENT_PATH
+from orchestrator.sandbox.agent import AGENT_MODULES
 from orchestrator.sandbox.agent import agent_protocol as protocol
 from orchestrator.sandbox.agent import client as agent
 from orchestrator.sandbox.backend import (
@@ -90,10 +90,7 @@ class KubernetesBackend(agent.AgentBackend):
                     f"no Kubernetes configuration (in-cluster or KUBECONFIG): {exc}"
                 ) from exc
         self.client = client
-        self.agent_files = {
-            pods.AGENT_KEY: EXEC_AGENT_PATH.read_bytes(),
-            pods.PROTOCOL_KEY: AGENT_PROTOCOL_PATH.read_bytes(),
-        }
+        self.agent_files = {f"{name}.py": path.read_bytes() for name, path in AGENT_MODULES.items()}
         self._endpoints: dict[str, Endpoint] = {}
         self._lock = threading.Lock()
 

@@ -48,6 +48,7 @@ from orchestrator.sandbox import labels
 from orchestrator.sandbox.agent import (
     AGENT_CAPABILITIES,
     AGENT_LOADER,
+    AGENT_MODULES,
     HOME_MB,
     SANDBOX_HOME,
     SANDBOX_UID,
@@ -59,8 +60,9 @@ AGENT_UID = 0
 CONTAINER = "sandbox"
 SEED_CONTAINER = "workspace-seed"
 AGENT_DIR = "/opt/orchestrator/agent"
+AGENT_KEYS = [f"{name}.py" for name in AGENT_MODULES]
+"""The Secret's keys of the agent's modules, each a file of the agent's directory."""
 AGENT_KEY = "exec_agent.py"
-PROTOCOL_KEY = "agent_protocol.py"
 TOKEN_KEY = "token"  # noqa: S105 - the key of the Secret, not a secret
 SEED_MOUNT = "/seed"
 # The agent exits at once on SIGTERM and a sandbox holds nothing worth a graceful stop.
@@ -151,7 +153,7 @@ def agent_command(settings: Settings, spec: SandboxSpec, disk_mb: int, output_mb
         "python3",
         "-I",
         "-S",
-        # Loaded as a module from its directory, where its protocol module is (the Secret's
+        # Loaded as a module from its directory, where its other modules are (the Secret's
         # volume): -I leaves a script's own directory off sys.path.
         "-c",
         AGENT_LOADER,
@@ -331,8 +333,7 @@ def render_pod(
                         # token that opens this sandbox's agent to the network.
                         defaultMode=0o400,
                         items=[
-                            KeyToPath(key=AGENT_KEY, path=AGENT_KEY),
-                            KeyToPath(key=PROTOCOL_KEY, path=PROTOCOL_KEY),
+                            *(KeyToPath(key=key, path=key) for key in AGENT_KEYS),
                             KeyToPath(key=TOKEN_KEY, path=TOKEN_KEY),
                         ],
                     ),
@@ -349,8 +350,8 @@ def _scratch_volume(index: int) -> str:
 def render_secret(
     pod: Pod, *, token: str, agent_files: dict[str, bytes], owner_uid: str | None = None
 ) -> Secret:
-    """The sandbox's Secret: its token and the agent's code (``agent_files``: the agent and
-    its protocol module, by file name), owned by its pod (so Kubernetes deletes it with the
+    """The sandbox's Secret: its token and the agent's code (``agent_files``: every module
+    of the agent, by file name), owned by its pod (so Kubernetes deletes it with the
     pod) once the pod's uid is known."""
     meta = pod.metadata
     assert meta is not None and meta.name is not None  # rendered by render_pod
