@@ -90,6 +90,7 @@ from orchestrator.state.wire import (
     Tasks,
     TestsRan,
 )
+from orchestrator.tools.shell import LIMIT_ERROR_KINDS
 
 log = get_logger(__name__)
 
@@ -249,10 +250,10 @@ _PROBE_AFTER = {"timeout", "memory", "pids", "disk"}
 def _run_claimed(call: RunOp) -> ExecRan | FileRead | FileRefused | SandboxKilled | InfraFault:
     host = worker.current()
     try:
+        sink = None
         if call.stream_key is not None and isinstance(call.op, ExecOp):
-            ran = host.backend.run_op(call.handle, call.op, OutputSink(host.redis, call.stream_key))
-        else:
-            ran = host.backend.run_op(call.handle, call.op)
+            sink = OutputSink(host.redis, call.stream_key)
+        ran = host.backend.run_op(call.handle, call.op, sink)
     except SandboxError as exc:
         probe = _probe(call.handle)
         if probe.agent_caused:
@@ -296,7 +297,7 @@ def _limits_hit(ran: ExecRan | FileRead | FileRefused) -> str:
     if isinstance(ran, ExecRan):
         hit = [kind for kind in ran.result.limits_hit if kind in _PROBE_AFTER]
         if hit:
-            return "timeout" if hit[0] == "timeout" else f"{hit[0]}_limit"
+            return LIMIT_ERROR_KINDS[hit[0]]
     return ""
 
 

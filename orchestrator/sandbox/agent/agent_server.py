@@ -185,6 +185,7 @@ def listen(address: str, agent: Agent, token: bytes | None) -> Server | TcpServe
     """``agent``'s server on ``unix:PATH`` or ``tcp:HOST:PORT``, its requests carrying
     ``token`` (None: none)."""
     kind, _, where = address.partition(":")
+    host, _, port = where.rpartition(":")
     server: Server | TcpServer
     if kind == "unix" and where:
         try:
@@ -193,8 +194,7 @@ def listen(address: str, agent: Agent, token: bytes | None) -> Server | TcpServe
             pass
         os.umask(0o077)
         server = Server(where, Handler)
-    elif kind == "tcp" and where.rpartition(":")[0] and where.rpartition(":")[2].isdigit():
-        host, _, port = where.rpartition(":")
+    elif kind == "tcp" and host and port.isdigit():
         server = TcpServer((host.strip("[]"), int(port)), Handler)
     else:
         raise SystemExit(f"exec-agent: --listen wants unix:PATH or tcp:HOST:PORT, not {address!r}")
