@@ -37,7 +37,28 @@ class Settings(BaseSettings):
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
         description="This worker host's name: its sandboxes' label and its queue's name.",
     )
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Broker, results, state.")
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description=(
+            "Broker, results, state: `redis://`, `rediss://` (TLS), `unix://`, or "
+            "`redis+sentinel://[:password@]host:port[,host:port...]/<service>[/<db>]`, a "
+            "primary watched by Redis Sentinel and followed across a failover "
+            '(docs/failure-model.md, "Redis failover").'
+        ),
+    )
+    redis_replicas_to_wait: int = Field(
+        0,
+        ge=0,
+        le=8,
+        description=(
+            "Behind Sentinel: how many replicas must hold a worker's claim of a call "
+            "before its command runs, and its result before the caller is told (Redis "
+            "WAIT in the same round trip), so that a failover to one of them keeps both "
+            "and no call runs twice. 0: none (a single Redis). With 1, keep two "
+            "replicas: while none answers, calls wait (docs/failure-model.md, "
+            '"Redis failover", says what WAIT does not promise).'
+        ),
+    )
     api_host: str = Field("127.0.0.1", description="Address the API binds to.")
     api_port: int = Field(8000, ge=1, le=65535, description="Port the API listens on.")
     api_workers: int = Field(1, ge=1, le=64, description="API processes (uvicorn workers).")

@@ -57,3 +57,6 @@ class Cause(StrEnum):
     """Ended by us: its environment is no longer in the configuration."""
     STACK_STOPPED = "stack_stopped"
     """Ended by us: the local stack (``orchestrator up``) that held its sandbox stopped."""
+    STATE_FAILOVER = "state_failover"
+    """Redis failed over to a replica while the rollout ran: the record may miss the last
+    writes the old primary took (replication is asynchronous), so it is never scored."""

@@ -105,6 +105,11 @@ def test_a_real_worker_runs_it(scratch: tuple[Settings, str]) -> None:
 
 
 def test_a_unix_socket_url_is_spelled_for_kombu() -> None:
-    assert celery_url("unix:///run/redis.sock?db=2") == "redis+socket:///run/redis.sock?db=2"
-    assert celery_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
-    assert celery_url("rediss://:pw@h:6380/1") == "rediss://:pw@h:6380/1"
+    assert celery_url("unix:///run/redis.sock?db=2") == ("redis+socket:///run/redis.sock?db=2", {})
+    assert celery_url("redis://127.0.0.1:6379/0") == ("redis://127.0.0.1:6379/0", {})
+    assert celery_url("rediss://:pw@h:6380/1") == ("rediss://:pw@h:6380/1", {})
+    # Behind Sentinel: kombu's list of Sentinels, the service as its master_name.
+    assert celery_url("redis+sentinel://:pw@s1:26379,s2:26380/orch/2") == (
+        "sentinel://:pw@s1:26379/2;sentinel://:pw@s2:26380/2",
+        {"master_name": "orch", "sentinel_kwargs": {"username": None, "password": "pw"}},
+    )

@@ -22,7 +22,7 @@ from orchestrator.state.errors import StateError, outlasting_an_outage
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.replies import QueueTimeout, WorkerClient
 from orchestrator.state.wire import DropSnapshot, SnapshotDropped, Tasks
-from tests.faults.infra import RedisServer
+from tests.redis_ha import RedisServer
 
 pytestmark = pytest.mark.anyio
 

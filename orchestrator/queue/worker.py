@@ -192,7 +192,10 @@ class Host:
         """The calls' run tickets, claimed and finished on the call path's own lean
         connection (state/resp.py)."""
         name = self.keys.client_name("worker")
-        return WorkerCalls(call_path_connection(self.settings.redis_url, name))
+        return WorkerCalls(
+            call_path_connection(self.settings.redis_url, name),
+            replicas=self.settings.redis_replicas_to_wait,
+        )
 
     @_Once
     def creations(self) -> GroupedLane:

@@ -169,6 +169,23 @@ class Closer:
         if marked is None:
             log.error("rollout.vanished", rollout_id=rollout_id, during="it was failed")
 
+    async def refuse_failed_over(self, rollout: Rollout) -> None:
+        """Fail the rollout (sticky, 503) if Redis failed over since its record was made:
+        the old primary's last writes (a call's reply and trajectory step, the record's
+        updates) may be missing, and a score must not be computed from half a record."""
+        if rollout.state_epoch is None:
+            return
+        now = await self.store.epoch()
+        if now is None or now == rollout.state_epoch:
+            return
+        raise await self.fail(
+            rollout.rollout_id,
+            Cause.STATE_FAILOVER,
+            "Redis failed over to a replica while the rollout ran; its record may miss "
+            "the old primary's last writes",
+            {"epoch_at_start": rollout.state_epoch, "epoch_now": now},
+        )
+
     async def refuse_failed(self, rollout: Rollout, context: str) -> None:
         """Raise the rollout's :class:`InfraError` if it failed, or if the orchestrator
         ended it before a score was stored (which fails it now, sticky, with the cause

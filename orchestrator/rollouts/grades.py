@@ -188,6 +188,7 @@ class Grading:
         sandbox: QueuedSandbox | None,
     ) -> GradeReply:
         """Run the grader on ``rollout`` and store the first score (see :meth:`grade`)."""
+        await self.closer.refuse_failed_over(rollout)
         rollout_id = rollout.rollout_id
         context = GradeContext(
             answer=answer,

@@ -37,6 +37,7 @@ from pydantic import BaseModel
 
 from orchestrator.config import Settings, get_settings
 from orchestrator.state.keys import Keys
+from orchestrator.state.sentinel import SentinelUrl, is_sentinel
 from orchestrator.state.wire import ReplyT, Request, RequestT, Task, TaskName
 
 
@@ -45,7 +46,7 @@ def make_celery(settings: Settings) -> Celery:
     # The tasks register themselves where they are defined (:func:`handles`): a worker
     # process imports them through celery_main.py; the API publishes by name
     # (state/wire.TaskName) and never loads a worker's code.
-    url = celery_url(settings.redis_url)
+    url, sentinel_options = celery_url(settings.redis_url)
     app = Celery("orchestrator", broker=url, backend=url)
     app.conf.update(
         task_serializer="json",
@@ -67,17 +68,23 @@ def make_celery(settings: Settings) -> Celery:
         broker_transport_options={
             "ack_emulation": False,
             "client_name": keys.client_name("broker"),
+            **sentinel_options,
         },
+        result_backend_transport_options=sentinel_options,
     )
     return app
 
 
-def celery_url(redis_url: str) -> str:
-    """``redis_url`` as kombu and Celery's Redis backend spell it: a Unix socket is
-    ``redis+socket:///path`` to them, ``unix:///path`` to redis-py (and the settings)."""
+def celery_url(redis_url: str) -> tuple[str, dict[str, Any]]:
+    """``redis_url`` as kombu and Celery's Redis backend spell it, with the transport
+    options it needs: a Unix socket is ``redis+socket:///path`` to them (``unix:///path``
+    to redis-py and the settings); a Sentinel-watched primary (state/sentinel.py) is
+    ``sentinel://host:port;sentinel://...`` and the service's name as ``master_name``."""
+    if is_sentinel(redis_url):
+        return SentinelUrl.parse(redis_url).celery()
     if redis_url.startswith("unix://"):
-        return "redis+socket://" + redis_url.removeprefix("unix://")
-    return redis_url
+        return "redis+socket://" + redis_url.removeprefix("unix://"), {}
+    return redis_url, {}
 
 
 @lru_cache(maxsize=1)

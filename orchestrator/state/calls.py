@@ -419,15 +419,23 @@ class WorkerCalls:
     """The worker's side: claim a call's ticket before running it, finish it after. On the
     call path: a lean connection per worker thread (state/resp.py), one round trip each."""
 
-    def __init__(self, connection: SyncConnection) -> None:
+    def __init__(self, connection: SyncConnection, *, replicas: int = 0) -> None:
         self._connection = connection
+        # Behind Sentinel: the claim and the result are on this many replicas before the
+        # command runs and before the caller is told (settings.redis_replicas_to_wait), so
+        # a failover can lose neither (docs/failure-model.md, "Redis failover").
+        self._replicas = replicas
 
     def claim(self, key: str, attempt: str, instance: str, now: float, claim: str) -> str:
         """``running`` when this delivery of the call's message may run it; anything else
         (``duplicate``: another delivery runs it): skip it. ``claim`` names the delivery,
         so that this claim retried after a dropped connection still finds itself."""
         state = _CLAIM.run_sync(
-            self._connection, [key], [attempt, instance, now, claim], retry_for_s=OUTAGE_RETRY_S
+            self._connection,
+            [key],
+            [attempt, instance, now, claim],
+            retry_for_s=OUTAGE_RETRY_S,
+            replicas=self._replicas,
         )
         return _text(state)
 
@@ -441,6 +449,7 @@ class WorkerCalls:
             [key],
             [instance, result_json, now, REPLY_LIST_TTL_S],
             retry_for_s=OUTAGE_RETRY_S,
+            replicas=self._replicas,
         )
         return _text(state), _text(reply_to)
 

@@ -4,8 +4,7 @@ records for their retention (state/records.py); this is not how they expire."""
 
 from __future__ import annotations
 
-import redis
-
+from orchestrator.state.connection import redis_client
 from orchestrator.state.keys import deployment_patterns
 
 _BATCH = 1000
@@ -16,7 +15,7 @@ def forget_deployment(redis_url: str, deployment: str) -> int:
     takes every deployment named with that prefix); returns how many went. Scanned 1,000
     at a time: Redis may hold many keys of others (at SCAN's default of 10, one clean-up
     among a bench's 100,000 retained records took 20 s)."""
-    client = redis.Redis.from_url(redis_url)
+    client = redis_client(redis_url)
     deleted = 0
     try:
         for pattern in deployment_patterns(deployment):

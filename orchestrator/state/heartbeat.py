@@ -22,6 +22,7 @@ from pydantic import AliasChoices, Field, computed_field
 
 from orchestrator.config import Settings
 from orchestrator.sandbox.backend import HostHealth
+from orchestrator.state.connection import redis_client
 from orchestrator.state.keys import Keys
 
 
@@ -125,7 +126,7 @@ class Heartbeats:
 def is_beating(settings: Settings, timeout_s: float = 3.0) -> bool:
     """Whether this host's worker is beating now (a pod's exec probe: one EXISTS, bounded);
     :class:`~orchestrator.state.errors.StateError` when Redis cannot be reached."""
-    client = redis.Redis.from_url(
+    client = redis_client(
         settings.redis_url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
     )
     try:

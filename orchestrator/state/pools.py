@@ -37,6 +37,7 @@ from orchestrator.environments.loader import ResolvedEnvironment
 from orchestrator.observability import metrics
 from orchestrator.sandbox.backend import CommitWorkspace, SandboxHandle
 from orchestrator.state.admission import TAKE_SLOT, TRANSIT_MAX_S, transit_member
+from orchestrator.state.connection import redis_client
 from orchestrator.state.keys import Keys
 from orchestrator.state.pool_sizing import (
     POOL_LABEL,
@@ -357,7 +358,7 @@ def read_pool_standings(
     """:func:`pool_standings` on a connection of its own (the CLI's), given up after
     ``timeout_s``; Redis's own error (state/errors.StateError) when it cannot be read."""
     keys = Keys.of(settings.deployment)
-    client = redis.Redis.from_url(
+    client = redis_client(
         settings.redis_url,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,

@@ -28,9 +28,11 @@ from orchestrator.config import Settings
 from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.backend import CommitWorkspace, SandboxHandle
 from orchestrator.state.calls import ApiCalls
+from orchestrator.state.connection import async_redis_client
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
 from orchestrator.state.resp import AsyncConnection, BlockingPool
+from orchestrator.state.sentinel import is_sentinel
 
 RECENT_FAILURES_MAX = 100
 """Entries kept in the list of recent infrastructure failures."""
@@ -85,6 +87,14 @@ class Rollout(BaseModel):
     )
     environment_config: str | None = Field(
         None, description="The pinned environment's snapshot (EnvironmentConfig.snapshot)."
+    )
+    state_epoch: str | None = Field(
+        None,
+        description=(
+            "Behind Sentinel, the Redis primary's replication id when the record was made; "
+            "another one at its grade means a failover in between, which may have lost "
+            'writes of this record (docs/failure-model.md, "Redis failover").'
+        ),
     )
     e2b: dict[str, Any] | None = Field(
         None, description="An E2B sandbox's state (orchestrator/e2b/models.py E2BState)."
@@ -264,7 +274,7 @@ class RolloutStore:
         # Strings in and out: every value we keep is text (JSON or a number). Commands
         # are retried on a dropped connection (after a Redis restart every pooled
         # connection is stale once); the scripts are safe to run twice (see each).
-        self.redis: aioredis.Redis = aioredis.Redis.from_url(
+        self.redis: aioredis.Redis = async_redis_client(
             redis_url,
             max_connections=512,
             decode_responses=True,
@@ -277,6 +287,7 @@ class RolloutStore:
         self._call_path = AsyncConnection(redis_url, keys.client_name(role))
         self.waits = BlockingPool(redis_url, keys.client_name(role))
         self.keys = keys
+        self.behind_sentinel = is_sentinel(redis_url)
         self.calls = ApiCalls(self._call_path, keys)
         self._create_script = self.redis.register_script(_CREATE)
         self._update_script = self.redis.register_script(_UPDATE)
@@ -299,9 +310,22 @@ class RolloutStore:
         raw = cast(dict[str, str], await self.redis.hgetall(self.keys.rollout(rollout_id)))
         return _decode(raw) if raw else None
 
+    async def epoch(self) -> str | None:
+        """Behind Sentinel, the primary's replication id (``master_replid``): a replica
+        promoted by a failover starts a new one, so a record made under another epoch may
+        miss writes the old primary took and never replicated. None for a single Redis,
+        whose restarts keep everything (AOF)."""
+        if not self.behind_sentinel:
+            return None
+        info = await self.redis.info("replication")
+        return str(info["master_replid"])
+
     async def create(self, rollout: Rollout) -> bool:
-        """Store a new record in one step (a concurrent reader never sees half of it);
-        False when the id exists already (someone else won)."""
+        """Store a new record in one step (a concurrent reader never sees half of it),
+        stamped with the :meth:`epoch` it was made in; False when the id exists already
+        (someone else won)."""
+        if rollout.state_epoch is None and self.behind_sentinel:
+            rollout = rollout.model_copy(update={"state_epoch": await self.epoch()})
         pairs = [x for kv in _encode(rollout).items() for x in kv]
         created = await self._create_script(
             keys=[

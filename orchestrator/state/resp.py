@@ -25,8 +25,13 @@ twice is safe (``retry=True``: every script of the call path is).
 
 URLs are read by redis-py's own parser: ``redis://[[user]:password@]host[:port][/db]``,
 ``rediss://`` (TLS, ``ssl_cert_reqs`` and ``ssl_ca_certs`` from the query) and
-``unix://path[?db=N]``. Each connection names itself (CLIENT SETNAME), so ``CLIENT LIST``
-and tests/e2e/test_round_trips.py see whose it is.
+``unix://path[?db=N]``; a ``redis+sentinel://`` URL (state/sentinel.py) is a primary asked
+of the Sentinels at each connect. After a failover a connection to the old primary is
+lost, or refused writes (READONLY: it came back as a replica), and either is a lost
+connection here: the next one goes to the new primary, and a retried command keeps trying
+for :data:`FAILOVER_RETRY_S`, the time Sentinel takes to elect one. Each connection names
+itself (CLIENT SETNAME), so ``CLIENT LIST`` and tests/e2e/test_round_trips.py see whose it
+is.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ import hiredis
 import redis
 from redis.connection import parse_url
 
+from orchestrator.state.sentinel import SentinelUrl, is_sentinel
+
 Arg = str | bytes | int | float
 CONNECT_TIMEOUT_S = 5.0
 # A command that lost its connection is tried again this many times (when safe), after
@@ -55,6 +62,14 @@ CONNECT_TIMEOUT_S = 5.0
 RETRIES = 6
 RETRY_FIRST_S = 0.05
 RETRY_MAX_S = 1.0
+# Behind Sentinel a retried command keeps trying this long, a quarter second apart: a
+# primary is declared down after the Sentinels' down-after-milliseconds (the chart's: 5 s),
+# and a replica is promoted within a second or two of that.
+FAILOVER_RETRY_S = 15.0
+FAILOVER_RETRY_EVERY_S = 0.25
+# How long a write waits for its replicas (WAIT) before it is taken as not kept: healthy
+# replicas acknowledge within a millisecond or two on one network.
+REPLICA_WAIT_MS = 1000
 
 
 @dataclass(frozen=True)
@@ -68,9 +83,22 @@ class Endpoint:
     username: str | None
     password: str | None
     tls: ssl.SSLContext | None
+    sentinel: SentinelUrl | None = None
 
     @classmethod
     def from_url(cls, url: str) -> Endpoint:
+        if is_sentinel(url):
+            parsed = SentinelUrl.parse(url)
+            return cls(
+                host="",
+                port=0,
+                path=None,
+                db=parsed.db,
+                username=parsed.username,
+                password=parsed.password,
+                tls=None,
+                sentinel=parsed,
+            )
         options = parse_url(url)  # type: ignore[no-untyped-call]
         tls: ssl.SSLContext | None = None
         if options.get("connection_class") is redis.SSLConnection:
@@ -118,6 +146,35 @@ def _backoff(attempt: int) -> float:
     return float(min(RETRY_MAX_S, RETRY_FIRST_S * (2**attempt)))
 
 
+class _Retries:
+    """When a command that lost its connection is tried again: :data:`RETRIES` times with
+    backoff, and behind Sentinel for :data:`FAILOVER_RETRY_S` (a failover's length)."""
+
+    def __init__(self, endpoint: Endpoint, for_s: float | None = None) -> None:
+        self.failover = endpoint.sentinel is not None
+        self.attempt = 0
+        window = for_s if for_s is not None else (FAILOVER_RETRY_S if self.failover else None)
+        self.deadline = None if window is None else time.monotonic() + window
+
+    def next_wait(self) -> float | None:
+        """Seconds to wait before the next try, or None: give up."""
+        if self.deadline is None:
+            if self.attempt >= RETRIES:
+                return None
+        elif time.monotonic() >= self.deadline:
+            return None
+        wait = FAILOVER_RETRY_EVERY_S if self.failover else _backoff(self.attempt)
+        wait = min(wait, _backoff(self.attempt))
+        self.attempt += 1
+        return wait
+
+
+def _demoted(reply: object) -> bool:
+    """Whether ``reply`` is a replica refusing a write: the primary this connection was
+    made to has been demoted by a failover."""
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith("READONLY")
+
+
 # -- the API's: asyncio ------------------------------------------------------------------------
 
 
@@ -151,6 +208,14 @@ class _Protocol(asyncio.Protocol):
                     self.transport.close()
                 return
             future = self.waiting.popleft()
+            if _demoted(reply):  # every later command on it would be refused too
+                lost = redis.ConnectionError(f"Redis is a replica now: {reply}")
+                if not future.done():
+                    future.set_exception(lost)
+                self._fail(lost)
+                if self.transport is not None:
+                    self.transport.close()
+                return
             if future.done():  # its caller was cancelled; the reply is dropped
                 continue
             if isinstance(reply, redis.ResponseError):
@@ -192,16 +257,16 @@ class AsyncConnection:
     async def call(self, *args: Arg, retry: bool = False) -> Any:
         """The reply to one command. ``retry``: the command may run twice (it is retried
         on a new connection when its connection was lost, whether or not Redis ran it)."""
-        attempt = 0
+        retries = _Retries(self.endpoint)
         while True:
             try:
                 protocol = await self._connected()
                 return await protocol.send(args)
             except redis.ConnectionError:
-                if not retry or attempt >= RETRIES:
+                wait = retries.next_wait() if retry else None
+                if wait is None:
                     raise
-                await asyncio.sleep(_backoff(attempt))
-                attempt += 1
+                await asyncio.sleep(wait)
 
     async def close(self) -> None:
         protocol, self._protocol = self._protocol, None
@@ -225,15 +290,18 @@ async def _open(endpoint: Endpoint, name: str) -> _Protocol:
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(CONNECT_TIMEOUT_S):
+            host, port = endpoint.host, endpoint.port
+            if endpoint.sentinel is not None:
+                host, port = await endpoint.sentinel.primary_async()
             if endpoint.path is not None:
                 _, protocol = await loop.create_unix_connection(_Protocol, endpoint.path)
             else:
                 _, protocol = await loop.create_connection(
                     _Protocol,
-                    endpoint.host,
-                    endpoint.port,
+                    host,
+                    port,
                     ssl=endpoint.tls,
-                    server_hostname=endpoint.host if endpoint.tls else None,
+                    server_hostname=host if endpoint.tls else None,
                 )
             replies = [protocol.send(command) for command in endpoint.handshake(name)]
             await asyncio.gather(*replies)
@@ -283,46 +351,73 @@ class SyncConnection:
         self.timeout_s = timeout_s
         self._local = threading.local()
 
-    def call(self, *args: Arg, retry: bool = False, retry_for_s: float | None = None) -> Any:
+    def call(
+        self,
+        *args: Arg,
+        retry: bool = False,
+        retry_for_s: float | None = None,
+        replicas: int = 0,
+    ) -> Any:
         """The reply to one command. ``retry``: safe to run twice, so retried on a new
         connection after a loss (``retry_for_s``: for that long, instead of
-        :data:`RETRIES` times)."""
-        attempt = 0
-        deadline = None if retry_for_s is None else time.monotonic() + retry_for_s
+        :data:`RETRIES` times). ``replicas``: the write must reach that many replicas
+        before it counts (WAIT, in the same round trip): one that did not within
+        :data:`REPLICA_WAIT_MS` is taken as a lost connection (after a failover it may be
+        on a demoted primary only), so a retry runs it again, on the primary then."""
+        request = _pack(args)
+        if replicas:
+            request += _pack(("WAIT", replicas, REPLICA_WAIT_MS))
+        retries = _Retries(self.endpoint, retry_for_s)
         while True:
             try:
-                return self._exchange(_pack(args))
+                if not replicas:
+                    return self._exchange(request)
+                reply, acked = self._exchange(request, replies=2)
+                if isinstance(reply, redis.ResponseError):
+                    raise reply
+                if int(acked) < replicas:
+                    raise redis.ConnectionError(
+                        f"a write reached {acked} of the {replicas} replicas it needs"
+                    )
+                return reply
             except redis.ConnectionError:
                 self._drop()
-                if not retry:
+                wait = retries.next_wait() if retry else None
+                if wait is None:
                     raise
-                if deadline is None and attempt >= RETRIES:
-                    raise
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-                time.sleep(_backoff(attempt))
-                attempt += 1
+                time.sleep(wait)
 
     def close(self) -> None:
         """Close this thread's connection (others close with their threads)."""
         self._drop()
 
-    def _exchange(self, request: bytes) -> Any:
+    def _exchange(self, request: bytes, replies: int = 1) -> Any:
+        """Send ``request`` and read its reply (an error reply raised); with ``replies``
+        > 1, that many replies as a list (error replies in it, to keep the stream in
+        step)."""
         sock, reader = self._connected()
+        answers: list[Any] = []
         try:
             sock.sendall(request)
-            reply = reader.gets()
-            while reply is False:
-                data = sock.recv(65536)
-                if not data:
-                    raise redis.ConnectionError("Redis closed the connection")
-                reader.feed(data)
+            while len(answers) < replies:
                 reply = reader.gets()
+                while reply is False:
+                    data = sock.recv(65536)
+                    if not data:
+                        raise redis.ConnectionError("Redis closed the connection")
+                    reader.feed(data)
+                    reply = reader.gets()
+                answers.append(reply)
         except OSError as exc:
             raise redis.ConnectionError(f"connection to Redis lost: {exc}") from exc
-        if isinstance(reply, redis.ResponseError):
-            raise reply
-        return reply
+        for reply in answers:
+            if _demoted(reply):
+                raise redis.ConnectionError(f"Redis is a replica now: {reply}")
+        if replies > 1:
+            return answers
+        if isinstance(answers[0], redis.ResponseError):
+            raise answers[0]
+        return answers[0]
 
     def _connected(self) -> tuple[socket.socket, hiredis.Reader]:
         held = getattr(self._local, "held", None)
@@ -330,17 +425,18 @@ class SyncConnection:
             return held  # type: ignore[no-any-return]
         endpoint = self.endpoint
         try:
+            host, port = endpoint.host, endpoint.port
+            if endpoint.sentinel is not None:
+                host, port = endpoint.sentinel.primary()
             if endpoint.path is not None:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(CONNECT_TIMEOUT_S)
                 sock.connect(endpoint.path)
             else:
-                sock = socket.create_connection(
-                    (endpoint.host, endpoint.port), timeout=CONNECT_TIMEOUT_S
-                )
+                sock = socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 if endpoint.tls is not None:
-                    sock = endpoint.tls.wrap_socket(sock, server_hostname=endpoint.host)
+                    sock = endpoint.tls.wrap_socket(sock, server_hostname=host)
             sock.settimeout(self.timeout_s)
         except OSError as exc:
             raise redis.ConnectionError(f"cannot connect to Redis: {exc}") from exc
@@ -396,13 +492,15 @@ class Script:
         args: Sequence[Arg],
         *,
         retry_for_s: float | None = None,
+        replicas: int = 0,
     ) -> Any:
-        """:meth:`run`, blocking."""
+        """:meth:`run`, blocking; ``replicas``: as :meth:`SyncConnection.call`'s."""
         call: Callable[..., Any] = connection.call
+        command = self.command(keys, args)
         try:
-            return call(*self.command(keys, args), retry=True, retry_for_s=retry_for_s)
+            return call(*command, retry=True, retry_for_s=retry_for_s, replicas=replicas)
         except redis.ResponseError as exc:
             if not str(exc).startswith("NOSCRIPT"):
                 raise
             call("SCRIPT", "LOAD", self.source, retry=True, retry_for_s=retry_for_s)
-            return call(*self.command(keys, args), retry=True, retry_for_s=retry_for_s)
+            return call(*command, retry=True, retry_for_s=retry_for_s, replicas=replicas)

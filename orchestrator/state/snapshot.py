@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry
 from orchestrator.sandbox.backend import SandboxHandle
+from orchestrator.state.connection import redis_client
 from orchestrator.state.heartbeat import Heartbeat
 from orchestrator.state.keys import Keys, queue_depth_keys
 from orchestrator.state.models import RolloutState
@@ -161,7 +162,7 @@ class StateReader:
         self.settings = settings
         self.environments = environments
         self.keys = Keys.of(settings.deployment)
-        self.client = client or redis.Redis.from_url(
+        self.client = client or redis_client(
             settings.redis_url,
             socket_timeout=_REDIS_TIMEOUT_S,
             socket_connect_timeout=_REDIS_TIMEOUT_S,

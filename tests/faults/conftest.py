@@ -31,7 +31,8 @@ from orchestrator.config import Settings
 from orchestrator.environments.examples import REQUESTS_CODEBASE, ensure_requests_codebase
 from orchestrator.local import free_port
 from tests.daemons import DockerDaemon, machine_runtimes, running
-from tests.faults.infra import FaultStack, RedisServer
+from tests.faults.infra import FaultStack
+from tests.redis_ha import RedisServer, Sentinels
 from tests.stacks import ROLES, deployment, flush_redis
 
 REPO = Path(__file__).resolve().parents[2]
@@ -118,31 +119,57 @@ def _umount(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def fault_stack(settings: Settings, base_image: str) -> Iterator[FaultStack]:
-    """Redis + the third dockerd + API, worker and beat, for the module; everything stopped
-    and removed afterwards, whatever the tests did to it."""
+    """Redis + the third dockerd + API, worker and reaper, for the module; everything
+    stopped and removed afterwards, whatever the tests did to it."""
+    with _running(settings, base_image, "f", sentinel=False) as faults:
+        yield faults
+
+
+@pytest.fixture(scope="module")
+def failover_stack(settings: Settings, base_image: str) -> Iterator[FaultStack]:
+    """:func:`fault_stack` on a Redis primary with two replicas and three Sentinels
+    (tests/redis_ha.py), the deployment reaching it through them, with the worker's claims
+    and results on a replica before they count (``redis_replicas_to_wait`` = 1)."""
+    with _running(settings, base_image, "fo", sentinel=True) as faults:
+        yield faults
+
+
+@contextlib.contextmanager
+def _running(
+    settings: Settings, base_image: str, name: str, *, sentinel: bool
+) -> Iterator[FaultStack]:
     # The codebase image on the machine's daemon (built once per machine), loaded into ours
     # with the base image (each only when our daemon's copy differs).
     requests_image = ensure_requests_codebase(settings)
     with contextlib.ExitStack() as cleanup:
         # Short path: sandbox sockets live under it, and Unix socket paths are short.
-        state_dir = Path(tempfile.mkdtemp(prefix="orch-f-", dir="/tmp"))
+        state_dir = Path(tempfile.mkdtemp(prefix=f"orch-{name}-", dir="/tmp"))
         cleanup.callback(shutil.rmtree, state_dir, ignore_errors=True)
         _mount_tmpfs(state_dir / "upper")
         cleanup.callback(_umount, state_dir / "upper")
 
         daemon_client = cleanup.enter_context(running(DAEMON, base_image, requests_image))
 
-        redis_dir = state_dir / "redis"
-        redis_dir.mkdir()
-        server = RedisServer(redis_dir, free_port())
-        server.start()
-        cleanup.callback(server.stop)
+        sentinels: Sentinels | None = None
+        extra: dict[str, object] = {}
+        if sentinel:
+            sentinels = Sentinels(state_dir / "redis")
+            cleanup.callback(sentinels.close)
+            sentinels.start()
+            server = sentinels.primary()
+            redis_url = sentinels.url
+            extra["redis_replicas_to_wait"] = 1
+        else:
+            server = RedisServer(state_dir / "redis", free_port())
+            server.start()
+            cleanup.callback(server.stop)
+            redis_url = server.url
 
         envs_file = state_dir / "environments.yaml"
         envs_file.write_text(environments_yaml())
         stack = deployment(
             settings,
-            "f",
+            name,
             logs=state_dir / "logs",
             codebase=REQUESTS_CODEBASE,
             # The custom grader's module, for the API and the worker.
@@ -152,15 +179,21 @@ def fault_stack(settings: Settings, base_image: str) -> Iterator[FaultStack]:
                 )
             },
             state_dir=state_dir,
-            host_id=f"f1-{uuid.uuid4().hex[:6]}",
-            redis_url=server.url,
+            host_id=f"{name}1-{uuid.uuid4().hex[:6]}",
+            redis_url=redis_url,
             docker_host=DAEMON.socket,
             environments_file=envs_file,
             default_environment=ENVIRONMENT,
             **TIMEOUTS,
+            **extra,
         )
         faults = FaultStack(
-            stack=stack, daemon=DAEMON, docker=daemon_client, redis=server, state_dir=state_dir
+            stack=stack,
+            daemon=DAEMON,
+            docker=daemon_client,
+            redis=server,
+            state_dir=state_dir,
+            sentinels=sentinels,
         )
         cleanup.callback(lambda: faults.docker.close())
         cleanup.callback(_tear_down, faults)
@@ -191,7 +224,9 @@ def _restore(faults: FaultStack) -> None:
         faults.daemon.proc = None
         faults.daemon.start()
         faults.reconnect_docker()
-    if faults.redis.proc is None or faults.redis.proc.poll() is not None:
+    if faults.sentinels is not None:
+        faults.sentinels.restore()
+    elif faults.redis.proc is None or faults.redis.proc.poll() is not None:
         faults.redis.start()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,83 +20,12 @@ import redis
 from orchestrator.config import Settings
 from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.gc import collect_expired
+from orchestrator.state.connection import redis_client
 from orchestrator.state.keys import Keys
 from orchestrator.tls import tls
 from tests.daemons import DockerDaemon
+from tests.redis_ha import RedisServer, Sentinels
 from tests.stacks import TOKEN, Stack
-
-
-@dataclass
-class RedisServer:
-    """redis-server on a loopback port, appendonly with fsync every second, its files in
-    ``root``. :meth:`kill` and :meth:`start` again restart it on the same port and dir."""
-
-    root: Path
-    port: int
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout_s: float = 20) -> None:
-        assert self.proc is None or self.proc.poll() is not None
-        log = (self.root / "redis.log").open("ab")
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--dir",
-                str(self.root),
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-                "--save",
-                "",
-                "--protected-mode",
-                "no",
-                "--daemonize",
-                "no",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        client = redis.Redis(port=self.port, socket_timeout=1)
-        try:
-            while True:
-                try:
-                    if client.ping():
-                        return
-                except redis.RedisError:
-                    pass
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not start: see {self.root}/redis.log")
-                time.sleep(0.05)
-        finally:
-            client.close()
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown save; what survives is what the AOF holds."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-        self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
 
 
 @dataclass
@@ -109,6 +37,9 @@ class FaultStack:
     docker: docker.DockerClient
     redis: RedisServer
     state_dir: Path
+    # Behind Sentinel (tests/faults/test_failover.py): the set ``redis`` is the first
+    # primary of.
+    sentinels: Sentinels | None = None
 
     @property
     def settings(self) -> Settings:
@@ -166,7 +97,7 @@ class FaultStack:
         return found[-limit:]
 
     def heartbeat_gone(self) -> bool:
-        client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
+        client = redis_client(self.settings.redis_url, socket_timeout=2)
         try:
             return not client.exists(
                 Keys.of(self.settings.deployment).heartbeat(self.settings.host_id)
@@ -175,7 +106,7 @@ class FaultStack:
             client.close()
 
     def _schedulable(self) -> bool:
-        client = redis.Redis.from_url(self.settings.redis_url, socket_timeout=2)
+        client = redis_client(self.settings.redis_url, socket_timeout=2)
         try:
             raw = client.get(Keys.of(self.settings.deployment).heartbeat(self.settings.host_id))
         finally:
