@@ -75,7 +75,7 @@ class RedisServer:
         self.proc = None
 
     def stop(self) -> None:
-        _stop(self.proc)
+        stop_process(self.proc)
         self.proc = None
 
     def alive(self) -> bool:
@@ -154,8 +154,9 @@ class Sentinels:
         return next(s for s in self.servers if s.port == port)
 
     def wait_settled(self, timeout_s: float = 30) -> RedisServer:
-        """Until every Sentinel names the same live primary, which has a replica in sync
-        (online: past its first full sync) and is known to the others; that primary."""
+        """Until every Sentinel names the same live primary and knows both its replicas up,
+        and the primary has a replica in sync (online: past its first full sync); that
+        primary."""
         deadline = time.monotonic() + timeout_s
         while True:
             settled = self._settled()
@@ -177,8 +178,11 @@ class Sentinels:
                 return None
             finally:
                 client.close()
+            # Every replica known and up: a Sentinel learns of replicas from the primary's
+            # INFO every 10 s, and one it does not know at a failover is left following
+            # the dead primary.
             up = [r for r in replicas if not r.get("is_odown") and not r.get("is_sdown")]
-            if not up or master.get("is_sdown") or master.get("is_odown"):
+            if len(up) < REPLICAS or master.get("is_sdown") or master.get("is_odown"):
                 return None
             named.add(int(master["port"]))
         if len(named) != 1:
@@ -215,7 +219,7 @@ class Sentinels:
 
     def close(self) -> None:
         for proc in self.procs:
-            _stop(proc)
+            stop_process(proc)
         for server in self.servers:
             server.stop()
 
@@ -240,7 +244,8 @@ def _wait_ping(port: int, proc: subprocess.Popen[bytes], log: Path, timeout_s: f
         client.close()
 
 
-def _stop(proc: subprocess.Popen[bytes] | None) -> None:
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, then SIGKILL after 20 s; nothing if it has exited already."""
     if proc is not None and proc.poll() is None:
         proc.terminate()
         try:

@@ -23,11 +23,15 @@ import pytest
 import redis
 from celery import Celery
 
+from orchestrator.config import Settings
+from orchestrator.environments.loader import load_environments
 from orchestrator.state.broker import celery_url
+from orchestrator.state.collector import StateCollector
 from orchestrator.state.connection import async_redis_client, redis_client
 from orchestrator.state.resp import FAILOVER_RETRY_S, AsyncConnection, SyncConnection
 from orchestrator.state.sentinel import SentinelUrl
 from tests.redis_ha import REPLICAS, SERVICE, Sentinels
+from tests.test_metrics_unit import collect
 
 # -- the URL ----------------------------------------------------------------------------------
 
@@ -229,3 +233,33 @@ def test_celery_reaches_the_primary_through_the_sentinels(sentinels: Sentinels) 
     _wait_new_primary(sentinels, primary.port)
     publish("q2")
     assert redis.Redis(port=sentinels.primary().port).llen("q2") == 1
+
+
+def test_the_state_collector_reports_replicas_and_failovers(
+    sentinels: Sentinels, settings: Settings
+) -> None:
+    """What the Redis alerts read (helm/orchestrator/files/alerts.yaml): replicas online
+    with the primary and down as the Sentinels see them, the replicas calls wait for, and
+    the failovers this API process saw."""
+    behind = settings.model_copy(update={"redis_url": sentinels.url, "redis_replicas_to_wait": 1})
+    collector = StateCollector(behind, load_environments(behind))
+    try:
+        got = collect(collector)
+        assert got[("orchestrator_redis_replicas", (("state", "online"),))] == REPLICAS
+        assert got[("orchestrator_redis_replicas", (("state", "down"),))] == 0
+        assert got[("orchestrator_redis_replicas_required", ())] == 1
+        assert got[("orchestrator_redis_failovers_total", ())] == 0
+
+        old = sentinels.primary()
+        old.kill()
+        _wait_new_primary(sentinels, old.port)
+        deadline = time.monotonic() + FAILOVER_RETRY_S
+        while True:  # the Sentinels see the old primary, now a replica, down
+            got = collect(collector)
+            if got.get(("orchestrator_redis_replicas", (("state", "down"),))) == 1:
+                break
+            assert time.monotonic() < deadline, got
+            time.sleep(0.2)
+        assert got[("orchestrator_redis_failovers_total", ())] == 1
+    finally:
+        collector.close()

@@ -22,6 +22,7 @@ the worker checks at every heartbeat and places them again when one restarted.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -71,12 +72,19 @@ def children(pid: int, proc: Path = Path("/proc")) -> list[int]:
     """``pid``'s child processes (every thread's ``children`` list)."""
     found: list[int] = []
     for task in (proc / str(pid) / "task").iterdir():
-        found += [int(c) for c in (task / "children").read_text().split()]
+        # A thread that ended since the listing has no children left to tell.
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            found += [int(c) for c in (task / "children").read_text().split()]
     return found
 
 
 def _comm(pid: int, proc: Path = Path("/proc")) -> str:
-    return (proc / str(pid) / "comm").read_text().strip()
+    """The process's name; "" when it ended since it was listed (dockerd's short-lived
+    children, a proxy or a runtime call, come and go while we look)."""
+    try:
+        return (proc / str(pid) / "comm").read_text().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
 
 
 def daemon_pids(docker_socket: Path, proc: Path = Path("/proc")) -> list[int]:

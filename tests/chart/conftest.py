@@ -69,6 +69,12 @@ SCENARIOS: dict[str, list[str]] = {
         "--set",
         "apiTokens.existingSecret=tokens",
     ],
+    "sentinel-keda": [
+        "--set",
+        "redis.bundled.sentinel.enabled=true",
+        "--set",
+        "autoscaling.mode=keda",
+    ],
     "production-bundled-hpa": [
         "-f",
         str(PRODUCTION),

@@ -160,7 +160,7 @@ SCALED_OBJECT = resource(
                 "minItems": 1,
                 "items": strict(
                     {
-                        "type": {"enum": ["redis", "prometheus"]},
+                        "type": {"enum": ["redis", "redis-sentinel", "prometheus"]},
                         # KEDA reads every trigger parameter as a string.
                         "metadata": STRING_VALUES,
                         "authenticationRef": strict({"name": STRING}, ["name"]),
@@ -194,6 +194,7 @@ TRIGGER_AUTHENTICATION = resource(
 # Parameters each KEDA trigger type requires (KEDA's scaler docs).
 TRIGGER_REQUIRED: dict[str, set[str]] = {
     "redis": {"address", "listName", "listLength"},
+    "redis-sentinel": {"addresses", "sentinelMaster", "listName", "listLength"},
     "prometheus": {"serverAddress", "query", "threshold"},
 }
 

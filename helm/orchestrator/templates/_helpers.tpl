@@ -94,6 +94,17 @@ redis-url
 {{- end -}}
 {{- end -}}
 
+{{/* The bundled Sentinels' URL (state/sentinel.py): the three pods' Sentinels by their
+stable names, the monitored service, database 0. */}}
+{{- define "orchestrator.sentinelUrl" -}}
+{{- $fullname := include "orchestrator.fullname" .ctx -}}
+{{- $hosts := list -}}
+{{- range $i := until 3 -}}
+{{- $hosts = append $hosts (printf "%s-redis-%d.%s-redis-headless.%s.svc:26379" $fullname $i $fullname $.ctx.Release.Namespace) -}}
+{{- end -}}
+{{- printf "redis+sentinel://:%s@%s/%s/0" .password (join "," $hosts) .ctx.Values.redis.bundled.sentinel.service -}}
+{{- end -}}
+
 {{- define "orchestrator.redisHost" -}}
 {{- printf "%s-redis.%s.svc" (include "orchestrator.fullname" .) .Release.Namespace -}}
 {{- end -}}
