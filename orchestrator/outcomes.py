@@ -57,6 +57,9 @@ class Cause(StrEnum):
     """Ended by us: its environment is no longer in the configuration."""
     STACK_STOPPED = "stack_stopped"
     """Ended by us: the local stack (``orchestrator up``) that held its sandbox stopped."""
+    STATE_LOST = "state_lost"
+    """Redis lost the rollout's record (no copy survived); its sandbox, still on a host,
+    was ended by that host's worker, which failed the rollout in a record of its own."""
     STATE_FAILOVER = "state_failover"
     """Redis failed over to a replica while the rollout ran: the record may miss the last
     writes the old primary took (replication is asynchronous), so it is never scored."""

@@ -9,6 +9,7 @@ what the replica had received, as in production.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import subprocess
 import time
@@ -77,6 +78,18 @@ class RedisServer:
     def stop(self) -> None:
         stop_process(self.proc)
         self.proc = None
+
+    def wipe(self) -> None:
+        """SIGKILL, and its files gone: what a Redis with no replica and no surviving disk
+        comes back as when :meth:`start` starts it again, empty."""
+        self.kill()
+        for path in self.root.iterdir():
+            if path.name == "redis.log":
+                continue
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

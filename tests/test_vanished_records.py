@@ -79,7 +79,7 @@ async def test_a_record_that_vanishes_while_its_sandbox_is_made_is_a_503(
     with pytest.raises(RolloutVanished) as vanished:
         await asyncio.wait_for(waiting, 5)
     assert isinstance(vanished.value, InfraError)
-    assert vanished.value.code == Cause.INFRA_ERROR
+    assert vanished.value.code == Cause.STATE_LOST
     assert vanished.value.message == "the rollout vanished while its sandbox was being made"
 
 

@@ -14,7 +14,7 @@ from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutState
 from orchestrator.state.pool_sizing import POOL_LABEL
 from orchestrator.state.pools import pool_standings
-from orchestrator.state.records import SandboxOwner, sandbox_owner
+from orchestrator.state.records import SandboxOwner, sandbox_owner, write_tombstone
 
 log = get_logger(__name__)
 
@@ -23,12 +23,14 @@ RECENTLY_CLOSED_S = 5
 POOL_DELIVERY_S = 120
 """How long a new pool sandbox may take from its creation to its pool's list."""
 _ENDED = {RolloutState.CLOSED, RolloutState.INFRA_FAILED}
+NO_RECORD = "no rollout record"
 
 
 def sweep_orphans(backend: SandboxBackend, client: SyncRedis, settings: Settings) -> int:
     """Destroy this host's sandboxes that no live rollout owns: its record is gone (Redis
-    lost it), ended, or names another sandbox. Works from labels and Redis alone, so it
-    cleans up after any crash, including a destroy that failed while the daemon was down.
+    lost it: the rollout is then recorded as failed, ``state_lost``, first), ended, or
+    names another sandbox. Works from labels and Redis alone, so it cleans up after any
+    crash, including a destroy that failed while the daemon was down.
     No age guard is needed: a rollout's record is written before its sandbox is created,
     and a record still creating names no sandbox, which spares it. Returns how many went."""
     keys = Keys.of(settings.deployment)
@@ -57,6 +59,17 @@ def sweep_orphans(backend: SandboxBackend, client: SyncRedis, settings: Settings
         if why is None:
             continue
         metrics.ORPHANS_FOUND.inc()
+        if why == NO_RECORD and rollout_id == handle.rollout_id:
+            # Redis lost the record of a rollout its trainer may still be driving: failed
+            # first (its next call or grade a 503), then its sandbox goes.
+            evidence = {"host": settings.host_id, "sandbox_id": handle.sandbox_id}
+            if write_tombstone(client, keys, handle, evidence):
+                log.warning(
+                    "rollout.state_lost",
+                    rollout_id=rollout_id,
+                    sandbox_id=handle.sandbox_id,
+                    host=settings.host_id,
+                )
         try:
             backend.destroy(handle)
         except SandboxError as exc:
@@ -88,7 +101,7 @@ def pool_delivery_s(settings: Settings) -> float:
 
 def _orphaned(owner: SandboxOwner, sandbox_id: str, now: float) -> str | None:
     if owner.state is None:
-        return "no rollout record"
+        return NO_RECORD
     if owner.state in _ENDED or owner.closed_at is not None:
         # Just closed: the close's own destroy is on its way; racing it gains nothing.
         if owner.closed_at is not None and now - owner.closed_at < RECENTLY_CLOSED_S:

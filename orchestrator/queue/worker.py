@@ -29,10 +29,12 @@ from orchestrator.sandbox.repos import HostRepos
 from orchestrator.state import admission, replies
 from orchestrator.state.calls import WorkerCalls
 from orchestrator.state.connection import SyncRedis, call_path_connection, worker_client
+from orchestrator.state.errors import StateError
 from orchestrator.state.heartbeat import Heartbeat, HeartbeatWriter, HostFinding
 from orchestrator.state.keys import Keys
 from orchestrator.state.pool_sizing import targets
 from orchestrator.state.pools import PoolFiller
+from orchestrator.state.records import state_mark
 from orchestrator.state.snapshots import kept_snapshots
 from orchestrator.state.wire import WIRE_VERSION, InfraFault, OpDone, Request, RunOp
 
@@ -162,6 +164,13 @@ class Host:
         # The host probe's latest finding, replaced whole (never mutated), so every reader
         # sees one finding: the heartbeat publishes it, the pool filler checks it.
         self.latest = HostFinding(error="not probed yet", cordon_reasons=["starting"])
+        # The deployment's state mark (state/keys.Keys.state_mark) this host's last sweep
+        # began under; None before its first. Until it is the current one, the host takes
+        # no new sandboxes: a rollout Redis forgot must be failed (the sweep's tombstones)
+        # before its trainer's next call could start it afresh.
+        self.swept_mark: str | None = None
+        # Set to have the host probed again at once (a sweep that lifts a cordon).
+        self.reprobe = threading.Event()
         self._making = threading.RLock()
         if backend is not None:
             self.__dict__["backend"] = backend
@@ -318,6 +327,7 @@ class Host:
         pool entries whose sandbox is gone. What was done, counted."""
         settings = self.settings
         backend = self.backend
+        mark = state_mark(self.redis, self.keys)
         swept: dict[str, Any] = collect_expired(backend).model_dump(mode="json")
         swept["orphans"] = sweep_orphans(backend, self.redis, settings)
         swept["snapshots"] = backend.sweep_snapshots(kept_snapshots(self.redis, self.keys))
@@ -327,7 +337,29 @@ class Host:
             filler.forget_missing(pool, settings.host_id, live)
             for pool in targets(self.environments, settings, filler.demand())
         )
+        first = self.swept_mark is None
+        self.swept_mark = mark
+        if first:  # the host's first sweep lifts its cordon: said now, not a beat later
+            self.reprobe.set()
         return swept
+
+    def with_state_check(self, finding: HostFinding) -> HostFinding:
+        """``finding``, cordoned while this host has not swept since it started
+        (:data:`SWEEPING`) or since Redis lost the deployment's state (:data:`RECOVERING`:
+        its mark is missing, or another one than the last sweep began under). Redis that
+        cannot be read tells nothing: the host's health is its backend's, and the
+        heartbeat's own failure says the rest."""
+        if self.swept_mark is None:
+            return finding.model_copy(
+                update={"cordon_reasons": [*finding.cordon_reasons, SWEEPING]}
+            )
+        try:
+            lost = state_mark(self.redis, self.keys) != self.swept_mark
+        except StateError:
+            return finding
+        if not lost:
+            return finding
+        return finding.model_copy(update={"cordon_reasons": [*finding.cordon_reasons, RECOVERING]})
 
     def drain(self) -> None:
         """Stopping: take no new sandboxes (the heartbeat says draining), drop creations
@@ -403,7 +435,13 @@ class Host:
             while True:
                 before = self.latest.cordon_reasons
                 try:
-                    self.latest = self.status(self.latest)
+                    self.latest = self.with_state_check(self.status(self.latest))
+                    if RECOVERING in self.latest.cordon_reasons:
+                        # Redis lost its state while this worker ran: cordoned (published
+                        # at once), this host's sandboxes Redis forgot are failed and go.
+                        changed.set()
+                        log.warning("worker.state_lost", **self.sweep())
+                        self.latest = self.with_state_check(self.status(self.latest))
                 except Exception as exc:  # noqa: BLE001 - the probe must outlive any failure
                     self.latest = HostFinding(
                         backend_failures=self.latest.backend_failures + 1,
@@ -412,7 +450,8 @@ class Host:
                     )
                 if bool(before) != bool(self.latest.cordon_reasons):
                     changed.set()
-                time.sleep(interval)
+                self.reprobe.wait(interval)
+                self.reprobe.clear()
 
         def beat() -> None:
             while True:
@@ -441,8 +480,10 @@ class Host:
             cordon_reasons=reasons,
             schedulable=not reasons,
         )
+        ttl_s = max(1, int(settings.heartbeat_interval_s * 3))
         try:
-            self.heartbeats.publish(beat, ttl_s=max(1, int(settings.heartbeat_interval_s * 3)))
+            if not self.heartbeats.publish(beat, ttl_s=ttl_s, swept_mark=self.swept_mark):
+                self.reprobe.set()  # Redis lost its state: the probe sweeps, then it beats
         except Exception as exc:  # noqa: BLE001 - a dead beat makes a live worker look dead
             log.warning("worker.heartbeat_failed", host=settings.host_id, error=repr(exc))
 
@@ -454,6 +495,11 @@ class Host:
         except Exception as exc:  # noqa: BLE001 - shutting down anyway
             log.warning("worker.retire_failed", error=repr(exc))
 
+
+SWEEPING = "starting: ending what an earlier run left on this host"
+"""The cordon reason of a host whose worker has not finished its first sweep."""
+RECOVERING = "recovering: Redis lost its state; failing and ending the sandboxes it forgot"
+"""The cordon reason of a host whose worker has not swept since Redis lost its state."""
 
 _current: list[Host] = []
 _current_lock = threading.Lock()

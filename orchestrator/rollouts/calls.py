@@ -40,7 +40,7 @@ from orchestrator.rollouts.errors import (
     Rejected,
     RejectedKind,
 )
-from orchestrator.rollouts.lookup import unknown
+from orchestrator.rollouts.lookup import present, unknown
 from orchestrator.rollouts.models import CallReply
 from orchestrator.rollouts.starts import Starter
 from orchestrator.state.calls import CallStartStatus, DispatchOutcome, TicketState
@@ -147,6 +147,8 @@ class ToolCalls:
         if known is not None:
             rollout, resolved = known
         elif existing is not None:
+            if existing.infra_failure is not None:  # its cause, before its environment's
+                await self.closer.refuse_failed(existing, "rollout failed earlier")
             resolved = self.starter.environment_of(existing)
         elif item is None:
             raise unknown(rollout_id)
@@ -329,9 +331,8 @@ class ToolCalls:
     async def _ended(self, rollout_id: str) -> Exception:
         """Why a call to a rollout no longer active is refused (its start found it so)."""
         self._active.drop(rollout_id)
-        rollout = await self.store.get(rollout_id)
-        if rollout is None:
-            return unknown(rollout_id)
+        # It was there when the call began (read, or active here): gone now, Redis lost it.
+        rollout = present(await self.store.get(rollout_id), rollout_id, "its call began")
         await self._refuse_ended(rollout)
         return Rejected(
             RejectedKind.CONFLICT, f"rollout {rollout_id} is {rollout.state}", code="ended"

@@ -138,4 +138,6 @@ class RolloutVanished(InfraError):
     created is :func:`orchestrator.rollouts.lookup.unknown` instead, a 404."""
 
     def __init__(self, rollout_id: str, during: str) -> None:
-        super().__init__(f"the rollout vanished while {during}", rollout_id=rollout_id)
+        super().__init__(
+            f"the rollout vanished while {during}", rollout_id=rollout_id, code=Cause.STATE_LOST
+        )

@@ -155,11 +155,13 @@ if ARGV[5] ~= '' then
     if ARGV[6] ~= '' then redis.call('RPUSH', KEYS[7], ARGV[6]) end
   end
 end
+-- (A record Redis lost is not made again, field by field, from a call's end.)
+local known = redis.call('HEXISTS', KEYS[4], 'state') == 1
 if redis.call('HGET', KEYS[6], 'open') == '1' then
   redis.call('HSET', KEYS[6], 'open', '0')
-  redis.call('HINCRBY', KEYS[4], 'calls_in_flight', -1)
+  if known then redis.call('HINCRBY', KEYS[4], 'calls_in_flight', -1) end
 end
-redis.call('HSET', KEYS[4], 'last_activity', ARGV[2])
+if known then redis.call('HSET', KEYS[4], 'last_activity', ARGV[2]) end
 redis.call('ZADD', KEYS[5], 'XX', ARGV[2], ARGV[3])
 if redis.call('GET', KEYS[2]) == ARGV[1] then redis.call('DEL', KEYS[2]) end
 if mine then return '' end

@@ -143,6 +143,18 @@ return 0
 """
 
 
+# KEYS: heartbeat, hosts, state mark. ARGV: beat JSON, TTL, host, the state mark the host's
+# last sweep began under ('' before its first). A host is not heard from while Redis holds
+# another mark (or none: Redis lost its state): the beat it computed before it could know
+# must not make it look schedulable to rollouts Redis forgot.
+_PUBLISH = """
+if ARGV[4] ~= '' and redis.call('GET', KEYS[3]) ~= ARGV[4] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('SADD', KEYS[2], ARGV[3])
+return 1
+"""
+
+
 class HeartbeatWriter:
     """The worker's side (sync, from its heartbeat thread): publish, then retire."""
 
@@ -152,18 +164,21 @@ class HeartbeatWriter:
         self._host = host_id
         self._instance = instance
         self._retire = client.register_script(_RETIRE)
+        self._publish = client.register_script(_PUBLISH)
         # Under the lock, so a beat computed before the retirement cannot land after it.
         self._lock = threading.Lock()
         self._retired = threading.Event()
 
-    def publish(self, beat: Heartbeat, ttl_s: int) -> None:
+    def publish(self, beat: Heartbeat, ttl_s: int, swept_mark: str | None = None) -> bool:
+        """Publish ``beat``; False when it was not: retired, or Redis no longer holds
+        ``swept_mark``, the state mark the host's last sweep began under (it lost its
+        state since: the host must sweep again first)."""
         with self._lock:
             if self._retired.is_set():
-                return  # no beat after the retirement: the key stays gone
-            with self._redis.pipeline(transaction=False) as pipe:
-                pipe.set(self._keys.heartbeat(self._host), beat.model_dump_json(), ex=ttl_s)
-                pipe.sadd(self._keys.hosts, self._host)
-                pipe.execute()
+                return False  # no beat after the retirement: the key stays gone
+            keys = [self._keys.heartbeat(self._host), self._keys.hosts, self._keys.state_mark]
+            args: list[str | int] = [beat.model_dump_json(), ttl_s, self._host, swept_mark or ""]
+            return bool(self._publish(keys=keys, args=args))
 
     def retire(self) -> None:
         """Say at once that this worker is gone (instead of letting the key expire), so the

@@ -191,6 +191,15 @@ class Keys:
         return f"{self.prefix}reaper-last-pass"
 
     @cached_property
+    def state_mark(self) -> str:
+        """String: a random id set once, by the first process that finds it missing, and
+        never expired: while it is there, Redis holds the deployment's state. Missing, or
+        another one than a worker last saw, means Redis lost its state (a restart without
+        its files, a failover to an empty replica): the worker then ends what it holds
+        that Redis no longer knows before it takes new sandboxes (queue/worker.py)."""
+        return f"{self.prefix}state-mark"
+
+    @cached_property
     def reaper_lease(self) -> str:
         """String: the reaper process that runs the passes (its holder id), with a TTL it
         renews every pass: of several reapers one reaps, the others stand by

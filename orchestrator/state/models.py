@@ -23,6 +23,10 @@ class RolloutSource(StrEnum):
     SETUP = "setup"
     """A group's set-up step (docs/snapshots.md): its sandbox runs the environment's
     ``setup``, is snapshotted for the group's rollouts, and closes; never graded."""
+    RECOVERED = "recovered"
+    """Not a rollout anyone started: the record a worker writes for a sandbox of its host
+    whose rollout Redis no longer knows (Redis lost its state), failed with cause
+    ``state_lost``, so the trainer's next call or grade is a 503, never a fresh start."""
 
 
 class RolloutState(StrEnum):

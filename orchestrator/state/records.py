@@ -25,7 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from orchestrator.config import Settings
-from orchestrator.outcomes import Outcome
+from orchestrator.outcomes import Cause, Outcome
 from orchestrator.sandbox.backend import CommitWorkspace, SandboxHandle
 from orchestrator.state.calls import ApiCalls
 from orchestrator.state.connection import async_redis_client
@@ -178,7 +178,7 @@ return 1
 # entry ('' when none), failures bound, field/value pairs. The entry is logged only by the
 # update that moves the rollout to infra_failed: a failed rollout fails once.
 _UPDATE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+if redis.call('HEXISTS', KEYS[1], 'state') == 0 then return false end
 if ARGV[2] == 'once' then
   local score = redis.call('HGET', KEYS[1], 'score')
   if score and score ~= '' then return redis.call('HGETALL', KEYS[1]) end
@@ -307,8 +307,10 @@ class RolloutStore:
     # -- the record ------------------------------------------------------------------------
 
     async def get(self, rollout_id: str) -> Rollout | None:
+        """The record; None when there is none, or only fields of one (no state: a record
+        Redis lost, touched since by a late write), which is no record to act on."""
         raw = cast(dict[str, str], await self.redis.hgetall(self.keys.rollout(rollout_id)))
-        return _decode(raw) if raw else None
+        return _decode(raw) if raw.get("state") else None
 
     async def epoch(self) -> str | None:
         """Behind Sentinel, the primary's replication id (``master_replid``): a replica
@@ -593,6 +595,62 @@ class SandboxOwner(BaseModel):
     state: RolloutState | None = Field(None, description="None: there is no record.")
     sandbox_id: str | None = Field(None, description="The sandbox the record names.")
     closed_at: float | None = None
+
+
+# KEYS: record. ARGV: TTL, then field/value pairs. Only where there is no record: a rollout
+# Redis knows again (re-created meanwhile) is not overwritten.
+_TOMBSTONE = """
+if redis.call('HEXISTS', KEYS[1], 'state') == 1 then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+LOST_ENVIRONMENT = "(lost with Redis's state)"
+"""A tombstone's environment: what the rollout ran is known only to the record Redis lost."""
+TOMBSTONE_TTL_S = 7 * 86400
+"""How long the record of a rollout lost with Redis's state is kept: longer than any
+trainer keeps retrying a rollout."""
+
+
+def write_tombstone(
+    client: redis.Redis, keys: Keys, handle: SandboxHandle, evidence: dict[str, Any]
+) -> bool:
+    """The worker's (sync): record ``handle``'s rollout, which Redis no longer knows, as
+    ``infra_failed`` with cause ``state_lost``, unless a record exists; True if written.
+    Its trainer's next call or grade is then a 503 (discarded), never a fresh start on an
+    empty sandbox, nor a grade of an empty trajectory."""
+    now = time.time()
+    failure = {
+        "cause": Cause.STATE_LOST.value,
+        "message": "Redis lost this rollout's record; its sandbox was ended by its host",
+        "evidence": evidence,
+        "at": now,
+    }
+    record = Rollout(
+        rollout_id=handle.rollout_id,
+        source=RolloutSource.RECOVERED,
+        environment=LOST_ENVIRONMENT,
+        image=handle.image,
+        state=RolloutState.INFRA_FAILED,
+        host=handle.host,
+        created_at=handle.created_at.timestamp(),
+        last_activity=now,
+        closed_at=now,
+        outcome=Outcome.INFRA_ERROR,
+        infra_failure=failure,
+    )
+    pairs = [x for kv in _encode(record).items() for x in kv]
+    written = client.eval(_TOMBSTONE, 1, keys.rollout(handle.rollout_id), TOMBSTONE_TTL_S, *pairs)
+    return bool(written)
+
+
+def state_mark(client: redis.Redis, keys: Keys) -> str:
+    """The deployment's state mark (state/keys.Keys.state_mark), set now if it is missing."""
+    fresh = uuid.uuid4().hex
+    client.set(keys.state_mark, fresh, nx=True)
+    mark = client.get(keys.state_mark)
+    return mark.decode() if isinstance(mark, bytes) else str(mark)
 
 
 def sandbox_owner(client: redis.Redis, keys: Keys, rollout_id: str) -> SandboxOwner:

@@ -369,5 +369,48 @@ def test_redis_restarted_mid_batch(faults: FaultStack) -> None:
     assert fresh_row.unaffected_right == B, _dump(fresh)
 
 
+def test_redis_state_lost_mid_batch(faults: FaultStack) -> None:
+    """Redis killed and started again empty (no replica, its files gone) while calls are in
+    flight. Every rollout in flight is discarded, none scored: its record is gone, and the
+    worker, finding Redis without the deployment's state mark, takes no new sandboxes until
+    it has failed each rollout whose sandbox it still holds (a record of its own, cause
+    ``state_lost``) and ended the sandbox; so the trainer's next call is a 503, never a
+    fresh start on an empty sandbox. Nothing is left running; a fresh batch afterwards is
+    untouched."""
+    killed: dict[str, float] = {}
+    started = time.monotonic()
+
+    async def inject(trainer: Trainer) -> set[str]:
+        victim, call_id = await trainer.wait_marker(VICTIM)
+        await ledger_shows(faults, victim.trace_id, call_id)
+        killed["at"] = time.monotonic()
+        await asyncio.to_thread(faults.redis.wipe)
+        await asyncio.to_thread(faults.redis.start)
+        return set()  # known once the batch is over: every rollout not graded by then
+
+    results, _ = run_batch(faults, batch(), inject)
+    victims = {
+        r.trace_id
+        for r in results
+        if not any(
+            a.status == 200 and a.started + a.seconds < killed["at"] for a in r.grade_attempts
+        )
+    }
+    row = finish(faults, "redis state lost (no replica)", results, victims, started)
+    check(row, results)
+    assert victims, _dump(results)
+    for result in results:
+        if result.trace_id in victims:
+            assert result.score is None and result.discarded, _dump(results)
+            cause = ((result.record or {}).get("infra_failure") or {}).get("cause")
+            assert cause == "state_lost", _dump(results)
+
+    started = time.monotonic()
+    fresh, _ = run_batch(faults, batch(victim=False))
+    fresh_row = finish(faults, "  then a fresh batch", fresh, set(), started, clean=True)
+    check(fresh_row, fresh)
+    assert fresh_row.unaffected_right == B, _dump(fresh)
+
+
 def _recovered(results: list[Result]) -> int:
     return sum(1 for r in results if r.saw_5xx and r.score == r.plan.expected_score)
