@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import docker
+from lightkube import ApiError
 from lightkube.resources.core_v1 import Node
 
 from orchestrator.local import free_port
@@ -290,6 +291,8 @@ class RealNode:
             except docker.errors.ImageNotFound as exc:
                 raise NodeUnavailable(f"no image {PAUSE_IMAGE}: run scripts/kube-build.sh") from exc
             self._take_lock()
+            # A Node left by an earlier kubelet of this plane would read Ready at once.
+            _delete_node(self.plane)
             self.root = Path(tempfile.mkdtemp(prefix=PREFIX))
             _sweep_stale(self.docker, keep=self.root)
             self.port, self.healthz_port = free_port(), free_port()
@@ -352,7 +355,9 @@ class RealNode:
         """The Docker containers this kubelet made (dockershim's ``k8s_*``, pause included)
         that still exist: those under its cgroup root."""
         found = []
-        for container in self.docker.containers.list(all=True, filters={"label": POD_UID_LABEL}):
+        for container in self.docker.containers.list(
+            all=True, filters={"label": POD_UID_LABEL}, ignore_removed=True
+        ):
             parent = container.attrs.get("HostConfig", {}).get("CgroupParent") or ""
             if parent.startswith(f"/{self.cgroup_root}/"):
                 found.append(container)
@@ -367,6 +372,10 @@ class RealNode:
         if self.kubelet is not None:
             self.kubelet.stop()
             self.kubelet = None
+            # The node is gone for good, as when one is removed from a cluster: the next
+            # RealNode of this plane registers afresh, and its pods go with it.
+            with contextlib.suppress(Exception):
+                _delete_node(self.plane)
         uids = set()
         for container in self.containers():
             uids.add(container.labels.get(POD_UID_LABEL, ""))
@@ -396,6 +405,14 @@ class RealNode:
         self.close()
 
 
+def _delete_node(plane: ControlPlane) -> None:
+    try:
+        plane.client().delete(Node, NODE_NAME)
+    except ApiError as exc:
+        if exc.status.code != 404:
+            raise
+
+
 def _ready(node: Node) -> bool:
     conditions = node.status.conditions if node.status else None
     return any(c.type == "Ready" and c.status == "True" for c in conditions or [])
@@ -404,7 +421,9 @@ def _ready(node: Node) -> bool:
 def _sweep_stale(client: docker.DockerClient, keep: Path) -> None:
     """What a RealNode of a process that died left behind: with the lock held, no other
     real kubelet runs, so every container, mount and cgroup of the prefix is stale."""
-    for container in client.containers.list(all=True, filters={"label": POD_UID_LABEL}):
+    for container in client.containers.list(
+        all=True, filters={"label": POD_UID_LABEL}, ignore_removed=True
+    ):
         parent = container.attrs.get("HostConfig", {}).get("CgroupParent") or ""
         if parent.startswith(f"/{PREFIX}"):
             with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
