@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import docker
-from lightkube import ApiError
-from lightkube.resources.core_v1 import Node
+from lightkube import ALL_NS, ApiError
+from lightkube.resources.core_v1 import Node, Pod
 
 from orchestrator.local import free_port
 from tests.k8s.control_plane import NODE_NAME, ControlPlane, _Process
@@ -363,9 +363,42 @@ class RealNode:
                 found.append(container)
         return found
 
-    def pod_containers(self, pod_uid: str) -> list[str]:
-        """Names of the containers of one pod (by uid) that still exist."""
-        return [c.name for c in self.containers() if c.labels.get(POD_UID_LABEL) == pod_uid]
+    def pod_containers(self, pod_uid: str, *, running: bool = False) -> list[str]:
+        """Names of the containers of one pod (by uid) that still exist (only the running
+        ones with ``running``)."""
+        return [
+            c.name
+            for c in self.containers()
+            if c.labels.get(POD_UID_LABEL) == pod_uid and (not running or c.status == "running")
+        ]
+
+    def settle(self) -> list[str]:
+        """Remove the exited containers of pods no longer in the API server (by their
+        ``io.kubernetes.pod.uid`` label), and those pods' log directories; return the
+        names removed.
+
+        What the kubelet's container garbage collection does, once a minute (not
+        configurable in 1.20), to a deleted pod's pause container: a test that checks that
+        nothing of a pod is left need not wait for it. A running container, or one of a pod
+        still in the API server (being deleted included), is the kubelet's business and
+        left alone."""
+        # Containers first: the kubelet makes them only for pods the API server had, so one
+        # whose pod a later listing lacks is a deleted pod's (not a pod made meanwhile).
+        containers = self.containers()
+        pods = self.plane.client().list(Pod, namespace=ALL_NS)
+        live = {p.metadata.uid for p in pods if p.metadata is not None}
+        removed: list[str] = []
+        uids: set[str] = set()
+        for container in containers:
+            uid = container.labels.get(POD_UID_LABEL, "")
+            if uid in live or container.status == "running":
+                continue
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                container.remove(v=True)
+                removed.append(container.name)
+            uids.add(uid)
+        _remove_pod_logs(uids)
+        return removed
 
     def close(self) -> None:
         """Stop the kubelet; remove its containers, mounts, cgroups, pod logs and files."""
@@ -381,14 +414,7 @@ class RealNode:
             uids.add(container.labels.get(POD_UID_LABEL, ""))
             with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
                 container.remove(force=True, v=True)
-        for uid in uids - {""}:
-            for log in POD_LOGS.glob(f"*_{uid}"):
-                shutil.rmtree(log, ignore_errors=True)
-        for link in CONTAINER_LOGS.glob("*.log"):
-            # The symlinks of this node's pods' logs point into directories just removed.
-            if link.is_symlink() and not link.exists():
-                with contextlib.suppress(OSError):
-                    link.unlink()
+        _remove_pod_logs(uids)
         if self.root != Path():
             _unmount_under(self.root)
             shutil.rmtree(self.root, ignore_errors=True)
@@ -411,6 +437,18 @@ def _delete_node(plane: ControlPlane) -> None:
     except ApiError as exc:
         if exc.status.code != 404:
             raise
+
+
+def _remove_pod_logs(uids: set[str]) -> None:
+    """The pods' directories in /var/log/pods (``<namespace>_<name>_<uid>``) and the
+    symlinks into them left dangling in /var/log/containers."""
+    for uid in uids - {""}:
+        for log in POD_LOGS.glob(f"*_{uid}"):
+            shutil.rmtree(log, ignore_errors=True)
+    for link in CONTAINER_LOGS.glob("*.log"):
+        if link.is_symlink() and not link.exists():
+            with contextlib.suppress(OSError):
+                link.unlink()
 
 
 def _ready(node: Node) -> bool:
