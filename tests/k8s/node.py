@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import docker
-from lightkube import ALL_NS, ApiError
+from lightkube import ALL_NS, ApiError, Client
 from lightkube.resources.core_v1 import Node, Pod
 
 from orchestrator.local import free_port
@@ -329,7 +329,10 @@ class RealNode:
                 time.sleep(0.5)
 
     def _wait_ready(self) -> None:
-        admin = self.plane.client()
+        with contextlib.closing(self.plane.client()) as admin:
+            self._untaint_once_ready(admin)
+
+    def _untaint_once_ready(self, admin: Client) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             assert self.kubelet is not None
@@ -385,8 +388,9 @@ class RealNode:
         # Containers first: the kubelet makes them only for pods the API server had, so one
         # whose pod a later listing lacks is a deleted pod's (not a pod made meanwhile).
         containers = self.containers()
-        pods = self.plane.client().list(Pod, namespace=ALL_NS)
-        live = {p.metadata.uid for p in pods if p.metadata is not None}
+        with contextlib.closing(self.plane.client()) as admin:
+            # A lazy listing: read before the client closes.
+            live = {p.metadata.uid for p in admin.list(Pod, namespace=ALL_NS) if p.metadata}
         removed: list[str] = []
         uids: set[str] = set()
         for container in containers:
@@ -432,11 +436,12 @@ class RealNode:
 
 
 def _delete_node(plane: ControlPlane) -> None:
-    try:
-        plane.client().delete(Node, NODE_NAME)
-    except ApiError as exc:
-        if exc.status.code != 404:
-            raise
+    with contextlib.closing(plane.client()) as admin:
+        try:
+            admin.delete(Node, NODE_NAME)
+        except ApiError as exc:
+            if exc.status.code != 404:
+                raise
 
 
 def _remove_pod_logs(uids: set[str]) -> None:

@@ -8,6 +8,7 @@ nothing of the pod is left on the Docker daemon."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import time
 from collections.abc import Iterator
@@ -28,6 +29,10 @@ from tests.k8s.control_plane import ControlPlane
 from tests.k8s.node import POD_LOGS, POD_UID_LABEL, RealNode
 from tests.k8s.rbac import RELEASE_NAMESPACE, SANDBOX_NAMESPACE, apply_worker_rbac
 
+# The group of every tests/k8s module: on the worker that runs the hand-written cluster's
+# modules, one after another, never beside them. (The real kubelet leaves that cluster's
+# containers alone, they carry no io.kubernetes.* label, but both want the machine's two
+# cores while they start.) One real kubelet per Docker daemon is node.py's lock.
 pytestmark = pytest.mark.xdist_group("k8s")
 
 # Measured: the pod gone from the API server 0.02 s after the destroy, its containers
@@ -51,13 +56,12 @@ def real_cluster() -> Iterator[RealCluster]:
             _, token = apply_worker_rbac(admin_api)
         finally:
             admin_api.close()
-        with RealNode(plane) as node:
-            yield RealCluster(
-                plane=plane,
-                node=node,
-                admin=plane.client(),
-                worker=plane.client("worker", SANDBOX_NAMESPACE, token=token),
-            )
+        with (
+            RealNode(plane) as node,
+            contextlib.closing(plane.client()) as admin,
+            contextlib.closing(plane.client("worker", SANDBOX_NAMESPACE, token=token)) as worker,
+        ):
+            yield RealCluster(plane=plane, node=node, admin=admin, worker=worker)
 
 
 @pytest.fixture(scope="module")
