@@ -286,6 +286,12 @@ class RealNode:
         try:
             if not (self.bin / "kubelet").exists():
                 raise NodeUnavailable(f"no kubelet in {self.bin}: run scripts/kube-build.sh")
+            plugins = [CNI_BIN_DIR / name for name in ("ptp", "host-local", "loopback")]
+            if not all(plugin.exists() for plugin in plugins):
+                raise NodeUnavailable(
+                    f"no CNI plugins in {CNI_BIN_DIR}: run scripts/host-setup.sh "
+                    "(Debian's containernetworking-plugins)"
+                )
             try:
                 self.docker.images.get(PAUSE_IMAGE)
             except docker.errors.ImageNotFound as exc:
