@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# A real Kubernetes control plane for the test suite, from Debian's own packages only:
-# etcd from `etcd-server`, and kube-apiserver, kube-controller-manager and kube-scheduler
-# built from Debian bookworm's `kubernetes` source package (the full upstream tree with
-# vendor/, built offline with Debian's Go). No registry ships these binaries, so they are
-# built once per version and cached on the machine, outside the repository:
+# A real Kubernetes cluster for the test suite, from Debian's own packages only: etcd from
+# `etcd-server`, and kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and
+# kube-proxy built from Debian bookworm's `kubernetes` source package (the full upstream
+# tree with vendor/, built offline with Debian's Go). No registry ships these binaries, so
+# they are built once per version and cached on the machine, outside the repository:
 #
-#   $KUBE_CACHE/<debian version>/bin/{kube-apiserver,kube-controller-manager,kube-scheduler}
+#   $KUBE_CACHE/<debian version>/bin/{kube-apiserver,kube-controller-manager,kube-scheduler,
+#                                     kubelet,kube-proxy}
+#   $KUBE_CACHE/<debian version>/pause/pause   (static; also the local image $KUBE_PAUSE_IMAGE)
 #
-# Idempotent: with the binaries cached and etcd installed it does nothing (well under a
-# second). A cold build takes about 7 minutes on 2 cores (75 s with a warm Go cache).
-# Prints the bin directory. docs/kubernetes-backend.md ("Tested against a real control
+# No registry is reachable either, so the kubelet's pod infra ("pause") image is built here
+# from the tree's own build/pause/linux/pause.c, as a local image FROM scratch.
+#
+# Idempotent: with everything cached and etcd installed it does nothing (well under a
+# second). Only what is missing is built: a cache made before the kubelet was added gets
+# kubelet, kube-proxy and pause. A cold build takes about 7 minutes on 2 cores (75 s with a
+# warm Go cache). Prints the bin directory. docs/kubernetes-backend.md ("Tested against a real control
 # plane") says what the tests do with it.
 set -euo pipefail
 
@@ -20,18 +26,46 @@ KUBE_GIT_VERSION="${KUBE_GIT_VERSION:-v1.20.2}"
 KUBE_CACHE="${KUBE_CACHE:-/var/cache/orchestrator/kube}"
 GO_PACKAGE=golang-1.19-go
 GOROOT_DIR=/usr/lib/go-1.19
-BINARIES=(kube-apiserver kube-controller-manager kube-scheduler)
+BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
+# The pod infra image the kubelet is told to use (--pod-infra-container-image): a fixed tag,
+# the tree's pause version, so tests name it without asking this script.
+KUBE_PAUSE_IMAGE="${KUBE_PAUSE_IMAGE:-orchestrator/kube-pause:3.4.1}"
 
 log() { printf '[kube-build] %s\n' "$*" >&2; }
 
 out="$KUBE_CACHE/$KUBE_DEB_VERSION"
 bin="$out/bin"
 
-have_binaries() {
+pause_bin="$out/pause/pause"
+
+missing_binaries() {
   local b
   for b in "${BINARIES[@]}"; do
-    [ -x "$bin/$b" ] || return 1
+    [ -x "$bin/$b" ] || printf '%s\n' "$b"
   done
+}
+
+have_binaries() {
+  [ -z "$(missing_binaries)" ] && [ -x "$pause_bin" ]
+}
+
+# The image from the cached static binary; only with a Docker daemon (the control plane alone
+# needs none), and a failure here leaves the binaries usable: the kubelet's tests say so.
+ensure_pause_image() {
+  command -v docker >/dev/null 2>&1 || return 0
+  docker image inspect "$KUBE_PAUSE_IMAGE" >/dev/null 2>&1 && return 0
+  local ctx
+  ctx=$(mktemp -d)
+  cp "$pause_bin" "$ctx/pause"
+  # As upstream's build/pause/Dockerfile: 65535 is the user the pod's PID 1 runs as.
+  printf 'FROM scratch\nADD pause /pause\nUSER 65535:65535\nENTRYPOINT ["/pause"]\n' \
+    > "$ctx/Dockerfile"
+  if docker build -q -t "$KUBE_PAUSE_IMAGE" "$ctx" >/dev/null 2>"$ctx/err"; then
+    log "built image $KUBE_PAUSE_IMAGE"
+  else
+    log "could not build image $KUBE_PAUSE_IMAGE: $(tail -n 5 "$ctx/err")"
+  fi
+  rm -rf "$ctx"
 }
 
 apt_install() {
@@ -54,11 +88,13 @@ if ! command -v etcd >/dev/null 2>&1; then
 fi
 
 if have_binaries; then
+  ensure_pause_image
   echo "$bin"
   exit 0
 fi
 
-log "building kubernetes $KUBE_DEB_VERSION into $out (cold: about 5.5 minutes)"
+mapfile -t wanted < <(missing_binaries)
+log "building ${wanted[*]:-pause} of kubernetes $KUBE_DEB_VERSION into $out (cold: about 7 minutes)"
 # deb-src for bookworm and its security suite (the package's deb12u1 upload lives there).
 src_list=/etc/apt/sources.list.d/orchestrator-kubernetes-src.sources
 if [ ! -f "$src_list" ]; then
@@ -92,6 +128,25 @@ tree=$(find "$work/src" -mindepth 1 -maxdepth 1 -type d -name 'kubernetes-*' | h
 rm -rf "$tree/vendor/github.com/modern-go/reflect2"
 cp -r /usr/share/gocode/src/github.com/modern-go/reflect2 "$tree/vendor/github.com/modern-go/reflect2"
 
+# This machine's patch, not a real cluster's: root here lacks CAP_SYS_RESOURCE, so the
+# kernel refuses a negative oom_score_adj and runc fails every container asking one ("can't
+# get final child's PID from pipe: EOF"). dockershim asks -998 for each pod's infra
+# container and the kubelet -997 for Guaranteed pods' containers (sandboxes are
+# Guaranteed): both 0 here, with the kubelet run with --oom-score-adj=0.
+patch_oom_adj() {
+  local file=$1 name=$2
+  sed -i -E "s/^([[:space:]]*$name[[:space:]]+int[[:space:]]*=[[:space:]]*)-[0-9]+/\10/" "$tree/$file"
+  grep -Eq "^[[:space:]]*$name[[:space:]]+int[[:space:]]*=[[:space:]]*0\b" "$tree/$file" \
+    || { log "could not patch $name in $file"; exit 1; }
+}
+patch_oom_adj pkg/kubelet/dockershim/docker_sandbox.go defaultSandboxOOMAdj
+patch_oom_adj pkg/kubelet/qos/policy.go guaranteedOOMScoreAdj
+
+# The pod infra process, static so its image needs nothing but itself.
+mkdir -p "$work/pause"
+gcc -Os -Wall -Werror -static -DVERSION="v${KUBE_PAUSE_IMAGE##*:}-debian" \
+  -o "$work/pause/pause" "$tree/build/pause/linux/pause.c"
+
 # GOPATH mode (the 1.20 tree does not build in module mode): the tree at its import path.
 export GOPATH="$work/gopath"
 export GO111MODULE=off
@@ -116,17 +171,21 @@ for pkg in k8s.io/kubernetes/vendor/k8s.io/component-base/version \
   ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
 done
 mkdir -p "$work/bin"
-for b in "${BINARIES[@]}"; do
+for b in "${wanted[@]}"; do
   log "go build $b"
   go build -o "$work/bin/$b" -ldflags "-s -w $ldflags" "./cmd/$b" 2>"$work/build-$b.log" \
     || { tail -n 40 "$work/build-$b.log" >&2; exit 1; }
 done
 
-# Published last and whole, so a build cut half-way is never taken for a cached one.
-rm -rf "$out"
-mkdir -p "$out"
-mv "$work/bin" "$bin"
+# Each file published whole (a rename) and the pause binary last, so a build cut half-way
+# is never taken for a cached one; binaries already cached stay as they are.
+mkdir -p "$bin" "$out/pause"
+for b in "${wanted[@]}"; do
+  mv "$work/bin/$b" "$bin/$b"
+done
+mv "$work/pause/pause" "$pause_bin"
 cd /
 rm -rf "$work"
+ensure_pause_image
 log "built: $bin"
 echo "$bin"

@@ -1,0 +1,486 @@
+"""A real node for the control plane of control_plane.py: the kubelet built from Debian's
+``kubernetes`` source package by ``scripts/kube-build.sh`` (1.20, dockershim on the local
+dockerd), with pod networking by Debian's CNI plugins (``containernetworking-plugins``).
+
+Each pod gets an address of its own on a private /24 in 10.0.0.0/8 (never Docker's
+172.16.0.0/12) through the ``ptp`` plugin: a veth pair per pod, a /32 route to it on the
+host. So the host, where the worker runs, reaches a sandbox's agent at its ``podIP`` over a
+veth the test's kubelet made, and nothing goes to a Docker bridge address. Pods do not
+reach each other: their packets to another pod are forwarded by the host, and Docker's
+FORWARD policy (DROP) drops them. Nothing enforces NetworkPolicy; a pod can still open a
+connection to the host's address on its veth (a service listening on 0.0.0.0).
+
+What differs from a production node, and why:
+
+- one real kubelet per Docker daemon at a time (``LOCK``): dockershim has no notion of
+  another kubelet, and a kubelet kills and garbage-collects every ``k8s_*`` container on its
+  daemon that is not one of its own pods;
+- the kubelet runs in a mount namespace of its own where the six kernel settings it insists
+  on (``vm.overcommit_memory`` and the like) read as it wants: it would otherwise rewrite
+  them for the whole machine. Its volume mounts reach dockerd through its root directory,
+  made a shared mount first;
+- its own ``--cgroup-root``, dockershim socket and checkpoints, CNI configuration, cache and
+  address store, all under a temporary directory: closing the node removes them, and every
+  container, mount and cgroup it made;
+- image garbage collection off and node-pressure eviction thresholds at 1%: the daemon's
+  images and disk are the machine's, not this node's;
+- the control plane runs no node lifecycle controller, so the ``not-ready`` taint the API
+  server puts on a new Node is lifted here, as an administrator, once the kubelet reports
+  Ready (what that controller would do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import json
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import docker
+from lightkube import ALL_NS, ApiError, Client
+from lightkube.resources.core_v1 import Node, Pod
+
+from orchestrator.local import free_port
+from tests.k8s.control_plane import NODE_NAME, ControlPlane, _Process
+
+Obj = dict[str, Any]
+
+PAUSE_IMAGE = os.environ.get("KUBE_PAUSE_IMAGE", "orchestrator/kube-pause:3.4.1")
+"""The pod infra image scripts/kube-build.sh builds from the tree's pause.c."""
+CNI_BIN_DIR = Path("/usr/lib/cni")
+# Fixed in the 1.20 kubelet (not a flag): pods' log directories and their symlinks.
+POD_LOGS = Path("/var/log/pods")
+CONTAINER_LOGS = Path("/var/log/containers")
+CGROUP_FS = Path("/sys/fs/cgroup")
+PREFIX = "orch-kubelet-"
+LOCK = Path("/run/lock/orchestrator-real-kubelet.lock")
+LOCK_TIMEOUT_S = 600.0
+READY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 5.0
+# What the kubelet's container manager wants these sysctls to be (setupKernelTunables,
+# 1.20). Shown to it in its own mount namespace only: with protectKernelDefaults it fails
+# rather than write the machine's.
+KERNEL_TUNABLES = {
+    "vm/overcommit_memory": "1",
+    "vm/panic_on_oom": "0",
+    "kernel/panic": "10",
+    "kernel/panic_on_oops": "1",
+    "kernel/keys/root_maxkeys": "1000000",
+    "kernel/keys/root_maxbytes": "25000000",
+}
+POD_UID_LABEL = "io.kubernetes.pod.uid"
+
+
+class NodeUnavailable(RuntimeError):
+    """The kubelet could not be started or did not make its Node Ready (with its log)."""
+
+
+def _run(*command: str) -> None:
+    subprocess.run(command, check=True, capture_output=True)
+
+
+def _mounts_under(root: Path) -> list[Path]:
+    """Mount points at or under ``root`` in this mount namespace, deepest first."""
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = Path(line.split()[4].replace("\\040", " "))
+        if point == root or root in point.parents:
+            found.append(point)
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+def _unmount_under(root: Path) -> None:
+    for point in _mounts_under(root):
+        subprocess.run(["umount", "--lazy", str(point)], check=False, capture_output=True)
+
+
+def _cgroup_hierarchies() -> list[Path]:
+    return [d for d in CGROUP_FS.iterdir() if (d / "cgroup.procs").exists()]
+
+
+def _remove_cgroups(name: str) -> None:
+    """rmdir the cgroup ``/name`` and everything under it, in every hierarchy, deepest
+    first (an empty cgroup goes with rmdir; its files are not files)."""
+    for hierarchy in _cgroup_hierarchies():
+        top = hierarchy / name
+        if not top.is_dir():
+            continue
+        dirs = sorted(
+            (Path(d) for d, _, _ in os.walk(top)), key=lambda p: len(p.parts), reverse=True
+        )
+        for directory in dirs:
+            with contextlib.suppress(OSError):
+                directory.rmdir()
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 in 10.200.0.0-10.254.255.0 that no route of this machine overlaps."""
+    routes = subprocess.run(
+        ["ip", "-4", "route", "show", "table", "all"], check=True, capture_output=True, text=True
+    ).stdout
+    taken = []
+    for line in routes.splitlines():
+        with contextlib.suppress(ValueError):
+            taken.append(ipaddress.ip_network(line.split()[0], strict=False))
+    for _ in range(64):
+        subnet = ipaddress.IPv4Network(
+            f"10.{random.randint(200, 254)}.{random.randint(0, 255)}.0/24"
+        )
+        if not any(subnet.overlaps(t) for t in taken if t.prefixlen > 0):
+            return subnet
+    raise NodeUnavailable("no free /24 for pods in 10.200.0.0/16-10.254.0.0/16")
+
+
+class RealNode:
+    """The control plane's node (``NODE_NAME``), run by a real kubelet: pods the scheduler
+    binds to it run as Docker containers on the local daemon, on a pod network of their own
+    (``subnet``). ``close`` stops the kubelet and removes every container, mount, cgroup,
+    pod log and file it made, whatever state it was left in."""
+
+    def __init__(self, plane: ControlPlane, *, max_pods: int = 110) -> None:
+        self.plane = plane
+        self.bin = plane.bin
+        self.max_pods = max_pods
+        self.id = uuid.uuid4().hex[:8]
+        # Made once the lock is held (start): a sweep of another process's stale nodes
+        # takes every directory of the prefix but its own.
+        self.root = Path()
+        self.cgroup_root = f"{PREFIX}{self.id}"
+        self.subnet: ipaddress.IPv4Network | None = None
+        self.port = 0
+        self.healthz_port = 0
+        self.kubelet: _Process | None = None
+        self._lock: Any = None
+        self.docker = docker.from_env()
+        # A unix socket takes no proxy (and os.environ changes under pytest: cluster.py).
+        self.docker.api.trust_env = False
+
+    @property
+    def kubelet_root(self) -> Path:
+        """The kubelet's --root-dir (pods' volumes, its checkpoints)."""
+        return self.root / "kubelet"
+
+    # -- files -----------------------------------------------------------------------------
+
+    def _write_files(self) -> None:
+        assert self.subnet is not None
+        self.kubelet_root.mkdir()
+        (self.root / "kubeconfig").write_text(json.dumps(self.plane.kubeconfig_for("node")))
+        (self.root / "config.json").write_text(json.dumps(self._config()))
+        net_d = self.root / "cni" / "net.d"
+        net_d.mkdir(parents=True)
+        (net_d / "10-orch-test.conflist").write_text(json.dumps(self._cni_config()))
+        tunables = self.root / "sysctl"
+        tunables.mkdir()
+        for key, value in KERNEL_TUNABLES.items():
+            (tunables / key.replace("/", ".")).write_text(value + "\n")
+
+    def _config(self) -> Obj:
+        """The KubeletConfiguration (the flags' file form; a few are flags only)."""
+        return {
+            "apiVersion": "kubelet.config.k8s.io/v1beta1",
+            "kind": "KubeletConfiguration",
+            "address": "127.0.0.1",
+            "port": self.port,
+            "readOnlyPort": 0,
+            "healthzBindAddress": "127.0.0.1",
+            "healthzPort": self.healthz_port,
+            "authentication": {
+                "anonymous": {"enabled": False},
+                "webhook": {"enabled": False},
+                "x509": {"clientCAFile": str(self.plane.pki / "ca.crt")},
+            },
+            "authorization": {"mode": "AlwaysAllow"},
+            "cgroupDriver": "cgroupfs",
+            "cgroupRoot": f"/{self.cgroup_root}",
+            "failSwapOn": False,
+            "oomScoreAdj": 0,
+            "protectKernelDefaults": True,
+            # Its chains in the machine's iptables would outlive it; nothing here needs them.
+            "makeIPTablesUtilChains": False,
+            "maxPods": self.max_pods,
+            # The daemon's images are the machine's: never collected by this kubelet.
+            "imageGCHighThresholdPercent": 100,
+            "imageGCLowThresholdPercent": 99,
+            # Node pressure only when the machine is really out (its disk is shared); per-pod
+            # limits (emptyDir sizeLimit, ephemeral-storage) are still enforced.
+            "evictionHard": {
+                "memory.available": "1Mi",
+                "nodefs.available": "1%",
+                "nodefs.inodesFree": "1%",
+                "imagefs.available": "1%",
+            },
+            "evictionPressureTransitionPeriod": "5s",
+            "nodeStatusUpdateFrequency": "2s",
+            "syncFrequency": "5s",
+            "fileCheckFrequency": "20s",
+            "volumeStatsAggPeriod": "5s",
+            "serializeImagePulls": False,
+            "podPidsLimit": 1024,
+        }
+
+    def _cni_config(self) -> Obj:
+        return {
+            "cniVersion": "0.4.0",
+            "name": f"orch-test-{self.id}",
+            "plugins": [
+                {
+                    "type": "ptp",
+                    # No NAT: pods have no business outside the host (sandboxes have no
+                    # network), and no rule of ours is left in the machine's iptables.
+                    "ipMasq": False,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{"subnet": str(self.subnet)}]],
+                        "dataDir": str(self.root / "cni" / "ipam"),
+                    },
+                }
+            ],
+        }
+
+    def _command(self) -> list[str]:
+        runtime = f"unix://{self.root / 'dockershim.sock'}"
+        kubelet = [
+            str(self.bin / "kubelet"),
+            f"--config={self.root / 'config.json'}",
+            f"--kubeconfig={self.root / 'kubeconfig'}",
+            f"--root-dir={self.kubelet_root}",
+            f"--cert-dir={self.root / 'pki'}",
+            f"--hostname-override={NODE_NAME}",
+            "--container-runtime=docker",
+            f"--container-runtime-endpoint={runtime}",
+            f"--image-service-endpoint={runtime}",
+            f"--experimental-dockershim-root-directory={self.root / 'dockershim'}",
+            f"--pod-infra-container-image={PAUSE_IMAGE}",
+            "--network-plugin=cni",
+            f"--cni-bin-dir={CNI_BIN_DIR}",
+            f"--cni-conf-dir={self.root / 'cni' / 'net.d'}",
+            f"--cni-cache-dir={self.root / 'cni' / 'cache'}",
+            f"--volume-plugin-dir={self.root / 'volume-plugins'}",
+            "--v=2",
+        ]
+        # Each tunable's file bound over /proc/sys in the kubelet's own mount namespace
+        # (/proc is a private mount: the host never sees these binds).
+        binds = " && ".join(
+            f"mount --bind {self.root / 'sysctl' / key.replace('/', '.')} /proc/sys/{key}"
+            for key in KERNEL_TUNABLES
+        )
+        return [
+            "unshare", "--mount", "--propagation", "unchanged", "--",
+            "sh", "-c", f'{binds} && exec "$@"', "kubelet", *kubelet,
+        ]  # fmt: skip
+
+    # -- life ------------------------------------------------------------------------------
+
+    def start(self) -> RealNode:
+        """Start the kubelet and wait until its Node is Ready and schedulable."""
+        try:
+            if not (self.bin / "kubelet").exists():
+                raise NodeUnavailable(f"no kubelet in {self.bin}: run scripts/kube-build.sh")
+            plugins = [CNI_BIN_DIR / name for name in ("ptp", "host-local", "loopback")]
+            if not all(plugin.exists() for plugin in plugins):
+                raise NodeUnavailable(
+                    f"no CNI plugins in {CNI_BIN_DIR}: run scripts/host-setup.sh "
+                    "(Debian's containernetworking-plugins)"
+                )
+            try:
+                self.docker.images.get(PAUSE_IMAGE)
+            except docker.errors.ImageNotFound as exc:
+                raise NodeUnavailable(f"no image {PAUSE_IMAGE}: run scripts/kube-build.sh") from exc
+            self._take_lock()
+            # A Node left by an earlier kubelet of this plane would read Ready at once.
+            _delete_node(self.plane)
+            self.root = Path(tempfile.mkdtemp(prefix=PREFIX))
+            _sweep_stale(self.docker, keep=self.root)
+            self.port, self.healthz_port = free_port(), free_port()
+            self.subnet = _free_subnet()
+            self._write_files()
+            # The kubelet's mounts (Secrets, memory emptyDirs) are made in its own mount
+            # namespace: under a shared mount they propagate back here, where dockerd is.
+            _run("mount", "--bind", str(self.kubelet_root), str(self.kubelet_root))
+            _run("mount", "--make-shared", str(self.kubelet_root))
+            for hierarchy in _cgroup_hierarchies():
+                # The kubelet refuses a --cgroup-root missing from any hierarchy.
+                (hierarchy / self.cgroup_root).mkdir(exist_ok=True)
+            self.kubelet = _Process("kubelet", self._command(), self.root / "kubelet.log")
+            self.kubelet.start()
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _take_lock(self) -> None:
+        LOCK.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = LOCK.open("w")
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise NodeUnavailable(
+                        f"another real kubelet held {LOCK} for {LOCK_TIMEOUT_S} s"
+                    ) from None
+                time.sleep(0.5)
+
+    def _wait_ready(self) -> None:
+        with contextlib.closing(self.plane.client()) as admin:
+            self._untaint_once_ready(admin)
+
+    def _untaint_once_ready(self, admin: Client) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            assert self.kubelet is not None
+            if not self.kubelet.alive():
+                raise NodeUnavailable(f"the kubelet exited:\n{self.kubelet.tail(60)}")
+            node = None
+            with contextlib.suppress(Exception):
+                node = admin.get(Node, NODE_NAME)
+            if node is not None and _ready(node):
+                break
+            if time.monotonic() > deadline:
+                raise NodeUnavailable(
+                    f"node not Ready in {READY_TIMEOUT_S} s:\n{self.kubelet.tail(60)}"
+                )
+            time.sleep(0.1)
+        # What the node lifecycle controller does once a node reports Ready (it does not
+        # run here: control_plane.py).
+        assert node.spec is not None
+        taints = [t for t in node.spec.taints or [] if t.key != "node.kubernetes.io/not-ready"]
+        admin.patch(Node, NODE_NAME, {"spec": {"taints": taints or None}})
+
+    def containers(self) -> list[Any]:
+        """The Docker containers this kubelet made (dockershim's ``k8s_*``, pause included)
+        that still exist: those under its cgroup root."""
+        found = []
+        for container in self.docker.containers.list(
+            all=True, filters={"label": POD_UID_LABEL}, ignore_removed=True
+        ):
+            parent = container.attrs.get("HostConfig", {}).get("CgroupParent") or ""
+            if parent.startswith(f"/{self.cgroup_root}/"):
+                found.append(container)
+        return found
+
+    def pod_containers(self, pod_uid: str, *, running: bool = False) -> list[str]:
+        """Names of the containers of one pod (by uid) that still exist (only the running
+        ones with ``running``)."""
+        return [
+            c.name
+            for c in self.containers()
+            if c.labels.get(POD_UID_LABEL) == pod_uid and (not running or c.status == "running")
+        ]
+
+    def settle(self) -> list[str]:
+        """Remove the exited containers of pods no longer in the API server (by their
+        ``io.kubernetes.pod.uid`` label), and those pods' log directories; return the
+        names removed.
+
+        What the kubelet's container garbage collection does, once a minute (not
+        configurable in 1.20), to a deleted pod's pause container: a test that checks that
+        nothing of a pod is left need not wait for it. A running container, or one of a pod
+        still in the API server (being deleted included), is the kubelet's business and
+        left alone."""
+        # Containers first: the kubelet makes them only for pods the API server had, so one
+        # whose pod a later listing lacks is a deleted pod's (not a pod made meanwhile).
+        containers = self.containers()
+        with contextlib.closing(self.plane.client()) as admin:
+            # A lazy listing: read before the client closes.
+            live = {p.metadata.uid for p in admin.list(Pod, namespace=ALL_NS) if p.metadata}
+        removed: list[str] = []
+        uids: set[str] = set()
+        for container in containers:
+            uid = container.labels.get(POD_UID_LABEL, "")
+            if uid in live or container.status == "running":
+                continue
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                container.remove(v=True)
+                removed.append(container.name)
+            uids.add(uid)
+        _remove_pod_logs(uids)
+        return removed
+
+    def close(self) -> None:
+        """Stop the kubelet; remove its containers, mounts, cgroups, pod logs and files."""
+        if self.kubelet is not None:
+            self.kubelet.stop()
+            self.kubelet = None
+            # The node is gone for good, as when one is removed from a cluster: the next
+            # RealNode of this plane registers afresh, and its pods go with it.
+            with contextlib.suppress(Exception):
+                _delete_node(self.plane)
+        uids = set()
+        for container in self.containers():
+            uids.add(container.labels.get(POD_UID_LABEL, ""))
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                container.remove(force=True, v=True)
+        _remove_pod_logs(uids)
+        if self.root != Path():
+            _unmount_under(self.root)
+            shutil.rmtree(self.root, ignore_errors=True)
+        _remove_cgroups(self.cgroup_root)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+        self.docker.close()
+
+    def __enter__(self) -> RealNode:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _delete_node(plane: ControlPlane) -> None:
+    with contextlib.closing(plane.client()) as admin:
+        try:
+            admin.delete(Node, NODE_NAME)
+        except ApiError as exc:
+            if exc.status.code != 404:
+                raise
+
+
+def _remove_pod_logs(uids: set[str]) -> None:
+    """The pods' directories in /var/log/pods (``<namespace>_<name>_<uid>``) and the
+    symlinks into them left dangling in /var/log/containers."""
+    for uid in uids - {""}:
+        for log in POD_LOGS.glob(f"*_{uid}"):
+            shutil.rmtree(log, ignore_errors=True)
+    for link in CONTAINER_LOGS.glob("*.log"):
+        if link.is_symlink() and not link.exists():
+            with contextlib.suppress(OSError):
+                link.unlink()
+
+
+def _ready(node: Node) -> bool:
+    conditions = node.status.conditions if node.status else None
+    return any(c.type == "Ready" and c.status == "True" for c in conditions or [])
+
+
+def _sweep_stale(client: docker.DockerClient, keep: Path) -> None:
+    """What a RealNode of a process that died left behind: with the lock held, no other
+    real kubelet runs, so every container, mount and cgroup of the prefix is stale."""
+    for container in client.containers.list(
+        all=True, filters={"label": POD_UID_LABEL}, ignore_removed=True
+    ):
+        parent = container.attrs.get("HostConfig", {}).get("CgroupParent") or ""
+        if parent.startswith(f"/{PREFIX}"):
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                container.remove(force=True, v=True)
+    for stale in Path(tempfile.gettempdir()).glob(f"{PREFIX}*"):
+        if stale != keep:
+            _unmount_under(stale)
+            shutil.rmtree(stale, ignore_errors=True)
+    for hierarchy in _cgroup_hierarchies():
+        for stale_cgroup in hierarchy.glob(f"{PREFIX}*"):
+            _remove_cgroups(stale_cgroup.name)

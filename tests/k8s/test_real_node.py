@@ -1,0 +1,162 @@
+"""``KubernetesBackend`` on a real node: the control plane of control_plane.py and a real
+kubelet (node.py: dockershim on the local dockerd, pod addresses from Debian's CNI plugins).
+A sandbox is created as the chart's worker, runs a command through its agent at the pod IP,
+and is destroyed: its pod and Secret gone from the API server, no container of it running.
+The kubelet removes a deleted pod's exited containers (its pause container) only in its
+garbage collection, once a minute; the node's ``settle`` does that at once, after which
+nothing of the pod is left on the Docker daemon."""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import pytest
+from lightkube import Client
+from lightkube.core.exceptions import ApiError
+from lightkube.resources.core_v1 import Pod, Secret
+
+from orchestrator.config import Settings
+from orchestrator.environments.examples import ensure_requests_codebase
+from orchestrator.sandbox.backend import SandboxHandle, SandboxLimits, SandboxSpec
+from orchestrator.sandbox.k8s.backend import KubernetesBackend
+from orchestrator.sandbox.k8s.pods import CONTAINER, SEED_CONTAINER
+from tests.k8s.cluster import Api
+from tests.k8s.control_plane import ControlPlane
+from tests.k8s.node import POD_LOGS, POD_UID_LABEL, RealNode
+from tests.k8s.rbac import RELEASE_NAMESPACE, SANDBOX_NAMESPACE, apply_worker_rbac
+
+# The group of every tests/k8s module: on the worker that runs the hand-written cluster's
+# modules, one after another, never beside them. (The real kubelet leaves that cluster's
+# containers alone, they carry no io.kubernetes.* label, but both want the machine's two
+# cores while they start.) One real kubelet per Docker daemon is node.py's lock.
+pytestmark = pytest.mark.xdist_group("k8s")
+
+# Measured: the pod gone from the API server 0.02 s after the destroy, its containers
+# stopped 0.3 s after.
+DESTROYED_TIMEOUT_S = 15.0
+
+
+class RealCluster(NamedTuple):
+    plane: ControlPlane
+    node: RealNode
+    admin: Client
+    worker: Client
+
+
+@pytest.fixture(scope="module")
+def real_cluster() -> Iterator[RealCluster]:
+    """A control plane and its real node, with the chart's worker RBAC applied."""
+    with ControlPlane(namespaces=(RELEASE_NAMESPACE, SANDBOX_NAMESPACE)) as plane:
+        admin_api = Api(plane, "admin")
+        try:
+            _, token = apply_worker_rbac(admin_api)
+        finally:
+            admin_api.close()
+        with (
+            RealNode(plane) as node,
+            contextlib.closing(plane.client()) as admin,
+            contextlib.closing(plane.client("worker", SANDBOX_NAMESPACE, token=token)) as worker,
+        ):
+            yield RealCluster(plane=plane, node=node, admin=admin, worker=worker)
+
+
+@pytest.fixture(scope="module")
+def codebase_image(settings: Settings, base_image: str) -> str:
+    """The `requests` codebase: the init container copies its /workspace into the pod."""
+    return ensure_requests_codebase(settings)
+
+
+def k8s_settings(settings: Settings, **overrides: Any) -> Settings:
+    chosen: dict[str, Any] = {
+        "deployment": settings.deployment,
+        "state_dir": settings.state_dir,
+        "sandbox_backend": "kubernetes",
+        "host_id": "worker-a",
+        "sandbox_start_timeout_s": 30,
+        "k8s_pending_timeout_s": 60,
+    }
+    return Settings(**{**chosen, **overrides})
+
+
+def spec(image: str, rollout_id: str) -> SandboxSpec:
+    # A fraction of a core: the node offers the machine's real two.
+    return SandboxSpec(
+        image=image,
+        rollout_id=rollout_id,
+        limits=SandboxLimits(memory_mb=512, disk_mb=256, cpus=0.25),
+    )
+
+
+def _exists(admin: Client, kind: type[Pod] | type[Secret], name: str) -> bool:
+    try:
+        admin.get(kind, name, namespace=SANDBOX_NAMESPACE)
+    except ApiError as exc:
+        if exc.status.code == 404:
+            return False
+        raise
+    return True
+
+
+def test_a_sandbox_runs_on_a_real_kubelet_and_leaves_nothing(
+    real_cluster: RealCluster, settings: Settings, codebase_image: str
+) -> None:
+    node, admin = real_cluster.node, real_cluster.admin
+    k8s = KubernetesBackend(k8s_settings(settings), client=real_cluster.worker)
+    handle: SandboxHandle | None = k8s.create(spec(codebase_image, "real-node"))
+    assert handle is not None
+    name = handle.native_id
+    try:
+        pod = admin.get(Pod, name, namespace=SANDBOX_NAMESPACE)
+        assert pod.metadata is not None and pod.status is not None
+        uid = pod.metadata.uid
+        assert uid is not None
+        assert pod.status.phase == "Running"
+        # The pod's own address on the node's pod network, reached over its veth.
+        assert node.subnet is not None and pod.status.podIP is not None
+        assert ipaddress.ip_address(pod.status.podIP) in node.subnet
+        # Made by this kubelet through dockershim (its labels, under its cgroup root): the
+        # pause container and the sandbox running, the seeding init container done.
+        made = {
+            c.labels["io.kubernetes.container.name"]: (c.status, c.attrs["State"]["ExitCode"])
+            for c in node.containers()
+            if c.labels.get(POD_UID_LABEL) == uid
+        }
+        assert made == {
+            "POD": ("running", 0),
+            SEED_CONTAINER: ("exited", 0),
+            CONTAINER: ("running", 0),
+        }
+
+        result = k8s.exec(
+            handle,
+            "id -u; pwd; git log --oneline | wc -l; touch /etc/x 2>&1",
+            timeout_s=30,
+            output_budget_bytes=4096,
+        )
+        lines = result.stdout.head.splitlines()
+        assert lines[:2] == ["1000", "/workspace"]
+        assert int(lines[2]) >= 1  # the init container copied the codebase, .git included
+        assert "Read-only file system" in lines[3]
+        assert result.exit_code != 0
+    finally:
+        k8s.destroy(handle)
+    # Destroyed, as the product means it: the pod and its Secret gone from the API server
+    # and no container of the pod running.
+    deadline = time.monotonic() + DESTROYED_TIMEOUT_S
+    while _exists(admin, Pod, name) or node.pod_containers(uid, running=True):
+        assert time.monotonic() < deadline, (
+            f"not destroyed after {DESTROYED_TIMEOUT_S} s: pod {_exists(admin, Pod, name)}, "
+            f"running {node.pod_containers(uid, running=True)}"
+        )
+        time.sleep(0.1)
+    assert not _exists(admin, Secret, name)
+    assert k8s.list_owned() == []
+    # What is left of it is exited (its pause container), for the kubelet's garbage
+    # collection to remove within a minute; the node removes it now.
+    node.settle()
+    assert node.pod_containers(uid) == []
+    assert list(POD_LOGS.glob(f"*_{uid}")) == []
