@@ -22,8 +22,16 @@ TIMED := ./scripts/timed.sh $(TIMES)
 
 .PHONY: up test test-phases demo setup test-setup host venv trainers-venv harbor-venv e2b-floor-venv images kube tools lint typecheck pytest flake-hunt bench clean-sandboxes
 
+# `make up REDIS=sentinel`: Redis as a primary, two replicas and three Sentinels on this
+# machine (scripts/redis-sentinel.sh), the stack reaching it through them, its workers'
+# claims and results on a replica before they count (docs/failure-model.md).
 up: setup
-	$(BIN)/orchestrator up $(UP_ARGS)
+	@if [ "$(REDIS)" = sentinel ]; then \
+	  url=$$(./scripts/redis-sentinel.sh) || exit 1; \
+	  ORCH_REDIS_URL=$$url ORCH_REDIS_REPLICAS_TO_WAIT=1 $(BIN)/orchestrator up $(UP_ARGS); \
+	else \
+	  $(BIN)/orchestrator up $(UP_ARGS); \
+	fi
 
 # The set-up's three parts run at once: the trainers' and Harbor's venvs (pip, mostly disk
 # and network) beside the sandbox images and the Kubernetes build (CPU). The table of times

@@ -12,12 +12,16 @@ anything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import redis
@@ -25,6 +29,7 @@ from celery import Celery
 
 from orchestrator.config import Settings
 from orchestrator.environments.loader import load_environments
+from orchestrator.local import free_port
 from orchestrator.state.broker import celery_url
 from orchestrator.state.collector import StateCollector
 from orchestrator.state.connection import async_redis_client, redis_client
@@ -32,6 +37,8 @@ from orchestrator.state.resp import FAILOVER_RETRY_S, AsyncConnection, SyncConne
 from orchestrator.state.sentinel import SentinelUrl
 from tests.redis_ha import REPLICAS, SERVICE, Sentinels
 from tests.test_metrics_unit import collect
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "redis-sentinel.sh"
 
 # -- the URL ----------------------------------------------------------------------------------
 
@@ -263,3 +270,64 @@ def test_the_state_collector_reports_replicas_and_failovers(
         assert got[("orchestrator_redis_failovers_total", ())] == 1
     finally:
         collector.close()
+
+
+def test_make_up_sentinel_script_starts_a_set_the_clients_follow(tmp_path: Path) -> None:
+    """scripts/redis-sentinel.sh (`make up REDIS=sentinel`): prints a URL the product's
+    clients use; after its primary dies the clients follow the promoted replica, and the
+    script run again brings the dead server back as a replica of it, not as a second
+    primary."""
+    redis_ports = [free_port() for _ in range(3)]
+    sentinel_ports = [free_port() for _ in range(3)]
+    env = {
+        **os.environ,
+        "ORCH_SENTINEL_DIR": str(tmp_path),
+        "ORCH_SENTINEL_REDIS_PORTS": " ".join(map(str, redis_ports)),
+        "ORCH_SENTINEL_PORTS": " ".join(map(str, sentinel_ports)),
+        "ORCH_SENTINEL_DOWN_AFTER_MS": "1000",
+    }
+
+    def run_script() -> str:
+        done = subprocess.run(
+            [str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    try:
+        url = run_script()
+        assert url == (
+            "redis+sentinel://"
+            + ",".join(f"127.0.0.1:{port}" for port in sentinel_ports)
+            + "/orchestrator/0"
+        )
+        lean = SyncConnection(url, "test-sync")
+        assert lean.call("SET", "k", "v", retry=True, replicas=1) == "OK"
+        first = redis.Redis(port=redis_ports[0])
+        assert first.info("replication")["role"] == "master"
+        # The Sentinels learn of the replicas from the primary within ten seconds: one
+        # they do not know at the failover would be left following the dead primary.
+        deadline = time.monotonic() + 30
+        while True:
+            known = cast(
+                dict[str, Any], redis.Redis(port=sentinel_ports[0]).sentinel_master("orchestrator")
+            )
+            if int(known["num-slaves"]) == 2 and int(known["num-other-sentinels"]) == 2:
+                break
+            assert time.monotonic() < deadline, known
+            time.sleep(0.2)
+        first.shutdown(nosave=True)
+        assert lean.call("GET", "k", retry=True) == "v"  # on the promoted replica
+        run_script()  # the dead one back, as a replica of the new primary
+        back = redis.Redis(port=redis_ports[0], decode_responses=True)
+        deadline = time.monotonic() + 30
+        while back.info("replication").get("master_link_status") != "up":
+            assert time.monotonic() < deadline, back.info("replication")
+            time.sleep(0.2)
+        assert back.info("replication")["role"] == "slave"
+        assert back.get("k") == "v"
+        lean.close()
+    finally:
+        for port in sentinel_ports + redis_ports:
+            with contextlib.suppress(redis.RedisError):
+                redis.Redis(port=port, socket_timeout=2).shutdown(nosave=True)
