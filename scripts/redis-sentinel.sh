@@ -52,7 +52,7 @@ for i in 0 1 2; do
   mkdir -p "$dir/s$i"
   # A Sentinel rewrites its own file with what it learns; written afresh at each start,
   # with the primary just found.
-  cat > "$dir/s$i/sentinel.conf" <<EOF
+  cat > "$dir/s$i/sentinel.conf.new" <<EOF
 port $port
 bind 127.0.0.1
 protected-mode no
@@ -64,6 +64,7 @@ sentinel down-after-milliseconds $service $down_after
 sentinel failover-timeout $service 60000
 sentinel parallel-syncs $service 1
 EOF
+  mv "$dir/s$i/sentinel.conf.new" "$dir/s$i/sentinel.conf"  # whole: a later run reads it
   log "starting a Sentinel on 127.0.0.1:$port"
   redis-server "$dir/s$i/sentinel.conf" --sentinel
 done
