@@ -16,6 +16,7 @@ from typing import Any
 import docker
 import httpx
 import redis
+import requests
 
 from orchestrator.config import Settings
 from orchestrator.sandbox.docker.backend import DockerBackend
@@ -26,6 +27,9 @@ from orchestrator.tls import tls
 from tests.daemons import DockerDaemon
 from tests.redis_ha import RedisServer, Sentinels
 from tests.stacks import TOKEN, Stack
+
+DAEMON_BACK_S = 30.0
+"""How long reading a ledger waits for a daemon a test stopped to answer again."""
 
 
 @dataclass
@@ -137,10 +141,17 @@ class FaultStack:
         """The call ids in the rollout's ledger, whatever state its sandbox is in (running,
         paused, stopped): read from its /workspace's upper layer on the host, or through
         the daemon; None when the sandbox is gone."""
-        try:
-            container = self.sandbox_of(trace_id)
-        except docker.errors.DockerException:
-            return None
+        # A rollout may end while a test has the daemon down (stopped, restarting): its
+        # ledger is read once the daemon answers again, not given up as unreadable.
+        deadline = time.monotonic() + DAEMON_BACK_S
+        while True:
+            try:
+                container = self.sandbox_of(trace_id)
+                break
+            except (docker.errors.DockerException, requests.exceptions.ConnectionError):
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.2)
         if container is None:
             return None
         sandbox_id = str(container["Labels"].get("orchestrator.sandbox", ""))
