@@ -20,6 +20,7 @@ from typing import Any, cast
 import redis
 
 from orchestrator.local import free_port
+from orchestrator.state.sentinel import online_replicas
 
 SERVICE = "orch"
 # What the Sentinels are told: a primary silent for this long is down (the chart's is
@@ -210,12 +211,7 @@ class Sentinels:
             return None
         finally:
             client.close()
-        online = [
-            value
-            for key, value in info.items()
-            if key.startswith("slave") and isinstance(value, dict) and value["state"] == "online"
-        ]
-        if info.get("role") != "master" or not online:
+        if info.get("role") != "master" or not online_replicas(info):
             return None
         return primary
 

@@ -23,7 +23,7 @@ from prometheus_client.registry import Collector
 from orchestrator.config import Settings
 from orchestrator.environments.loader import EnvironmentRegistry
 from orchestrator.observability.logging import get_logger
-from orchestrator.state.sentinel import SentinelUrl, is_sentinel
+from orchestrator.state.sentinel import SentinelUrl, is_sentinel, online_replicas
 from orchestrator.state.snapshot import DeploymentState, StateReader
 
 log = get_logger(__name__)
@@ -68,11 +68,7 @@ class StateCollector(Collector):
         and, behind Sentinel, those the Sentinels know but find down; the replicas a call
         waits for; the failovers this process has seen."""
         info = self.reader.client.info("replication")
-        online = sum(
-            1
-            for key, value in info.items()
-            if key.startswith("slave") and isinstance(value, dict) and value["state"] == "online"
-        )
+        online = online_replicas(info)
         down = 0
         if self.sentinel is not None:
             epoch = str(info["master_replid"])

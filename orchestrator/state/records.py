@@ -647,9 +647,11 @@ def write_tombstone(
 
 def state_mark(client: redis.Redis, keys: Keys) -> str:
     """The deployment's state mark (state/keys.Keys.state_mark), set now if it is missing."""
-    fresh = uuid.uuid4().hex
-    client.set(keys.state_mark, fresh, nx=True)
-    mark = client.get(keys.state_mark)
+    # One round trip: the worker's probe asks every heartbeat interval.
+    with client.pipeline(transaction=False) as pipe:
+        pipe.set(keys.state_mark, uuid.uuid4().hex, nx=True)
+        pipe.get(keys.state_mark)
+        _, mark = pipe.execute()
     return mark.decode() if isinstance(mark, bytes) else str(mark)
 
 

@@ -121,6 +121,16 @@ class SentinelUrl:
         return url, options
 
 
+def online_replicas(replication: dict[str, Any]) -> int:
+    """Replicas past their first full sync with the primary, from the primary's ``INFO
+    replication`` as redis-py parses it (a ``slaveN`` entry each)."""
+    return sum(
+        1
+        for key, value in replication.items()
+        if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online"
+    )
+
+
 def is_sentinel(url: str) -> bool:
     """Whether ``url`` names a Sentinel-watched Redis."""
     return url.startswith(SCHEME + "://")

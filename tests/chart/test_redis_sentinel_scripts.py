@@ -31,6 +31,7 @@ from typing import Any, cast
 import pytest
 import redis
 
+from orchestrator.state.sentinel import online_replicas
 from tests.chart.conftest import FULLNAME, Helm, find
 from tests.redis_ha import stop_process
 
@@ -205,12 +206,7 @@ def _until(check: object, what: str, pods: list[Pod]) -> None:
 
 
 def _online_replicas(pod: Pod) -> int:
-    info = _replication(pod)
-    return sum(
-        1
-        for key, value in info.items()
-        if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online"
-    )
+    return online_replicas(_replication(pod))
 
 
 @pytest.fixture()

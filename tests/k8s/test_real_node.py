@@ -12,7 +12,7 @@ import contextlib
 import ipaddress
 import time
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import pytest
 from lightkube import Client
@@ -28,6 +28,7 @@ from tests.k8s.cluster import Api
 from tests.k8s.control_plane import ControlPlane
 from tests.k8s.node import POD_LOGS, POD_UID_LABEL, RealNode
 from tests.k8s.rbac import RELEASE_NAMESPACE, SANDBOX_NAMESPACE, apply_worker_rbac
+from tests.k8s.test_backend import k8s_settings
 
 # The group of every tests/k8s module: on the worker that runs the hand-written cluster's
 # modules, one after another, never beside them. (The real kubelet leaves that cluster's
@@ -70,18 +71,6 @@ def codebase_image(settings: Settings, base_image: str) -> str:
     return ensure_requests_codebase(settings)
 
 
-def k8s_settings(settings: Settings, **overrides: Any) -> Settings:
-    chosen: dict[str, Any] = {
-        "deployment": settings.deployment,
-        "state_dir": settings.state_dir,
-        "sandbox_backend": "kubernetes",
-        "host_id": "worker-a",
-        "sandbox_start_timeout_s": 30,
-        "k8s_pending_timeout_s": 60,
-    }
-    return Settings(**{**chosen, **overrides})
-
-
 def spec(image: str, rollout_id: str) -> SandboxSpec:
     # A fraction of a core: the node offers the machine's real two.
     return SandboxSpec(
@@ -105,7 +94,11 @@ def test_a_sandbox_runs_on_a_real_kubelet_and_leaves_nothing(
     real_cluster: RealCluster, settings: Settings, codebase_image: str
 ) -> None:
     node, admin = real_cluster.node, real_cluster.admin
-    k8s = KubernetesBackend(k8s_settings(settings), client=real_cluster.worker)
+    # A real kubelet's start (1.20's once-a-second polling, the probe's first delay) takes
+    # longer than the hand-written node's: 30 s, not test_backend's 15.
+    k8s = KubernetesBackend(
+        k8s_settings(settings, sandbox_start_timeout_s=30), client=real_cluster.worker
+    )
     handle: SandboxHandle | None = k8s.create(spec(codebase_image, "real-node"))
     assert handle is not None
     name = handle.native_id
