@@ -50,13 +50,15 @@ test-phases:
 
 setup: host venv images tools
 
-# The tests also need a real Kubernetes control plane (scripts/kube-build.sh: built from
+# The chart's own images (scripts/service-images.sh: the orchestrator's and Redis, built
+# after the sandbox images, from the same Debian base) are what the suite's `helm install`
+# runs. The tests also need a real Kubernetes control plane (scripts/kube-build.sh: built from
 # Debian's source package once per version, about 5.5 minutes cold, cached outside the
 # repository). It builds while the sandbox images do: one waits on the Go compiler, the
 # other mostly on dockerd.
 test-setup: host venv tools
 	@./scripts/kube-build.sh > $(VENV)/kube-build.log 2>&1 & kube=$$!; \
-	  $(BIN)/orchestrator image build; images=$$?; \
+	  $(BIN)/orchestrator image build && ./scripts/service-images.sh; images=$$?; \
 	  wait $$kube; built=$$?; \
 	  if [ $$built != 0 ]; then tail -n 40 $(VENV)/kube-build.log; fi; \
 	  test $$images = 0 && test $$built = 0

@@ -30,6 +30,10 @@ install_packages() {
   # tests/k8s/node.py's real kubelet gives pods addresses with these CNI plugins (ptp,
   # host-local, loopback).
   [ -x /usr/lib/cni/ptp ] || missing+=(containernetworking-plugins)
+  # Its cluster DNS (dnsmasq, no daemon of its own: the test starts it), and socat, which
+  # dockershim's port-forward runs in a pod's network namespace (`kubectl port-forward`).
+  command -v dnsmasq >/dev/null 2>&1 || [ -x /usr/sbin/dnsmasq ] || missing+=(dnsmasq-base)
+  command -v socat >/dev/null 2>&1 || missing+=(socat)
   if [ "${#missing[@]}" -eq 0 ]; then
     return
   fi

@@ -38,8 +38,10 @@ def test_every_container_is_bounded_probed_and_hardened(rendered: Objects, scena
             resources = container["resources"]
             assert {"cpu", "memory"} <= set(resources["requests"]), where
             assert {"cpu", "memory"} <= set(resources["limits"]), where
-            assert "livenessProbe" in container, where
-            assert "readinessProbe" in container, where
+            if not workload.startswith("Job/"):
+                # A Job's container (the uninstall hook) runs once and ends: nothing to probe.
+                assert "livenessProbe" in container, where
+                assert "readinessProbe" in container, where
             sc = container["securityContext"]
             assert sc["runAsNonRoot"] is True, where
             assert sc["readOnlyRootFilesystem"] is True, where
@@ -57,17 +59,26 @@ def test_every_container_is_bounded_probed_and_hardened(rendered: Objects, scena
 def test_rbac_is_namespaced_and_exactly_the_contract(rendered: Objects, scenario: str) -> None:
     objects = rendered[scenario]
     assert not {"ClusterRole", "ClusterRoleBinding"} & kinds(objects)
-    roles = [o for o in objects if o["kind"] == "Role"]
+    hooks = [o for o in objects if "helm.sh/hook" in o["metadata"].get("annotations", {})]
+    roles = [o for o in objects if o["kind"] == "Role" and o not in hooks]
     assert len(roles) == 1
     role = roles[0]
     assert role["metadata"]["namespace"] == SANDBOX_NAMESPACE
+    # The uninstall hook's (templates/uninstall-hook.yaml), which lives only while it runs:
+    # list and delete sandboxes and their Secrets, nothing more.
+    (hook_role,) = [o for o in hooks if o["kind"] == "Role"]
+    assert hook_role["metadata"]["namespace"] == SANDBOX_NAMESPACE
+    assert hook_role["metadata"]["annotations"]["helm.sh/hook"] == "post-delete"
+    assert hook_role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods", "secrets"], "verbs": ["list", "delete"]}
+    ]
     rules: dict[str, set[str]] = {}
     for rule in role["rules"]:
         assert rule["apiGroups"] == [""]
         for resource in rule["resources"]:
             rules.setdefault(resource, set()).update(rule["verbs"])
     assert rules == ROLE_RULES
-    binding = find(objects, "RoleBinding")
+    binding = find(objects, "RoleBinding", f"{FULLNAME}-sandboxes")
     assert binding["metadata"]["namespace"] == SANDBOX_NAMESPACE
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": f"{FULLNAME}-worker", "namespace": NAMESPACE}
@@ -76,10 +87,12 @@ def test_rbac_is_namespaced_and_exactly_the_contract(rendered: Objects, scenario
 
 def test_only_workers_get_a_kubernetes_token(rendered: Objects) -> None:
     pods = pod_specs(rendered["default"])
+    uninstall = f"Job/{FULLNAME}-uninstall"
     for workload, pod in pods.items():
-        is_worker = workload == f"StatefulSet/{FULLNAME}-worker"
-        assert pod["automountServiceAccountToken"] is is_worker, workload
+        needs_one = workload in (f"StatefulSet/{FULLNAME}-worker", uninstall)
+        assert pod["automountServiceAccountToken"] is needs_one, workload
     assert pods[f"StatefulSet/{FULLNAME}-worker"]["serviceAccountName"] == f"{FULLNAME}-worker"
+    assert pods[uninstall]["serviceAccountName"] == f"{FULLNAME}-uninstall"
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))

@@ -44,6 +44,10 @@ Obj = dict[str, Any]
 REPO = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO / "scripts" / "kube-build.sh"
 NODE_NAME = "test-node"
+SERVICE_CIDR = "10.96.0.0/24"
+# The `kubernetes` Service's address: the first of SERVICE_CIDR.
+KUBERNETES_SERVICE_IP = "10.96.0.1"
+CLUSTER_DOMAIN = "cluster.local"
 READY_TIMEOUT_S = 90.0
 STOP_GRACE_S = 2.0
 # The audit policy: every request's verb and URI, nothing of its bodies.
@@ -84,20 +88,46 @@ def binaries() -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
+def host_address() -> str:
+    """This machine's own IPv4 address (its default route's source; else the first global
+    address off Docker's bridges): what pods dial the host by."""
+    routes = subprocess.run(
+        ["ip", "-4", "-o", "route", "get", "1.1.1.1"], capture_output=True, text=True, check=False
+    ).stdout.split()
+    if "src" in routes:
+        return routes[routes.index("src") + 1]
+    shown = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show", "scope", "global"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    for line in shown.splitlines():
+        fields = line.split()
+        if not fields[1].startswith(("docker", "br-", "veth")):
+            return fields[3].split("/")[0]
+    raise ControlPlaneUnavailable("no global IPv4 address on this machine for pods to dial")
+
+
 def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
-def _certificate(pki: Path, name: str, subject: str, *, server: bool = False) -> None:
-    """``name.key`` and ``name.crt`` signed by the CA in ``pki``."""
+def _certificate(
+    pki: Path, name: str, subject: str, *, server: bool = False, addresses: tuple[str, ...] = ()
+) -> None:
+    """``name.key`` and ``name.crt`` signed by the CA in ``pki`` (a server's also for the
+    IP ``addresses``)."""
     _openssl("ecparam", "-genkey", "-name", "prime256v1", "-noout", "-out", f"{name}.key", cwd=pki)
     _openssl("req", "-new", "-key", f"{name}.key", "-subj", subject, "-out", f"{name}.csr", cwd=pki)
     usage = "serverAuth" if server else "clientAuth"
     extensions = [f"extendedKeyUsage={usage}", "keyUsage=digitalSignature,keyEncipherment"]
     if server:
-        extensions.append(
-            "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default"
-        )
+        # The names and addresses a pod's in-cluster client dials the API server by.
+        names = [
+            "IP:127.0.0.1", *(f"IP:{a}" for a in addresses), "DNS:localhost", "DNS:kubernetes",
+            "DNS:kubernetes.default", "DNS:kubernetes.default.svc",
+            f"DNS:kubernetes.default.svc.{CLUSTER_DOMAIN}",
+        ]  # fmt: skip
+        extensions.append("subjectAltName=" + ",".join(names))
     (pki / f"{name}.ext").write_text("\n".join(extensions) + "\n")
     _openssl(
         "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
@@ -106,14 +136,14 @@ def _certificate(pki: Path, name: str, subject: str, *, server: bool = False) ->
     )  # fmt: skip
 
 
-def _make_pki(pki: Path) -> None:
+def _make_pki(pki: Path, addresses: tuple[str, ...]) -> None:
     pki.mkdir(parents=True)
     _openssl("ecparam", "-genkey", "-name", "prime256v1", "-noout", "-out", "ca.key", cwd=pki)
     _openssl(
         "req", "-x509", "-new", "-key", "ca.key", "-subj", "/CN=orchestrator-test-ca",
         "-days", "2", "-out", "ca.crt", cwd=pki,
     )  # fmt: skip
-    _certificate(pki, "apiserver", "/CN=kube-apiserver", server=True)
+    _certificate(pki, "apiserver", "/CN=kube-apiserver", server=True, addresses=addresses)
     _certificate(pki, "admin", "/O=system:masters/CN=test-admin")
     _certificate(pki, "node", f"/O=system:nodes/CN=system:node:{NODE_NAME}")
     # The service-account signing pair (RSA: what the token controller and issuer expect).
@@ -168,12 +198,22 @@ class _Process:
 class ControlPlane:
     """etcd, kube-apiserver, kube-controller-manager and kube-scheduler, on loopback."""
 
-    def __init__(self, *, namespaces: tuple[str, ...] = ("orchestrator-sandboxes",)) -> None:
+    def __init__(
+        self,
+        *,
+        namespaces: tuple[str, ...] = ("orchestrator-sandboxes",),
+        pod_network: bool = False,
+    ) -> None:
+        """``pod_network``: serve pods too, as a cluster's API server does (on every address,
+        advertised at the machine's own, the ``kubernetes`` Service's endpoint), for a
+        ``RealNode`` with ``services``. Off, it listens on loopback only."""
         self.namespaces = namespaces
         self.bin = binaries()
+        self.host_address = host_address() if pod_network else None
         self.root = Path(tempfile.mkdtemp(prefix="orch-kube-"))
         self.pki = self.root / "pki"
-        _make_pki(self.pki)
+        extra = () if self.host_address is None else (self.host_address, KUBERNETES_SERVICE_IP)
+        _make_pki(self.pki, extra)
         self.etcd_port = free_port()
         self.apiserver_port = free_port()
         self.url = f"https://127.0.0.1:{self.apiserver_port}"
@@ -215,7 +255,7 @@ class ControlPlane:
         return [
             str(self.bin / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
-            "--bind-address=127.0.0.1",
+            f"--bind-address={'127.0.0.1' if self.host_address is None else '0.0.0.0'}",
             f"--secure-port={self.apiserver_port}",
             "--insecure-port=0",
             f"--cert-dir={self.root / 'apiserver-certs'}",
@@ -228,15 +268,29 @@ class ControlPlane:
             "--api-audiences=https://kubernetes.default.svc",
             "--authorization-mode=Node,RBAC",
             "--enable-admission-plugins=NodeRestriction",
-            "--service-cluster-ip-range=10.96.0.0/24",
-            # The `kubernetes` Service's endpoints would be a loopback address (refused).
-            "--endpoint-reconciler-type=none",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            *self._network_flags(),
             "--watch-cache=false",
             f"--audit-policy-file={self.root / 'audit-policy.json'}",
             f"--audit-log-path={self.audit_log}",
             "--audit-log-mode=blocking",
             "--profiling=false",
             "--v=1",
+        ]
+
+    def _network_flags(self) -> list[str]:
+        if self.host_address is None:
+            # The `kubernetes` Service's endpoints would be a loopback address (refused).
+            return ["--endpoint-reconciler-type=none"]
+        # Pods reach the API server as a cluster's do: the `kubernetes` Service, whose
+        # endpoint is this address (kube-proxy's rules send it here); and it reaches the
+        # kubelet's server (logs, port-forward) at the Node's InternalIP, this address too.
+        pki = self.pki
+        return [
+            f"--advertise-address={self.host_address}",
+            f"--kubelet-client-certificate={pki / 'admin.crt'}",
+            f"--kubelet-client-key={pki / 'admin.key'}",
+            "--kubelet-preferred-address-types=InternalIP",
         ]
 
     def _controller_manager_command(self) -> list[str]:

@@ -38,8 +38,10 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -47,10 +49,18 @@ from typing import Any
 
 import docker
 from lightkube import ALL_NS, ApiError, Client
-from lightkube.resources.core_v1 import Node, Pod
+from lightkube.models.core_v1 import (
+    EndpointAddress,
+    EndpointPort,
+    EndpointSubset,
+    ServicePort,
+    ServiceSpec,
+)
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Endpoints, Node, Pod, Service
 
 from orchestrator.local import free_port
-from tests.k8s.control_plane import NODE_NAME, ControlPlane, _Process
+from tests.k8s.control_plane import CLUSTER_DOMAIN, NODE_NAME, ControlPlane, _Process
 
 Obj = dict[str, Any]
 
@@ -78,6 +88,14 @@ KERNEL_TUNABLES = {
     "kernel/keys/root_maxbytes": "25000000",
 }
 POD_UID_LABEL = "io.kubernetes.pod.uid"
+# The cluster DNS Service's address (in control_plane.SERVICE_CIDR), as kubeadm's.
+DNS_SERVICE_IP = "10.96.0.10"
+DNSMASQ = Path("/usr/sbin/dnsmasq")
+# How often the DNS records follow the API server's Services and Endpoints.
+DNS_SYNC_S = 0.25
+# kube-proxy's iptables mode turns this on (for NodePorts on 127.0.0.1, unused here); it is
+# shown the value it wants in its own mount namespace, as the kubelet's tunables are.
+PROXY_TUNABLES = {"net/ipv4/conf/all/route_localnet": "1"}
 
 
 class NodeUnavailable(RuntimeError):
@@ -146,7 +164,23 @@ class RealNode:
     (``subnet``). ``close`` stops the kubelet and removes every container, mount, cgroup,
     pod log and file it made, whatever state it was left in."""
 
-    def __init__(self, plane: ControlPlane, *, max_pods: int = 110) -> None:
+    def __init__(self, plane: ControlPlane, *, max_pods: int = 110, services: bool = False) -> None:
+        """``services``: what an installed application needs of a cluster besides its pods.
+        Pods reach each other and ClusterIP Services (the real kube-proxy, iptables mode),
+        resolve Services by name (``DNS_SERVICE_IP``: the smallest stand-in for CoreDNS,
+        which Debian does not package: Debian's dnsmasq answering from the Services and
+        Endpoints this node copies from the API server every ``DNS_SYNC_S``), and reach the
+        API server through the ``kubernetes`` Service; the plane must be made with
+        ``pod_network``. Pods still reach nothing off this machine (no route is NATed)."""
+        if services and plane.host_address is None:
+            raise ValueError("services need a ControlPlane(pod_network=True)")
+        self.services = services
+        self.kube_proxy: _Process | None = None
+        self.dnsmasq: _Process | None = None
+        self.dns_port = 0
+        self._dns_stop = threading.Event()
+        self._dns_thread: threading.Thread | None = None
+        self._forward_rules: list[list[str]] = []
         self.plane = plane
         self.bin = plane.bin
         self.max_pods = max_pods
@@ -181,7 +215,7 @@ class RealNode:
         (net_d / "10-orch-test.conflist").write_text(json.dumps(self._cni_config()))
         tunables = self.root / "sysctl"
         tunables.mkdir()
-        for key, value in KERNEL_TUNABLES.items():
+        for key, value in {**KERNEL_TUNABLES, **PROXY_TUNABLES}.items():
             (tunables / key.replace("/", ".")).write_text(value + "\n")
 
     def _config(self) -> Obj:
@@ -226,6 +260,19 @@ class RealNode:
             "volumeStatsAggPeriod": "5s",
             "serializeImagePulls": False,
             "podPidsLimit": 1024,
+            **self._service_config(),
+        }
+
+    def _service_config(self) -> Obj:
+        if not self.services:
+            return {}
+        # Its server on the Node's InternalIP (this machine's address, which the kubelet
+        # reports; a loopback one it refuses): the API server's logs and port-forward reach
+        # it there.
+        return {
+            "address": self.plane.host_address,
+            "clusterDNS": [DNS_SERVICE_IP],
+            "clusterDomain": CLUSTER_DOMAIN,
         }
 
     def _cni_config(self) -> Obj:
@@ -242,6 +289,9 @@ class RealNode:
                         "type": "host-local",
                         "ranges": [[{"subnet": str(self.subnet)}]],
                         "dataDir": str(self.root / "cni" / "ipam"),
+                        # Services' addresses and the host's are off the pod /24: a default
+                        # route through the host end, where kube-proxy's rules meet them.
+                        **({"routes": [{"dst": "0.0.0.0/0"}]} if self.services else {}),
                     },
                 }
             ],
@@ -268,15 +318,19 @@ class RealNode:
             f"--volume-plugin-dir={self.root / 'volume-plugins'}",
             "--v=2",
         ]
-        # Each tunable's file bound over /proc/sys in the kubelet's own mount namespace
-        # (/proc is a private mount: the host never sees these binds).
+        return self._with_tunables(KERNEL_TUNABLES, kubelet)
+
+    def _with_tunables(self, tunables: dict[str, str], command: list[str]) -> list[str]:
+        """``command`` in a mount namespace of its own where each of ``tunables`` reads as
+        given: its file bound over /proc/sys there (/proc is a private mount: the host
+        never sees these binds, and a write to one changes the file, not the kernel)."""
         binds = " && ".join(
             f"mount --bind {self.root / 'sysctl' / key.replace('/', '.')} /proc/sys/{key}"
-            for key in KERNEL_TUNABLES
+            for key in tunables
         )
         return [
             "unshare", "--mount", "--propagation", "unchanged", "--",
-            "sh", "-c", f'{binds} && exec "$@"', "kubelet", *kubelet,
+            "sh", "-c", f'{binds} && exec "$@"', Path(command[0]).name, *command,
         ]  # fmt: skip
 
     # -- life ------------------------------------------------------------------------------
@@ -301,6 +355,8 @@ class RealNode:
             _delete_node(self.plane)
             self.root = Path(tempfile.mkdtemp(prefix=PREFIX))
             _sweep_stale(self.docker, keep=self.root)
+            if _has_proxy_rules():
+                _proxy_cleanup(self.bin)  # a dead process's node's (the lock is held)
             self.port, self.healthz_port = free_port(), free_port()
             self.subnet = _free_subnet()
             self._write_files()
@@ -313,6 +369,8 @@ class RealNode:
                 (hierarchy / self.cgroup_root).mkdir(exist_ok=True)
             self.kubelet = _Process("kubelet", self._command(), self.root / "kubelet.log")
             self.kubelet.start()
+            if self.services:
+                self._start_services()
             self._wait_ready()
         except BaseException:
             self.close()
@@ -410,8 +468,168 @@ class RealNode:
         _remove_pod_logs(uids)
         return removed
 
+    # -- services (kube-proxy, DNS) ---------------------------------------------------------
+
+    def _start_services(self) -> None:
+        assert self.subnet is not None and self.plane.host_address is not None
+        for needed in (self.bin / "kube-proxy", DNSMASQ):
+            if not needed.exists():
+                raise NodeUnavailable(
+                    f"no {needed}: run scripts/kube-build.sh and scripts/host-setup.sh"
+                )
+        # Pod to pod (a Service's backend included) is forwarded by this host, where
+        # Docker's FORWARD policy is DROP. Only this node's /24 to itself: a pod still
+        # reaches nothing off the machine.
+        rule = ["FORWARD", "-s", str(self.subnet), "-d", str(self.subnet),
+                "-m", "comment", "--comment", self.cgroup_root, "-j", "ACCEPT"]  # fmt: skip
+        _run("iptables", "-w", "-I", *rule)
+        self._forward_rules.append(rule)
+        (self.root / "kube-proxy.json").write_text(json.dumps(self._proxy_config()))
+        self.kube_proxy = _Process(
+            "kube-proxy",
+            self._with_tunables(
+                PROXY_TUNABLES,
+                [
+                    str(self.bin / "kube-proxy"),
+                    f"--config={self.root / 'kube-proxy.json'}",
+                    "--v=1",
+                ],
+            ),
+            self.root / "kube-proxy.log",
+        )
+        self.kube_proxy.start()
+        self._start_dns()
+
+    def _proxy_config(self) -> Obj:
+        (self.root / "admin.kubeconfig").write_text(json.dumps(self.plane.kubeconfig_for("admin")))
+        return {
+            "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+            "kind": "KubeProxyConfiguration",
+            "clientConnection": {"kubeconfig": str(self.root / "admin.kubeconfig")},
+            "hostnameOverride": NODE_NAME,
+            "mode": "iptables",
+            "clusterCIDR": str(self.subnet),
+            "bindAddress": "127.0.0.1",
+            "healthzBindAddress": f"127.0.0.1:{free_port()}",
+            "metricsBindAddress": f"127.0.0.1:{free_port()}",
+            # Root here cannot lower its own OOM score (no CAP_SYS_RESOURCE).
+            "oomScoreAdj": 0,
+            # Zero: leave the machine's conntrack table size and timeouts as they are.
+            "conntrack": {
+                "maxPerCore": 0,
+                "min": 0,
+                "tcpEstablishedTimeout": "0s",
+                "tcpCloseWaitTimeout": "0s",
+            },
+            "iptables": {"syncPeriod": "30s", "minSyncPeriod": "0s", "masqueradeAll": False},
+        }
+
+    def _start_dns(self) -> None:
+        address = self.plane.host_address
+        assert address is not None
+        self.dns_port = free_port()
+        hosts = self.root / "dns-hosts"
+        hosts.write_text("")
+        self.dnsmasq = _Process(
+            "dnsmasq",
+            [
+                str(DNSMASQ),
+                "--keep-in-foreground",
+                "--conf-file=/dev/null",
+                "--no-resolv",
+                "--no-hosts",
+                "--no-poll",
+                f"--addn-hosts={hosts}",
+                f"--listen-address={address}",
+                "--bind-interfaces",
+                f"--port={self.dns_port}",
+                # Names of the cluster not (yet) known are NXDOMAIN at once, never cached.
+                f"--local=/{CLUSTER_DOMAIN}/",
+                "--cache-size=0",
+                "--user=root",
+                "--pid-file=",
+                "--log-facility=-",
+            ],
+            self.root / "dnsmasq.log",
+        )
+        self.dnsmasq.start()
+        with contextlib.closing(self.plane.client()) as admin:
+            admin.create(
+                Service(
+                    metadata=ObjectMeta(name="kube-dns", namespace="kube-system"),
+                    spec=ServiceSpec(
+                        clusterIP=DNS_SERVICE_IP,
+                        ports=[
+                            ServicePort(
+                                name="dns", port=53, protocol="UDP", targetPort=self.dns_port
+                            ),
+                            ServicePort(
+                                name="dns-tcp", port=53, protocol="TCP", targetPort=self.dns_port
+                            ),
+                        ],
+                    ),
+                )
+            )
+            admin.create(
+                Endpoints(
+                    metadata=ObjectMeta(name="kube-dns", namespace="kube-system"),
+                    subsets=[
+                        EndpointSubset(
+                            addresses=[EndpointAddress(ip=address)],
+                            ports=[
+                                EndpointPort(name="dns", port=self.dns_port, protocol="UDP"),
+                                EndpointPort(name="dns-tcp", port=self.dns_port, protocol="TCP"),
+                            ],
+                        )
+                    ],
+                )
+            )
+        self._sync_dns_once()
+        self._dns_thread = threading.Thread(target=self._sync_dns, name="dns-sync", daemon=True)
+        self._dns_thread.start()
+
+    def _sync_dns(self) -> None:
+        while not self._dns_stop.wait(DNS_SYNC_S):
+            # The API server may be restarting; the records stay as they were meanwhile.
+            with contextlib.suppress(Exception):
+                self._sync_dns_once()
+
+    def _sync_dns_once(self) -> None:
+        with contextlib.closing(self.plane.client()) as admin:
+            records = dns_records(
+                list(admin.list(Service, namespace=ALL_NS)),
+                list(admin.list(Endpoints, namespace=ALL_NS)),
+            )
+        hosts = self.root / "dns-hosts"
+        text = "".join(f"{ip} {name}\n" for name, ip in records)
+        if hosts.read_text() == text:
+            return
+        fresh = hosts.with_suffix(".new")
+        fresh.write_text(text)
+        fresh.rename(hosts)
+        if self.dnsmasq is not None and self.dnsmasq.proc is not None:
+            # dnsmasq reads its hosts files again on SIGHUP.
+            self.dnsmasq.proc.send_signal(signal.SIGHUP)
+
+    def _stop_services(self) -> None:
+        self._dns_stop.set()
+        if self._dns_thread is not None:
+            self._dns_thread.join(5)
+            self._dns_thread = None
+        for process in (self.dnsmasq, self.kube_proxy):
+            if process is not None:
+                process.stop()
+        self.dnsmasq = self.kube_proxy = None
+        if self.services:
+            _proxy_cleanup(self.bin)
+        for rule in self._forward_rules:
+            subprocess.run(["iptables", "-w", "-D", *rule], check=False, capture_output=True)
+        self._forward_rules.clear()
+
     def close(self) -> None:
-        """Stop the kubelet; remove its containers, mounts, cgroups, pod logs and files."""
+        """Stop the kubelet (and kube-proxy and the DNS); remove its containers, mounts,
+        cgroups, iptables rules, pod logs and files."""
+        self._stop_services()
         if self.kubelet is not None:
             self.kubelet.stop()
             self.kubelet = None
@@ -439,6 +657,71 @@ class RealNode:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def dns_records(services: list[Service], endpoints: list[Endpoints]) -> list[tuple[str, str]]:
+    """(name, address) as CoreDNS's kubernetes plugin answers A queries: a Service's
+    ``<name>.<namespace>.svc.<domain>`` at its ClusterIP; for a headless one, at each of
+    its endpoints (not-ready ones too where the Service publishes them), and each endpoint
+    with a hostname (a StatefulSet's pod) also as ``<hostname>.<name>.<namespace>.svc``."""
+    records: list[tuple[str, str]] = []
+    headless: dict[tuple[str, str], bool] = {}
+    for service in services:
+        meta, spec = service.metadata, service.spec
+        if meta is None or spec is None or meta.name is None or meta.namespace is None:
+            continue
+        name = f"{meta.name}.{meta.namespace}.svc.{CLUSTER_DOMAIN}"
+        if spec.clusterIP and spec.clusterIP != "None":
+            records.append((name, spec.clusterIP))
+        elif spec.clusterIP == "None":
+            headless[(meta.namespace, meta.name)] = bool(spec.publishNotReadyAddresses)
+    for endpoint in endpoints:
+        meta = endpoint.metadata
+        if meta is None or (meta.namespace, meta.name) not in headless:
+            continue
+        assert meta.name is not None and meta.namespace is not None
+        name = f"{meta.name}.{meta.namespace}.svc.{CLUSTER_DOMAIN}"
+        for subset in endpoint.subsets or []:
+            addresses = list(subset.addresses or [])
+            if headless[(meta.namespace, meta.name)]:
+                addresses += subset.notReadyAddresses or []
+            for address in addresses:
+                records.append((name, address.ip))
+                if address.hostname:
+                    records.append((f"{address.hostname}.{name}", address.ip))
+    return sorted(records)
+
+
+def _kube_chains() -> list[tuple[str, str]]:
+    """(table, chain) of every KUBE-* chain in this machine's iptables."""
+    found = []
+    for table in ("filter", "nat", "mangle"):
+        listed = subprocess.run(
+            ["iptables", "-w", "-t", table, "-S"], check=False, capture_output=True, text=True
+        ).stdout
+        found += [
+            (table, line.split()[1]) for line in listed.splitlines() if line.startswith("-N KUBE-")
+        ]
+    return found
+
+
+def _has_proxy_rules() -> bool:
+    return bool(_kube_chains())
+
+
+def _proxy_cleanup(bin_dir: Path) -> None:
+    """kube-proxy's own removal of the KUBE-* chains and jumps it made in iptables; then
+    what it leaves on purpose (its canaries, the mark chains it shares with a kubelet),
+    which nothing else on this machine uses."""
+    subprocess.run(
+        [str(bin_dir / "kube-proxy"), "--cleanup"], check=False, capture_output=True, timeout=60
+    )
+    left = _kube_chains()
+    for verb in ("-F", "-X"):
+        for table, chain in left:
+            subprocess.run(
+                ["iptables", "-w", "-t", table, verb, chain], check=False, capture_output=True
+            )
 
 
 def _delete_node(plane: ControlPlane) -> None:
@@ -484,3 +767,11 @@ def _sweep_stale(client: docker.DockerClient, keep: Path) -> None:
     for hierarchy in _cgroup_hierarchies():
         for stale_cgroup in hierarchy.glob(f"{PREFIX}*"):
             _remove_cgroups(stale_cgroup.name)
+    rules = subprocess.run(
+        ["iptables", "-w", "-S", "FORWARD"], check=False, capture_output=True, text=True
+    ).stdout
+    for line in rules.splitlines():
+        if line.startswith("-A FORWARD") and f"--comment {PREFIX}" in line:
+            subprocess.run(
+                ["iptables", "-w", "-D", *line.split()[1:]], check=False, capture_output=True
+            )

@@ -237,3 +237,27 @@ scaleDown:
 {{- fail "sandboxes.namespace must differ from the release namespace: the workers' Role there may create pods and read secrets" -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The PodDisruptionBudget's API version: policy/v1 where the cluster serves it (1.21 and
+later), else its beta (the same fields the chart uses); `helm template` without a cluster
+renders policy/v1.
+*/}}
+{{- define "orchestrator.pdbApiVersion" -}}
+{{- if .Capabilities.APIVersions.Has "policy/v1" -}}
+policy/v1
+{{- else -}}
+policy/v1beta1
+{{- end -}}
+{{- end -}}
+
+{{/*
+The HorizontalPodAutoscaler's: autoscaling/v2 (1.23 and later), else v2beta2 (same fields).
+*/}}
+{{- define "orchestrator.hpaApiVersion" -}}
+{{- if .Capabilities.APIVersions.Has "autoscaling/v2" -}}
+autoscaling/v2
+{{- else -}}
+autoscaling/v2beta2
+{{- end -}}
+{{- end -}}

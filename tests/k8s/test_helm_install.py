@@ -1,0 +1,466 @@
+"""``helm install`` of the chart into a real cluster, a trainer's rollouts through its API
+Service, ``helm upgrade`` and ``helm uninstall``: the real helm v4, the control plane of
+control_plane.py and a real node (node.py with ``services``: the 1.20 kubelet on dockershim,
+kube-proxy, the cluster DNS), the chart's images built on this machine
+(scripts/service-images.sh) and present on the node.
+
+Installed as the chart renders it (API, worker StatefulSet, reaper, Redis on a PVC, RBAC,
+NetworkPolicies, PDBs, the sandbox namespace), with small requests so that it fits one
+2-core node beside its sandboxes. Two things differ from an install on a supported
+cluster, both because this one is 1.20: the chart's ``kubeVersion`` floor (1.30) is lifted
+in the test's copy of the chart, and the PDBs are served at ``policy/v1beta1`` (the chart
+picks the version the cluster serves). NetworkPolicies are admitted and not enforced (no
+policy engine in Debian's CNI plugins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from lightkube import ALL_NS, ApiError
+from lightkube.models.core_v1 import HostPathVolumeSource, PersistentVolumeSpec
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.apps_v1 import Deployment, StatefulSet
+from lightkube.resources.batch_v1 import Job
+from lightkube.resources.core_v1 import (
+    ConfigMap,
+    PersistentVolume,
+    PersistentVolumeClaim,
+    Pod,
+    Secret,
+    Service,
+    ServiceAccount,
+)
+from lightkube.resources.networking_v1 import NetworkPolicy
+from lightkube.resources.rbac_authorization_v1 import Role, RoleBinding
+
+from orchestrator.client import RolloutClient
+from orchestrator.config import Settings
+from orchestrator.environments.examples import REQUESTS_CODEBASE, ensure_requests_codebase
+from orchestrator.environments.loader import default_environments_text
+from orchestrator.state.pool_sizing import POOL_LABEL
+from tests.e2e.helpers import file_f1, function_call, new_trace, wait_for
+from tests.k8s.control_plane import ControlPlane
+from tests.k8s.node import RealNode
+
+pytestmark = pytest.mark.xdist_group("k8s")
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "helm" / "orchestrator"
+BIN = REPO / ".venv" / "bin"
+RELEASE = "orch"
+NAMESPACE = "orch-system"
+SANDBOXES = "orch-sandboxes"
+FULLNAME = f"{RELEASE}-orchestrator"
+TOKEN = "helm-token-" + uuid.uuid4().hex[:12]
+GOLD = ["src/requests/sessions.py", "src/requests/adapters.py"]
+# Every workload Ready: image start, Python imports, the worker's first heartbeat and its
+# readiness probe (every 15 s). Measured about 40 s here.
+READY_TIMEOUT_S = 240.0
+SMALL = {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
+
+
+def service_images() -> tuple[str, str]:
+    """The chart's two images on this machine's dockerd: `make test` builds them
+    (scripts/service-images.sh) before the suite; run alone, the test builds what is
+    missing."""
+    import docker
+
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    wanted = (f"orchestrator/orchestrator:{version}", "orchestrator/redis:7.0")
+    client = docker.from_env()
+    try:
+        present = all(client.images.list(name=image) for image in wanted)
+    finally:
+        client.close()
+    if not present:
+        built = subprocess.run(
+            [str(REPO / "scripts" / "service-images.sh")],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        assert built.returncode == 0, built.stderr[-4000:]
+    return wanted
+
+
+class Cluster:
+    """The control plane, its node, a kubeconfig for helm and kubectl, and the chart's
+    copy this cluster accepts."""
+
+    def __init__(self, plane: ControlPlane, node: RealNode, root: Path) -> None:
+        self.plane = plane
+        self.node = node
+        self.admin = plane.client(namespace=NAMESPACE)
+        self.kubeconfig = root / "kubeconfig"
+        self.kubeconfig.write_text(json.dumps(plane.kubeconfig_for("admin", NAMESPACE)))
+        self.chart = root / "chart"
+        shutil.copytree(CHART, self.chart)
+        meta = self.chart / "Chart.yaml"
+        # The one edit: this cluster is 1.20, below the chart's supported floor.
+        meta.write_text(
+            re.sub(r"(?m)^kubeVersion:.*$", 'kubeVersion: ">=1.20.0-0"', meta.read_text())
+        )
+        self.env = {
+            "PATH": f"{BIN}:{os.environ['PATH']}",
+            "HOME": str(root),
+            "KUBECONFIG": str(self.kubeconfig),
+            "HELM_CACHE_HOME": str(root / "helm-cache"),
+            "HELM_CONFIG_HOME": str(root / "helm-config"),
+            "HELM_DATA_HOME": str(root / "helm-data"),
+        }
+
+    def run(self, *command: str, timeout: float = 300) -> str:
+        done = subprocess.run(
+            command, env=self.env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        assert done.returncode == 0, f"{' '.join(command)}:\n{done.stdout}\n{done.stderr}"
+        return done.stdout
+
+    def helm(self, *args: str, timeout: float = 300) -> str:
+        return self.run(str(BIN / "helm"), *args, timeout=timeout)
+
+    def shell(self, line: str, timeout: float = 120) -> str:
+        """One of NOTES.txt's command lines, as printed, in a shell."""
+        return self.run("bash", "-o", "pipefail", "-c", line, timeout=timeout)
+
+    def pods(self, namespace: str) -> list[Pod]:
+        return list(self.admin.list(Pod, namespace=namespace))
+
+    def trainer(self) -> httpx.Client:
+        """An HTTP client of the API as the trainer holds one: its token, its patience."""
+        return httpx.Client(
+            base_url=self.api_url(),
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=httpx.Timeout(180.0),
+            trust_env=False,
+        )
+
+    def api_url(self) -> str:
+        """The API through its Service's ClusterIP (kube-proxy's rules on this host)."""
+        service = self.admin.get(Service, f"{FULLNAME}-api", namespace=NAMESPACE)
+        assert service.spec is not None and service.spec.ports
+        return f"http://{service.spec.clusterIP}:{service.spec.ports[0].port}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    service_images()
+    with (
+        ControlPlane(namespaces=(), pod_network=True) as plane,
+        RealNode(plane, services=True) as node,
+    ):
+        made = Cluster(plane, node, tmp_path_factory.mktemp("helm"))
+        try:
+            yield made
+        finally:
+            made.admin.close()
+
+
+def values(settings: Settings, requests_image: str, **changed: Any) -> dict[str, Any]:
+    environments = yaml.safe_load(default_environments_text())
+    for environment in environments["environments"]:
+        if environment["name"] == "codebase-planning":
+            # The reaper ends graded rollouts within a test's patience.
+            environment.update(idle_timeout_s=120, grace_after_grade_s=2)
+    return {
+        "deployment": settings.deployment,
+        "apiTokens": {"tokens": [TOKEN]},
+        "codebases": {REQUESTS_CODEBASE: requests_image},
+        "environments": environments,
+        "settings": {
+            "log_format": "json",
+            "sandbox_create_timeout_s": 120,
+            # A quarter of a core each (a sandbox's requests are its limits): the node has
+            # two, and the release's own pods request some.
+            "sandbox_cpus": 0.25,
+            "reaper_interval_s": 1.0,
+            **changed,
+        },
+        "api": {"replicas": 1, "resources": SMALL},
+        "worker": {
+            "replicas": 1,
+            "resources": SMALL,
+            "shutdownGraceSeconds": 20,
+            "terminationExtraSeconds": 10,
+        },
+        "reaper": {"replicas": 1, "resources": SMALL},
+        "redis": {
+            "bundled": {
+                "image": {"repository": "orchestrator/redis", "tag": "7.0"},
+                "resources": SMALL,
+                "persistence": {"size": "256Mi"},
+            }
+        },
+        "sandboxes": {"namespace": SANDBOXES, "pendingTimeoutSeconds": 90},
+    }
+
+
+def redis_volume(cluster: Cluster) -> str:
+    """A PersistentVolume for the Redis PVC to bind (this cluster has no provisioner): a
+    directory of the node's, as a local-path provisioner would make."""
+    path = cluster.node.root / "pv-redis"
+    path.mkdir(mode=0o777)
+    path.chmod(0o777)  # Redis runs as uid 999; a hostPath volume takes no fsGroup
+    name = f"pv-redis-{uuid.uuid4().hex[:6]}"
+    cluster.admin.create(
+        PersistentVolume(
+            metadata=ObjectMeta(name=name),
+            spec=PersistentVolumeSpec(
+                capacity={"storage": "256Mi"},
+                accessModes=["ReadWriteOnce"],
+                persistentVolumeReclaimPolicy="Retain",
+                hostPath=HostPathVolumeSource(path=str(path), type="Directory"),
+            ),
+        )
+    )
+    return name
+
+
+def all_ready(cluster: Cluster, namespace: str) -> Callable[[], bool]:
+    def check() -> bool:
+        pods = cluster.pods(namespace)
+        return bool(pods) and all(
+            p.status is not None
+            and p.metadata is not None
+            and p.metadata.deletionTimestamp is None
+            and any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+            for p in pods
+        )
+
+    return check
+
+
+def sandbox_rollouts(cluster: Cluster) -> list[str]:
+    """The rollout label of every sandbox pod (``POOL_LABEL`` for a warm pool's)."""
+    return [
+        (p.metadata.labels or {}).get("orchestrator.rollout", "")
+        for p in cluster.pods(SANDBOXES)
+        if p.metadata
+    ]
+
+
+def sandbox_pods(cluster: Cluster) -> list[str]:
+    try:
+        return [p.metadata.name for p in cluster.pods(SANDBOXES) if p.metadata and p.metadata.name]
+    except ApiError as exc:
+        if exc.status.code == 404:
+            return []
+        raise
+
+
+def agent_rft_rollout(client: httpx.Client, item: dict[str, Any]) -> tuple[str, float]:
+    """One Agent RFT rollout as the trainer runs it: tool calls, then the grade."""
+    trace = new_trace()
+    for command in ("rg -l 'def send' src", "id -u; pwd"):
+        called = client.post(
+            "/agent-rft/tools", json=function_call(trace, item, "shell", {"command": command})
+        )
+        assert called.status_code == 200, called.text
+    answer = "Files to edit:\n" + "\n".join(f"- {path}" for path in GOLD)
+    graded = client.post(
+        "/agent-rft/grade",
+        json={"sample": {"output_text": answer}, "item": item, "trace_id": trace},
+    )
+    assert graded.status_code == 200, graded.text
+    return trace, float(graded.json()["score"])
+
+
+@pytest.mark.timeout(900)
+def test_helm_install_a_trainers_rollouts_upgrade_and_uninstall(
+    cluster: Cluster, settings: Settings, base_image: str
+) -> None:
+    requests_image = ensure_requests_codebase(settings)
+    volume = redis_volume(cluster)
+    values_file = cluster.chart.parent / "values.yaml"
+    values_file.write_text(yaml.safe_dump(values(settings, requests_image)))
+    item = {"codebase": REQUESTS_CODEBASE, "prompt": "Find the send methods.", "gold_files": GOLD}
+    try:
+        # -- install -------------------------------------------------------------------------
+        started = time.monotonic()
+        notes = cluster.helm(
+            "install", RELEASE, str(cluster.chart), "--namespace", NAMESPACE,
+            "--create-namespace", "--values", str(values_file), "--wait", "--timeout", "4m",
+            timeout=READY_TIMEOUT_S + 60,
+        )  # fmt: skip
+        wait_for(all_ready(cluster, NAMESPACE), timeout_s=READY_TIMEOUT_S, what="every pod Ready")
+        installed_s = time.monotonic() - started
+        kinds = {
+            (p.metadata.labels or {}).get("app.kubernetes.io/component")
+            for p in cluster.pods(NAMESPACE)
+            if p.metadata
+        }
+        assert kinds == {"api", "worker", "reaper", "redis"}
+        claim = cluster.admin.get(PersistentVolumeClaim, f"data-{FULLNAME}-redis-0")
+        assert claim.status is not None and claim.status.phase == "Bound"
+        assert claim.spec is not None and claim.spec.volumeName == volume
+
+        # NOTES.txt's commands, as printed: the token, the worker's rollout, readiness.
+        token_line = _line_after(notes, "TOKEN (the bearer token")
+        assert cluster.shell(token_line).strip() == TOKEN
+        cluster.shell(_line_starting(notes, "kubectl", "rollout status"), timeout=120)
+        assert f"{FULLNAME}-api.{NAMESPACE}.svc" in notes
+
+        # -- a trainer's rollouts through the Service ----------------------------------------
+        with cluster.trainer() as client:
+            ready = client.get("/readyz")
+            assert ready.status_code == 200 and ready.json()["ready"], ready.text
+            scores = [agent_rft_rollout(client, item) for _ in range(2)]
+            expected = file_f1("\n".join(GOLD), item)
+            assert [score for _, score in scores] == [pytest.approx(expected)] * 2
+            assert expected == 1.0
+            for trace, _ in scores:
+                record = client.get(f"/v1/rollouts/{trace}").json()
+                assert record["state"] in ("graded", "closed"), record
+
+        with RolloutClient(cluster.api_url(), TOKEN) as trainer:
+            with trainer.rollout(
+                environment="codebase-planning", codebase=REQUESTS_CODEBASE, item=item
+            ) as rollout:
+                sandboxes = sandbox_pods(cluster)
+                sandbox_id = rollout.created.sandbox_id
+                assert sandbox_id and any(name.endswith(sandbox_id) for name in sandboxes)
+                found = rollout.call("shell", {"command": "grep -rln 'class Session' src"})
+                assert (found.outcome, found.exit_code) == ("ok", 0)
+                answer = json.dumps(GOLD)
+                assert rollout.grade(answer=answer).score == pytest.approx(file_f1(answer, item))
+            # A rollout left open across the upgrade: its sandbox outlives the worker's
+            # restart (the StatefulSet's pod comes back under its name, its host).
+            with trainer.rollout(
+                environment="codebase-planning", codebase=REQUESTS_CODEBASE, item=item
+            ) as survivor:
+                before = survivor.call("shell", {"command": "echo kept > /workspace/mark"})
+                assert before.outcome == "ok"
+                upgrade(
+                    cluster,
+                    values_file,
+                    values(settings, requests_image, sandbox_create_timeout_s=150),
+                )
+                after = survivor.call("shell", {"command": "cat /workspace/mark"})
+                assert (after.outcome, after.output.strip()) == ("ok", "kept")
+            assert trainer.get(survivor.id).state == "closed"
+
+        with cluster.trainer() as client:
+            _, score = agent_rft_rollout(client, item)
+            assert score == pytest.approx(1.0)
+            # Every graded rollout's pod goes (closed by the reaper); what stays is the
+            # warm pool the deployment keeps (a pool pod has no rollout).
+            wait_for(
+                lambda: all(rollout == POOL_LABEL for rollout in sandbox_rollouts(cluster)),
+                timeout_s=60,
+                what="the graded rollouts' pods gone",
+            )
+        print(f"helm install to every pod Ready: {installed_s:.1f} s")
+    finally:
+        # -- uninstall: nothing of the release is left ----------------------------------------
+        uninstall(cluster, volume)
+
+
+def upgrade(cluster: Cluster, values_file: Path, changed: dict[str, Any]) -> None:
+    """``helm upgrade`` with a changed setting: the ConfigMap's checksum rolls the API, the
+    worker and the reaper; Redis (its own pod template unchanged) stays."""
+    old = {p.metadata.name: p.metadata.uid for p in cluster.pods(NAMESPACE) if p.metadata}
+    values_file.write_text(yaml.safe_dump(changed))
+    cluster.helm(
+        "upgrade", RELEASE, str(cluster.chart), "--namespace", NAMESPACE,
+        "--values", str(values_file), "--wait", "--timeout", "4m",
+        timeout=READY_TIMEOUT_S + 60,
+    )  # fmt: skip
+    wait_for(all_ready(cluster, NAMESPACE), timeout_s=READY_TIMEOUT_S, what="upgraded pods Ready")
+    config = cluster.admin.get(ConfigMap, f"{FULLNAME}-config", namespace=NAMESPACE)
+    assert (config.data or {}).get("ORCH_SANDBOX_CREATE_TIMEOUT_S") == "150"
+    now = {p.metadata.name: p.metadata.uid for p in cluster.pods(NAMESPACE) if p.metadata}
+    redis = f"{FULLNAME}-redis-0"
+    assert old.get(redis) == now[redis], "Redis is not restarted by a settings change"
+    rolled = set(now) - {redis}
+    assert len(rolled) == 3 and all(old.get(name) != now[name] for name in rolled), (old, now)
+
+
+def uninstall(cluster: Cluster, volume: str) -> None:
+    cluster.helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "3m")
+    # The StatefulSet's claim outlives it (Kubernetes keeps a StatefulSet's PVCs):
+    # docs/kubernetes.md's uninstall deletes it, as here.
+    cluster.shell(
+        f"kubectl -n {NAMESPACE} delete pvc -l app.kubernetes.io/instance={RELEASE} --wait"
+    )
+
+    leftovers: dict[str, Any] = {}
+
+    def nothing_left() -> bool:
+        left = [
+            p.metadata.name
+            for p in cluster.admin.list(Pod, namespace=ALL_NS)
+            if p.metadata and p.metadata.namespace in (NAMESPACE, SANDBOXES)
+        ]
+        secrets = [
+            f"{s.metadata.namespace}/{s.metadata.name}"
+            for namespace in (NAMESPACE, SANDBOXES)
+            for s in cluster.admin.list(Secret, namespace=namespace)
+            if s.metadata and s.type != "kubernetes.io/service-account-token"
+        ]
+        claims = list(cluster.admin.list(PersistentVolumeClaim, namespace=NAMESPACE))
+        kept = [
+            f"{kind.__name__}/{name}"
+            for kind in (Service, ConfigMap, StatefulSet, Deployment, Job, ServiceAccount)
+            for namespace in (NAMESPACE, SANDBOXES)
+            for name in _names(cluster.admin.list(kind, namespace=namespace))
+            if name not in ("kube-root-ca.crt", "default")
+        ]
+        kept += [
+            f"{kind.__name__}/{name}"
+            for kind in (Role, RoleBinding, NetworkPolicy)
+            for name in _names(cluster.admin.list(kind, namespace=SANDBOXES))
+        ]
+        leftovers.update(pods=left, secrets=secrets, claims=_names(claims), objects=kept)
+        return not any(leftovers.values())
+
+    try:
+        wait_for(nothing_left, timeout_s=120, what="the release gone")
+    except AssertionError as exc:
+        raise AssertionError(f"left after helm uninstall: {leftovers}") from exc
+    cluster.node.settle()
+    assert [c.name for c in cluster.node.containers()] == []
+    with contextlib.suppress(ApiError):
+        cluster.admin.delete(PersistentVolume, volume)
+
+
+def _names(objects: Any) -> list[str]:
+    return [o.metadata.name for o in objects if o.metadata is not None]
+
+
+def _line_after(notes: str, heading: str) -> str:
+    """The command printed under ``heading`` in NOTES.txt (its continuation lines joined)."""
+    lines = notes.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    command: list[str] = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            if command:
+                break
+            continue
+        command.append(line.strip().removesuffix("\\"))
+        if not line.rstrip().endswith("\\"):
+            break
+    return " ".join(command)
+
+
+def _line_starting(notes: str, *words: str) -> str:
+    for line in notes.splitlines():
+        stripped = line.strip()
+        if stripped.startswith(words[0]) and all(w in stripped for w in words):
+            return stripped
+    raise AssertionError(f"no line with {words} in NOTES:\n{notes}")
