@@ -2,14 +2,13 @@
 # (`orchestrator serve|worker|reaper`; helm/orchestrator's image.repository).
 #
 # Python packages come from a wheelhouse made on the host, because build containers may
-# have no route to PyPI (they do reach Debian's mirrors):
+# have no route to PyPI (they do reach Debian's mirrors). scripts/service-images.sh makes
+# it and builds this (and Redis's image); `make test` runs it.
 #
-#   .venv/bin/pip wheel --wheel-dir build/wheelhouse .
-#   docker build -t orchestrator/orchestrator:0.1.0 .
-#
-# The wheels must match the image's Python (bookworm: 3.11). Runs as uid 10001 with a
-# read-only root filesystem: nothing is written outside /tmp and /var/lib/orchestrator,
-# which the chart mounts as emptyDirs.
+# The wheels must match the image's Python (bookworm: 3.11.2, which also needs what a newer
+# 3.11 does not: the script adds it). Runs as uid 10001 with a read-only root filesystem:
+# nothing is written outside /tmp and /var/lib/orchestrator, which the chart mounts as
+# emptyDirs.
 ARG BASE_IMAGE=debian:bookworm-slim
 FROM ${BASE_IMAGE}
 

@@ -19,7 +19,7 @@ rm -rf build/wheelhouse
 "$pip" wheel --quiet --disable-pip-version-check --wheel-dir build/wheelhouse . \
   'async-timeout>=4.0.3' 2> >(grep -v "^WARNING: Location" >&2)
 
-docker build --quiet -t "$service" . > /dev/null
-docker build --quiet -t "$redis" -f images/redis.Dockerfile images > /dev/null
+docker build --quiet --force-rm -t "$service" . > /dev/null
+docker build --quiet --force-rm -t "$redis" -f images/redis.Dockerfile images > /dev/null
 echo "$service"
 echo "$redis"

@@ -10,13 +10,16 @@ teardown (the sandboxes are pods, destroyed through the API server, not by a dae
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import docker
 import pytest
 import yaml
+from lightkube import Client
 
 from orchestrator.config import Settings
 from orchestrator.environments.examples import REQUESTS_CODEBASE, ensure_requests_codebase
@@ -24,12 +27,48 @@ from orchestrator.environments.loader import default_environments_text
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
 from tests import agent_caused
-from tests.k8s.cluster import TestCluster
+from tests.k8s.cluster import Api, TestCluster
+from tests.k8s.control_plane import ControlPlane
+from tests.k8s.node import RealNode
+from tests.k8s.rbac import RELEASE_NAMESPACE, SANDBOX_NAMESPACE, apply_worker_rbac
 from tests.stacks import ROLES, Stack, deployment, flush_redis
 
 NAMESPACE = "orchestrator-sandboxes"
 # Anything on the Kubernetes path that still asks a Docker daemon fails loudly here.
 NO_DOCKER = "unix:///nonexistent/docker.sock"
+
+
+class RealCluster(NamedTuple):
+    """A control plane, its real node, and clients as the admin and as the chart's worker
+    (``token``: its ServiceAccount's)."""
+
+    plane: ControlPlane
+    node: RealNode
+    admin: Client
+    worker: Client
+    token: str
+
+    def worker_kubeconfig(self) -> dict[str, Any]:
+        """A kubeconfig as the chart's worker ServiceAccount, in the sandbox namespace."""
+        return self.plane.kubeconfig_for("worker", SANDBOX_NAMESPACE, token=self.token)
+
+
+@pytest.fixture(scope="module")
+def real_cluster() -> Iterator[RealCluster]:
+    """A control plane and its real node (node.py), with the chart's worker RBAC applied:
+    for the modules of group ``real-node`` (one real kubelet per daemon at a time)."""
+    with ControlPlane(namespaces=(RELEASE_NAMESPACE, SANDBOX_NAMESPACE)) as plane:
+        admin_api = Api(plane, "admin")
+        try:
+            _, token = apply_worker_rbac(admin_api)
+        finally:
+            admin_api.close()
+        with (
+            RealNode(plane) as node,
+            contextlib.closing(plane.client()) as admin,
+            contextlib.closing(plane.client("worker", SANDBOX_NAMESPACE, token=token)) as worker,
+        ):
+            yield RealCluster(plane=plane, node=node, admin=admin, worker=worker, token=token)
 
 
 class K8sStack(Stack):

@@ -584,22 +584,24 @@ class RealNode:
                     ],
                 )
             )
-        self._sync_dns_once()
+        with contextlib.closing(self.plane.client()) as admin:
+            self._sync_dns_once(admin)
         self._dns_thread = threading.Thread(target=self._sync_dns, name="dns-sync", daemon=True)
         self._dns_thread.start()
 
     def _sync_dns(self) -> None:
-        while not self._dns_stop.wait(DNS_SYNC_S):
-            # The API server may be restarting; the records stay as they were meanwhile.
-            with contextlib.suppress(Exception):
-                self._sync_dns_once()
-
-    def _sync_dns_once(self) -> None:
+        # One client for the thread's life: four lists a second, not four TLS set-ups.
         with contextlib.closing(self.plane.client()) as admin:
-            records = dns_records(
-                list(admin.list(Service, namespace=ALL_NS)),
-                list(admin.list(Endpoints, namespace=ALL_NS)),
-            )
+            while not self._dns_stop.wait(DNS_SYNC_S):
+                # The API server may be restarting; the records stay as they were meanwhile.
+                with contextlib.suppress(Exception):
+                    self._sync_dns_once(admin)
+
+    def _sync_dns_once(self, admin: Client) -> None:
+        records = dns_records(
+            list(admin.list(Service, namespace=ALL_NS)),
+            list(admin.list(Endpoints, namespace=ALL_NS)),
+        )
         hosts = self.root / "dns-hosts"
         text = "".join(f"{ip} {name}\n" for name, ip in records)
         if hosts.read_text() == text:

@@ -2,9 +2,9 @@
 cluster finds it: the cluster KUBECONFIG names when it is set (it needs the namespace,
 ORCH_K8S_NAMESPACE, default orchestrator-sandboxes, the sandbox base image pullable under
 ORCH_K8S_IMAGE_REGISTRY, and this machine able to reach pod IPs: run it from inside the
-cluster, or on a kind/k3s node), else the test suite's own control plane and node
-(cluster.py: a real API server, scheduler and controllers; the test kubelet), as the chart's
-worker ServiceAccount."""
+cluster, or on a kind/k3s node), else the test suite's own control plane and real node
+(control_plane.py and node.py: a real API server, scheduler and controllers, and a real
+kubelet on the local dockerd), as the chart's worker ServiceAccount."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from orchestrator.sandbox.backend import SandboxSpec
 from orchestrator.sandbox.k8s import pods
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
 
-pytestmark = pytest.mark.xdist_group("k8s")
+# The real node's group (test_real_node.py says why).
+pytestmark = pytest.mark.xdist_group("real-node")
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +36,9 @@ def kubeconfig(
     if named:
         yield named
         return
-    cluster = request.getfixturevalue("k8s_cluster")  # the session's (tests/k8s/conftest.py)
+    cluster = request.getfixturevalue("real_cluster")  # tests/k8s/conftest.py
     path = tmp_path_factory.mktemp("k8s-e2e") / "kubeconfig"
-    path.write_text(json.dumps(cluster.kubeconfig()))  # JSON is YAML
+    path.write_text(json.dumps(cluster.worker_kubeconfig()))  # JSON is YAML
     yield str(path)
 
 

@@ -56,7 +56,8 @@ from tests.e2e.helpers import file_f1, function_call, new_trace, wait_for
 from tests.k8s.control_plane import ControlPlane
 from tests.k8s.node import RealNode
 
-pytestmark = pytest.mark.xdist_group("k8s")
+# test_real_node.py says why this group.
+pytestmark = pytest.mark.xdist_group("real-node")
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "orchestrator"

@@ -8,11 +8,8 @@ nothing of the pod is left on the Docker daemon."""
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import time
-from collections.abc import Iterator
-from typing import NamedTuple
 
 import pytest
 from lightkube import Client
@@ -24,45 +21,22 @@ from orchestrator.environments.examples import ensure_requests_codebase
 from orchestrator.sandbox.backend import SandboxHandle, SandboxLimits, SandboxSpec
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
 from orchestrator.sandbox.k8s.pods import CONTAINER, SEED_CONTAINER
-from tests.k8s.cluster import Api
-from tests.k8s.control_plane import ControlPlane
-from tests.k8s.node import POD_LOGS, POD_UID_LABEL, RealNode
-from tests.k8s.rbac import RELEASE_NAMESPACE, SANDBOX_NAMESPACE, apply_worker_rbac
+from tests.k8s.conftest import RealCluster
+from tests.k8s.node import POD_LOGS, POD_UID_LABEL
+from tests.k8s.rbac import SANDBOX_NAMESPACE
 from tests.k8s.test_backend import k8s_settings
 
-# The group of every tests/k8s module: on the worker that runs the hand-written cluster's
-# modules, one after another, never beside them. (The real kubelet leaves that cluster's
-# containers alone, they carry no io.kubernetes.* label, but both want the machine's two
-# cores while they start.) One real kubelet per Docker daemon is node.py's lock.
-pytestmark = pytest.mark.xdist_group("k8s")
+# The group of the real node's modules (this and test_helm_install.py), one after another
+# on one worker: one real kubelet per Docker daemon is node.py's lock, and a module of this
+# group never holds a worker waiting for it. Beside the hand-written cluster's modules
+# (group k8s) on another worker: the real kubelet leaves that cluster's containers alone
+# (they carry no io.kubernetes.* label), and kube-proxy's rules match only its own
+# Services' addresses. Together they were the run's longest worker (7:39 of 8:01).
+pytestmark = pytest.mark.xdist_group("real-node")
 
 # Measured: the pod gone from the API server 0.02 s after the destroy, its containers
 # stopped 0.3 s after.
 DESTROYED_TIMEOUT_S = 15.0
-
-
-class RealCluster(NamedTuple):
-    plane: ControlPlane
-    node: RealNode
-    admin: Client
-    worker: Client
-
-
-@pytest.fixture(scope="module")
-def real_cluster() -> Iterator[RealCluster]:
-    """A control plane and its real node, with the chart's worker RBAC applied."""
-    with ControlPlane(namespaces=(RELEASE_NAMESPACE, SANDBOX_NAMESPACE)) as plane:
-        admin_api = Api(plane, "admin")
-        try:
-            _, token = apply_worker_rbac(admin_api)
-        finally:
-            admin_api.close()
-        with (
-            RealNode(plane) as node,
-            contextlib.closing(plane.client()) as admin,
-            contextlib.closing(plane.client("worker", SANDBOX_NAMESPACE, token=token)) as worker,
-        ):
-            yield RealCluster(plane=plane, node=node, admin=admin, worker=worker)
 
 
 @pytest.fixture(scope="module")
