@@ -133,7 +133,29 @@ class Cluster:
         return done.stdout
 
     def helm(self, *args: str, timeout: float = 300) -> str:
-        return self.run(str(BIN / "helm"), *args, timeout=timeout)
+        try:
+            return self.run(str(BIN / "helm"), *args, timeout=timeout)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.describe()}") from None
+
+    def describe(self) -> str:
+        """What a failed wait needs: each pod's phase, conditions and container states,
+        and the namespace's events."""
+        lines = []
+        for namespace in (NAMESPACE, SANDBOXES):
+            with contextlib.suppress(ApiError):
+                for pod in self.pods(namespace):
+                    status = pod.status
+                    if pod.metadata is None or status is None:
+                        continue
+                    conditions = [(c.type, c.status, c.reason) for c in status.conditions or []]
+                    states = [
+                        (c.name, c.ready, c.restartCount, c.state)
+                        for c in status.containerStatuses or []
+                    ]
+                    lines.append(f"{pod.metadata.name}: {status.phase} {conditions} {states}")
+        events = self.run("kubectl", "get", "events", "-A", "--sort-by=.lastTimestamp")
+        return "\n".join([*lines, events[-6000:]])
 
     def shell(self, line: str, timeout: float = 120) -> str:
         """One of NOTES.txt's command lines, as printed, in a shell."""
@@ -299,7 +321,7 @@ def test_helm_install_a_trainers_rollouts_upgrade_and_uninstall(
             timeout=READY_TIMEOUT_S + 60,
         )  # fmt: skip
         wait_for(all_ready(cluster, NAMESPACE), timeout_s=READY_TIMEOUT_S, what="every pod Ready")
-        installed_s = time.monotonic() - started
+        print(f"helm install to every pod Ready: {time.monotonic() - started:.1f} s")
         kinds = {
             (p.metadata.labels or {}).get("app.kubernetes.io/component")
             for p in cluster.pods(NAMESPACE)
@@ -346,11 +368,13 @@ def test_helm_install_a_trainers_rollouts_upgrade_and_uninstall(
             ) as survivor:
                 before = survivor.call("shell", {"command": "echo kept > /workspace/mark"})
                 assert before.outcome == "ok"
+                phase = time.monotonic()
                 upgrade(
                     cluster,
                     values_file,
                     values(settings, requests_image, sandbox_create_timeout_s=150),
                 )
+                print(f"helm upgrade to every pod Ready: {time.monotonic() - phase:.1f} s")
                 after = survivor.call("shell", {"command": "cat /workspace/mark"})
                 assert (after.outcome, after.output.strip()) == ("ok", "kept")
             assert trainer.get(survivor.id).state == "closed"
@@ -365,10 +389,11 @@ def test_helm_install_a_trainers_rollouts_upgrade_and_uninstall(
                 timeout_s=60,
                 what="the graded rollouts' pods gone",
             )
-        print(f"helm install to every pod Ready: {installed_s:.1f} s")
     finally:
         # -- uninstall: nothing of the release is left ----------------------------------------
+        phase = time.monotonic()
         uninstall(cluster, volume)
+        print(f"helm uninstall to nothing left: {time.monotonic() - phase:.1f} s")
 
 
 def upgrade(cluster: Cluster, values_file: Path, changed: dict[str, Any]) -> None:
