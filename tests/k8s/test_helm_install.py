@@ -236,10 +236,10 @@ def values(settings: Settings, requests_image: str, **changed: Any) -> dict[str,
 def redis_volume(cluster: Cluster) -> str:
     """A PersistentVolume for the Redis PVC to bind (this cluster has no provisioner): a
     directory of the node's, as a local-path provisioner would make."""
-    path = cluster.node.root / "pv-redis"
+    name = f"pv-redis-{uuid.uuid4().hex[:6]}"
+    path = cluster.node.root / name
     path.mkdir(mode=0o777)
     path.chmod(0o777)  # Redis runs as uid 999; a hostPath volume takes no fsGroup
-    name = f"pv-redis-{uuid.uuid4().hex[:6]}"
     cluster.admin.create(
         PersistentVolume(
             metadata=ObjectMeta(name=name),
