@@ -121,11 +121,29 @@ def _on_worker_ready(**_: Any) -> None:
     threading.Thread(target=_sweep_at_start, name="start-sweep", daemon=True).start()
 
 
+START_SWEEP_RETRY_S = 1.0
+"""How soon a worker's first sweep is tried again when it could not finish."""
+
+
 def _sweep_at_start() -> None:
-    try:
-        log.info("worker.start_sweep", **worker.current().sweep())
-    except Exception:  # the periodic sweep tries again
-        log.exception("worker.start_sweep_failed")
+    """The host's first sweep, tried until it finishes: the host is cordoned until then.
+    On Kubernetes a release's pods start together, so a worker often starts before Redis
+    answers; left to the reaper's next sweep of the host, its start took a minute or two
+    longer (tests/k8s/test_helm_install.py: `helm install` to every pod Ready went from
+    about 25 s to 110-140 s, and past 4 minutes once)."""
+    host = worker.current()
+    failures = 0
+    while host.swept_mark is None and not host.in_flight.draining:
+        try:
+            log.info("worker.start_sweep", **host.sweep())
+            return
+        except Exception as exc:  # whatever failed, it is tried again
+            failures += 1
+            if failures == 1:
+                log.exception("worker.start_sweep_failed")
+            else:
+                log.warning("worker.start_sweep_failed", error=str(exc), tries=failures)
+            time.sleep(START_SWEEP_RETRY_S)
 
 
 def _on_shutting_down(**_: Any) -> None:

@@ -43,6 +43,8 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -178,6 +180,7 @@ class RealNode:
         self.kube_proxy: _Process | None = None
         self.dnsmasq: _Process | None = None
         self.dns_port = 0
+        self.proxy_healthz = ""
         self._dns_stop = threading.Event()
         self._dns_thread: threading.Thread | None = None
         self._forward_rules: list[list[str]] = []
@@ -484,6 +487,7 @@ class RealNode:
                 "-m", "comment", "--comment", self.cgroup_root, "-j", "ACCEPT"]  # fmt: skip
         _run("iptables", "-w", "-I", *rule)
         self._forward_rules.append(rule)
+        self.proxy_healthz = f"127.0.0.1:{free_port()}"
         (self.root / "kube-proxy.json").write_text(json.dumps(self._proxy_config()))
         self.kube_proxy = _Process(
             "kube-proxy",
@@ -499,6 +503,27 @@ class RealNode:
         )
         self.kube_proxy.start()
         self._start_dns()
+        self._wait_services()
+
+    def _wait_services(self) -> None:
+        """Until kube-proxy has written its rules once (its healthz answers 200 only then)
+        and dnsmasq is serving: either one down would show only as pods that never turn
+        Ready, minutes later."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            for process in (self.kube_proxy, self.dnsmasq):
+                assert process is not None
+                if not process.alive():
+                    raise NodeUnavailable(f"{process.name} exited:\n{process.tail(40)}")
+            try:
+                with urllib.request.urlopen(f"http://{self.proxy_healthz}/healthz", timeout=2):
+                    return
+            except (OSError, urllib.error.URLError):
+                pass
+            if time.monotonic() > deadline:
+                assert self.kube_proxy is not None
+                raise NodeUnavailable(f"kube-proxy not healthy:\n{self.kube_proxy.tail(40)}")
+            time.sleep(0.2)
 
     def _proxy_config(self) -> Obj:
         (self.root / "admin.kubeconfig").write_text(json.dumps(self.plane.kubeconfig_for("admin")))
@@ -510,7 +535,7 @@ class RealNode:
             "mode": "iptables",
             "clusterCIDR": str(self.subnet),
             "bindAddress": "127.0.0.1",
-            "healthzBindAddress": f"127.0.0.1:{free_port()}",
+            "healthzBindAddress": self.proxy_healthz,
             "metricsBindAddress": f"127.0.0.1:{free_port()}",
             # Root here cannot lower its own OOM score (no CAP_SYS_RESOURCE).
             "oomScoreAdj": 0,
