@@ -154,6 +154,19 @@ class Cluster:
                         for c in status.containerStatuses or []
                     ]
                     lines.append(f"{pod.metadata.name}: {status.phase} {conditions} {states}")
+                    if namespace == NAMESPACE and not all(
+                        c.ready for c in status.containerStatuses or []
+                    ):
+                        # An unready process's own account (its last lines, and the ones
+                        # before a restart).
+                        for previous in ("--previous=false", "--previous=true"):
+                            done = subprocess.run(
+                                ["kubectl", "-n", namespace, "logs", pod.metadata.name or "",
+                                 "--tail=40", previous],
+                                env=self.env, capture_output=True, text=True, timeout=30,
+                                check=False,
+                            )  # fmt: skip
+                            lines.append(done.stdout[-4000:] or done.stderr[-300:])
         events = self.run("kubectl", "get", "events", "-A", "--sort-by=.lastTimestamp")
         return "\n".join([*lines, events[-6000:]])
 
