@@ -172,6 +172,10 @@ class _Process:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def returncode(self) -> int | None:
+        """The exit status, negative for a signal; None while it runs (or never started)."""
+        return None if self.proc is None else self.proc.poll()
+
     def stop(self) -> None:
         if self.proc is None:
             return

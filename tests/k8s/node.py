@@ -39,6 +39,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -514,7 +515,9 @@ class RealNode:
             for process in (self.kube_proxy, self.dnsmasq):
                 assert process is not None
                 if not process.alive():
-                    raise NodeUnavailable(f"{process.name} exited:\n{process.tail(40)}")
+                    raise NodeUnavailable(
+                        f"{process.name} exited ({process.returncode()}):\n{process.tail(40)}"
+                    )
             try:
                 with urllib.request.urlopen(f"http://{self.proxy_healthz}/healthz", timeout=2):
                     return
@@ -578,6 +581,7 @@ class RealNode:
             self.root / "dnsmasq.log",
         )
         self.dnsmasq.start()
+        self._wait_dns_listening(address)
         with contextlib.closing(self.plane.client()) as admin:
             admin.create(
                 Service(
@@ -614,6 +618,29 @@ class RealNode:
         self._dns_thread = threading.Thread(target=self._sync_dns, name="dns-sync", daemon=True)
         self._dns_thread.start()
 
+    def _wait_dns_listening(self, address: str) -> None:
+        """Until dnsmasq accepts a connection. Its records are reloaded by SIGHUP, and one
+        sent before dnsmasq has set its handlers ends it, silently (under load, the first
+        sync came that early: "dnsmasq exited" with an empty log); it sets them before it
+        opens its sockets."""
+        assert self.dnsmasq is not None
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if not self.dnsmasq.alive():
+                raise NodeUnavailable(
+                    f"dnsmasq exited ({self.dnsmasq.returncode()}):\n{self.dnsmasq.tail(40)}"
+                )
+            try:
+                with socket.create_connection((address, self.dns_port), timeout=1):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise NodeUnavailable(
+                        f"dnsmasq not listening on {address}:{self.dns_port}:\n"
+                        f"{self.dnsmasq.tail(40)}"
+                    ) from None
+                time.sleep(0.05)
+
     def _sync_dns(self) -> None:
         # One client for the thread's life: four lists a second, not four TLS set-ups.
         with contextlib.closing(self.plane.client()) as admin:
@@ -648,6 +675,10 @@ class RealNode:
                 process.stop()
         self.dnsmasq = self.kube_proxy = None
         if self.services:
+            # The Service names this node's DNS port: the plane's next node makes its own.
+            with contextlib.suppress(Exception), contextlib.closing(self.plane.client()) as admin:
+                admin.delete(Service, "kube-dns", namespace="kube-system")
+                admin.delete(Endpoints, "kube-dns", namespace="kube-system")
             _proxy_cleanup(self.bin)
         for rule in self._forward_rules:
             subprocess.run(["iptables", "-w", "-D", *rule], check=False, capture_output=True)
