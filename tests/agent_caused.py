@@ -70,10 +70,14 @@ ACTS: list[Act] = [
         shows=("process limit", "timed out"),
     ),
     Act("exhaust memory", _MEMORY_HOGS, timeout_s=20, shows=("memory",)),
+    # Docker's workspace is a disk of its own: ENOSPC. A Kubernetes node lets the write
+    # through and evicts the pod at its next look (a real kubelet's eviction manager looks
+    # every 10 s): the agent that overfilled works on, and its sandbox ends under it.
     Act(
         "fill the disk",
-        "dd if=/dev/zero of=/workspace/fill bs=1M count=200 2>&1 | tail -n 4; sleep 2",
-        timeout_s=20,
+        "dd if=/dev/zero of=/workspace/fill bs=1M count=200 2>&1 | tail -n 4; "
+        '[ "$(du -sm /workspace/fill | cut -f1)" -lt 64 ] || sleep 50',
+        timeout_s=60,
         shows=("no space left", "disk limit"),
     ),
     Act(

@@ -28,10 +28,10 @@ Not a kubelet, and said so:
   ``hand_out`` gives a chosen address to the next pod, as a CNI reuses a terminated pod's
   IP. So the sandbox is not network-isolated in these tests (it can reach the host's
   loopback; the init container has no network) and no test may rely on it being so;
-- one eviction: a disk-backed emptyDir past its ``sizeLimit`` evicts its pod, as the
-  eviction manager does (checked every ``PROBE_PERIOD_S``); ``pod_pids_limit`` caps each
-  pod's processes, as the kubelet's ``podPidsLimit``; no node-pressure evictions, no
-  ``activeDeadlineSeconds``; on cgroup v1 (no ``memory.oom.group``) an OOM kill in a
+- no evictions (a disk-backed emptyDir past its ``sizeLimit`` included: the real node's
+  kubelet evicts, in the modules of group ``real-node``), no ``activeDeadlineSeconds``;
+  each pod capped at ``POD_PIDS_LIMIT`` processes, as a kubelet's ``podPidsLimit``; on
+  cgroup v1 (no ``memory.oom.group``) an OOM kill in a
   container kills the whole container, as Kubernetes >= 1.28 does on cgroup v2;
 - a lost node is played per pod (``lose_node``): the kubelet stops reporting for it, and the
   test does, as an administrator, what the node lifecycle controller's taint manager would.
@@ -84,6 +84,8 @@ NODE_CAPACITY = {"cpu": "64", "memory": "256Gi", "pods": "1000", "ephemeral-stor
 POD_UID_LABEL = "test-kubelet.pod-uid"
 POD_NAME_LABEL = "test-kubelet.pod"
 PROBE_PERIOD_S = 0.2
+POD_PIDS_LIMIT = 1024
+"""Each pod's processes: the real node's default ``podPidsLimit`` too (node.py)."""
 PULL_BACKOFF_S = 0.5
 SECRET_MISSING_EVENT_S = 2.0
 WATCH_TIMEOUT_S = 30
@@ -194,13 +196,11 @@ class TestCluster:
         docker_client: docker.DockerClient,
         *,
         docker_deployment: str,
-        pod_pids_limit: int = 1024,
         runtime_classes: tuple[str, ...] = (),
         namespaces: tuple[str, ...] = (RELEASE_NAMESPACE, SANDBOX_NAMESPACE),
     ) -> None:
         self.plane = plane = ControlPlane(namespaces=namespaces).start()
         self.docker = docker_client
-        self.pod_pids_limit = pod_pids_limit
         self.docker_deployment = docker_deployment
         self.api = Api(plane, "node")  # the kubelet's own identity
         self.admin = Api(plane, "admin")  # the tests', and the controllers' they play
@@ -590,16 +590,6 @@ def _remove_labelled(client: docker.DockerClient, selector: list[str]) -> None:
             volume.remove(force=True)
 
 
-def _disk_usage(root: Path) -> int:
-    """Bytes of disk the files under ``root`` take (as the kubelet's ``du``)."""
-    total = 0
-    for directory, _, files in os.walk(root):
-        for name in files:
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(directory, name)).st_blocks * 512
-    return total
-
-
 def _oom_kills(container_id: str) -> int:
     """The OOM-kill counter of a container's memory cgroup (v1 or v2, cgroupfs or systemd
     driver); 0 when none is found."""
@@ -646,8 +636,6 @@ class _Kubelet:
         }
         # Volume name -> (Docker source, mount type, read-only).
         self.volumes: dict[str, tuple[str, MountKind, bool]] = {}
-        # Disk-backed emptyDirs with a sizeLimit: name -> (host directory, bytes allowed).
-        self.disk_limits: dict[str, tuple[Path, int]] = {}
         self.started = timestamp()
         self.address: str | None = None  # the pod IP on loopback, while the pod holds it
 
@@ -895,8 +883,6 @@ class _Kubelet:
                 if fs_group is not None:
                     shutil.chown(root, 0, fs_group)
                 root.chmod(0o2777 if fs_group is not None else 0o777)
-                if source.get("sizeLimit"):
-                    self.disk_limits[volume["name"]] = (root, int(quantity(source["sizeLimit"])))
             self.volumes[volume["name"]] = (made.name, "volume", False)
 
     def container_options(self, container: Obj) -> Obj:
@@ -921,7 +907,7 @@ class _Kubelet:
             # The kubelet gives containers no swap (NoSwap).
             "memswap_limit": int(quantity(limits["memory"])) if "memory" in limits else None,
             "nano_cpus": int(quantity(limits["cpu"]) * 1e9) if "cpu" in limits else None,
-            "pids_limit": self.cluster.pod_pids_limit,
+            "pids_limit": POD_PIDS_LIMIT,
             "working_dir": container.get("workingDir"),
             "labels": self.labels,
             # The names dockershim gave a pod's containers.
@@ -1033,11 +1019,6 @@ class _Kubelet:
                 self.report_exit(container, made, started)
                 self.run_.deleted.wait()
                 return
-            over = self.over_disk_limit()
-            if over is not None:
-                self.evict(container, made, started, over)
-                self.run_.deleted.wait()
-                return
             ok = port is None or _connects(ip, port)
             failures = 0 if ok else failures + 1
             if ok != ready and (ok or failures >= threshold):
@@ -1074,39 +1055,6 @@ class _Kubelet:
             named = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
             return int(named[port])
         return None if port is None else int(port)
-
-    def over_disk_limit(self) -> str | None:
-        """The eviction message when an emptyDir holds more than its sizeLimit."""
-        for name, (root, limit) in self.disk_limits.items():
-            used = _disk_usage(root)
-            if used > limit:
-                source = next(v for v in self.spec["volumes"] if v["name"] == name)
-                wanted = source["emptyDir"]["sizeLimit"]
-                return f'Usage of EmptyDir volume "{name}" exceeds the limit "{wanted}". '
-        return None
-
-    def evict(self, container: Obj, made: Container, started: Obj, message: str) -> None:
-        """What the kubelet's eviction manager does to a pod past its own disk limit: kill
-        its containers, fail it as Evicted with the reason."""
-        self.release_address()
-        made.kill()
-        self.event("Evicted", message, "Warning")
-        ended = {
-            "terminated": {
-                "exitCode": 137,
-                "reason": "Error",
-                "startedAt": started["running"]["startedAt"],
-                "finishedAt": timestamp(),
-                "containerID": f"docker://{made.id}",
-            }
-        }
-        self.set_status(
-            phase="Failed",
-            reason="Evicted",
-            message=message,
-            conditions=self.conditions(initialized=True, ready=False, reason="PodFailed"),
-            containerStatuses=[self.container_status(container, ended, container_id=made.id)],
-        )
 
     def report_exit(self, container: Obj, made: Container, started: Obj) -> None:
         # Before the status says so: a test that saw the pod end may hand its IP out.

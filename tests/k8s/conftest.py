@@ -1,8 +1,16 @@
-"""A whole deployment on the Kubernetes backend: the real API, Celery worker and reaper as
-subprocesses with ``ORCH_SANDBOX_BACKEND=kubernetes``, talking to a real control plane
-(cluster.py: kube-apiserver, controllers and scheduler on loopback, and the test kubelet in
-this process) through a kubeconfig file as the chart's worker ServiceAccount, with
-codebases from a catalogue file and no Docker daemon they can reach.
+"""The Kubernetes tests' clusters, and a whole deployment on the Kubernetes backend.
+
+``real_cluster``: the real control plane (control_plane.py) and a real node (node.py: the
+kubelet built from Debian's source, dockershim on the local dockerd, CNI pod addresses), for
+the modules of group ``real-node``. ``k8s_cluster``: the same control plane with the
+hand-written test kubelet (cluster.py), kept for what a real node cannot be made to do on
+cue (a pod's IP handed to the next pod, a lost node per pod, an expired watch) and for the
+worker's requests read from the API server's audit log.
+
+``k8s_stack``: the real API, Celery worker and reaper as subprocesses with
+``ORCH_SANDBOX_BACKEND=kubernetes``, on the real node, talking to the API server through
+a kubeconfig file as the chart's worker ServiceAccount, with codebases from a catalogue
+file and no Docker daemon they can reach.
 
 The stack reuses the end-to-end suite's ``Stack``; what differs is its environment and its
 teardown (the sandboxes are pods, destroyed through the API server, not by a daemon).
@@ -13,23 +21,26 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import docker
 import pytest
 import yaml
-from lightkube import Client
+from lightkube import ApiError, Client
+from lightkube.resources.core_v1 import Pod, Secret
 
 from orchestrator.config import Settings
 from orchestrator.environments.examples import REQUESTS_CODEBASE, ensure_requests_codebase
 from orchestrator.environments.loader import default_environments_text
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
+from orchestrator.sandbox.k8s.pods import CONTAINER
 from tests import agent_caused
 from tests.k8s.cluster import Api, TestCluster
 from tests.k8s.control_plane import ControlPlane
-from tests.k8s.node import RealNode
+from tests.k8s.node import POD_NAME_LABEL, RealNode
 from tests.k8s.rbac import RELEASE_NAMESPACE, SANDBOX_NAMESPACE, apply_worker_rbac
 from tests.stacks import ROLES, Stack, deployment, flush_redis
 
@@ -37,10 +48,14 @@ NAMESPACE = "orchestrator-sandboxes"
 # Anything on the Kubernetes path that still asks a Docker daemon fails loudly here.
 NO_DOCKER = "unix:///nonexistent/docker.sock"
 
+Obj = dict[str, Any]
 
-class RealCluster(NamedTuple):
+
+@dataclass
+class RealCluster:
     """A control plane, its real node, and clients as the admin and as the chart's worker
-    (``token``: its ServiceAccount's)."""
+    (``token``: its ServiceAccount's). What the tests read behind the backend's back, and
+    the faults they play, as the hand-written cluster's (cluster.py) same-named methods."""
 
     plane: ControlPlane
     node: RealNode
@@ -48,13 +63,60 @@ class RealCluster(NamedTuple):
     worker: Client
     token: str
 
-    def worker_kubeconfig(self) -> dict[str, Any]:
-        """A kubeconfig as the chart's worker ServiceAccount, in the sandbox namespace."""
-        return self.plane.kubeconfig_for("worker", SANDBOX_NAMESPACE, token=self.token)
+    def kubeconfig(self, namespace: str = SANDBOX_NAMESPACE) -> dict[str, Any]:
+        """A kubeconfig as the chart's worker ServiceAccount."""
+        return self.plane.kubeconfig_for("worker", namespace, token=self.token)
+
+    def client(self, namespace: str = SANDBOX_NAMESPACE) -> Client:
+        """A new lightkube client as the chart's worker (the caller closes it)."""
+        return self.plane.client("worker", namespace, token=self.token)
+
+    def read(self, plural: str, name: str, namespace: str = SANDBOX_NAMESPACE) -> Obj | None:
+        """The object as the API server has it now, or None."""
+        try:
+            found = self.admin.get(_KINDS[plural], name, namespace=namespace)
+        except ApiError as exc:
+            if exc.status.code == 404:
+                return None
+            raise
+        return found.to_dict()
+
+    def names(self, plural: str, namespace: str = SANDBOX_NAMESPACE) -> set[str]:
+        return {
+            o.metadata.name
+            for o in self.admin.list(_KINDS[plural], namespace=namespace)
+            if o.metadata and o.metadata.name
+        }
+
+    def kill(self, pod_name: str) -> None:
+        """SIGKILL the sandbox's container, as a runtime or a person on the node would."""
+        self.node.kill(pod_name, CONTAINER)
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Until nothing of the pods gone from the API server is left on the node."""
+        self.node.wait_settled(timeout_s)
+
+    def docker_objects(self, pod_name: str) -> list[str]:
+        """The containers of one pod that still exist (dockershim makes no volumes: a pod's
+        emptyDirs are directories of the kubelet's)."""
+        return [
+            f"container {c.name}"
+            for c in self.node.containers()
+            if c.labels.get(POD_NAME_LABEL) == pod_name
+        ]
+
+
+_KINDS: dict[str, type[Pod] | type[Secret]] = {"pods": Pod, "secrets": Secret}
 
 
 @pytest.fixture(scope="module")
-def real_cluster() -> Iterator[RealCluster]:
+def real_node_options() -> dict[str, Any]:
+    """Keyword arguments of the module's ``RealNode`` (a module overrides this fixture)."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def real_cluster(real_node_options: dict[str, Any]) -> Iterator[RealCluster]:
     """A control plane and its real node (node.py), with the chart's worker RBAC applied:
     for the modules of group ``real-node`` (one real kubelet per daemon at a time)."""
     with ControlPlane(namespaces=(RELEASE_NAMESPACE, SANDBOX_NAMESPACE)) as plane:
@@ -64,18 +126,21 @@ def real_cluster() -> Iterator[RealCluster]:
         finally:
             admin_api.close()
         with (
-            RealNode(plane) as node,
+            RealNode(plane, **real_node_options) as node,
             contextlib.closing(plane.client()) as admin,
             contextlib.closing(plane.client("worker", SANDBOX_NAMESPACE, token=token)) as worker,
         ):
-            yield RealCluster(plane=plane, node=node, admin=admin, worker=worker, token=token)
+            cluster = RealCluster(plane=plane, node=node, admin=admin, worker=worker, token=token)
+            cluster.settle()
+            yield cluster
+            cluster.settle()
 
 
 class K8sStack(Stack):
     """The e2e ``Stack`` on pods: its cluster, and a backend of its deployment that looks
     at the pods from outside the stack's processes."""
 
-    cluster: TestCluster
+    cluster: RealCluster
     k8s: KubernetesBackend
     image: str  # the codebase's image, as the catalogue names it
 
@@ -86,9 +151,9 @@ class K8sStack(Stack):
 
 @pytest.fixture(scope="session")
 def k8s_session_cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
-    """The session's one cluster (control plane and test kubelet), shared by every module
-    here: they all run on one xdist worker (group ``k8s``), one after another. Starting
-    one cost about 10 s of both cores; five modules each started their own."""
+    """The session's one hand-written cluster (control plane and test kubelet), shared by
+    the modules of group ``k8s``, one after another on one xdist worker: starting one costs
+    about 10 s of both cores."""
     # Its containers carry a deployment of their own (still this run's, for the leak
     # check), so no Docker backend's label sweep takes them for its sandboxes.
     with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet") as cluster:
@@ -164,14 +229,14 @@ def _environments(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def k8s_stack(
     settings: Settings,
-    k8s_cluster: TestCluster,
+    real_cluster: RealCluster,
     requests_image: str,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[K8sStack]:
     """API, worker and reaper of a deployment of its own whose sandboxes are pods."""
     root = tmp_path_factory.mktemp("k8s-stack")
     kubeconfig = root / "kubeconfig"
-    kubeconfig.write_text(json.dumps(k8s_cluster.kubeconfig(NAMESPACE)))  # JSON is YAML
+    kubeconfig.write_text(json.dumps(real_cluster.kubeconfig(NAMESPACE)))  # JSON is YAML
     catalogue = root / "codebases.yaml"
     # The image as the local daemon names it: relative to an empty k8s_image_registry.
     catalogue.write_text(yaml.safe_dump({REQUESTS_CODEBASE: requests_image}))
@@ -188,12 +253,14 @@ def k8s_stack(
         environments_file=environments,
         docker_host=NO_DOCKER,
         reaper_interval_s=1.0,
+        # A real kubelet's pod start: its once-a-second status polling, the probe's delay.
+        sandbox_start_timeout_s=60,
     )
     made.env.pop("DOCKER_HOST", None)
     stack = K8sStack(settings=made.settings, env=made.env, codebase=made.codebase, logs=root)
-    stack.cluster = k8s_cluster
+    stack.cluster = real_cluster
     stack.image = requests_image
-    stack.k8s = KubernetesBackend(stack.settings, client=k8s_cluster.client(NAMESPACE))
+    stack.k8s = KubernetesBackend(stack.settings, client=real_cluster.client(NAMESPACE))
     try:
         for role in ROLES:
             stack.start_role(role)
@@ -203,5 +270,5 @@ def k8s_stack(
         stack.stop_all()
         # The sandboxes are pods: destroyed through the API server, not by a daemon.
         collect_expired(stack.k8s, everything=True)
-        k8s_cluster.settle()
+        real_cluster.settle()
         flush_redis(stack.settings)

@@ -91,6 +91,8 @@ KERNEL_TUNABLES = {
     "kernel/keys/root_maxbytes": "25000000",
 }
 POD_UID_LABEL = "io.kubernetes.pod.uid"
+POD_NAME_LABEL = "io.kubernetes.pod.name"
+CONTAINER_NAME_LABEL = "io.kubernetes.container.name"
 # The cluster DNS Service's address (in control_plane.SERVICE_CIDR), as kubeadm's.
 DNS_SERVICE_IP = "10.96.0.10"
 DNSMASQ = Path("/usr/sbin/dnsmasq")
@@ -167,8 +169,16 @@ class RealNode:
     (``subnet``). ``close`` stops the kubelet and removes every container, mount, cgroup,
     pod log and file it made, whatever state it was left in."""
 
-    def __init__(self, plane: ControlPlane, *, max_pods: int = 110, services: bool = False) -> None:
-        """``services``: what an installed application needs of a cluster besides its pods.
+    def __init__(
+        self,
+        plane: ControlPlane,
+        *,
+        max_pods: int = 110,
+        pod_pids_limit: int = 1024,
+        services: bool = False,
+    ) -> None:
+        """``pod_pids_limit``: the kubelet's ``podPidsLimit``, each pod's processes.
+        ``services``: what an installed application needs of a cluster besides its pods.
         Pods reach each other and ClusterIP Services (the real kube-proxy, iptables mode),
         resolve Services by name (``DNS_SERVICE_IP``: the smallest stand-in for CoreDNS,
         which Debian does not package: Debian's dnsmasq answering from the Services and
@@ -188,6 +198,7 @@ class RealNode:
         self.plane = plane
         self.bin = plane.bin
         self.max_pods = max_pods
+        self.pod_pids_limit = pod_pids_limit
         self.id = uuid.uuid4().hex[:8]
         # Made once the lock is held (start): a sweep of another process's stale nodes
         # takes every directory of the prefix but its own.
@@ -261,9 +272,14 @@ class RealNode:
             "nodeStatusUpdateFrequency": "2s",
             "syncFrequency": "5s",
             "fileCheckFrequency": "20s",
-            "volumeStatsAggPeriod": "5s",
+            # Pods' emptyDir usage measured every second: a disk-backed one past its
+            # sizeLimit is evicted at the eviction manager's next look (every 10 s).
+            "volumeStatsAggPeriod": "1s",
+            # A memory-backed emptyDir's tmpfs sized to its sizeLimit (ENOSPC past it), as
+            # every kubelet from 1.22 does by default (alpha in 1.20).
+            "featureGates": {"SizeMemoryBackedVolumes": True},
             "serializeImagePulls": False,
-            "podPidsLimit": 1024,
+            "podPidsLimit": self.pod_pids_limit,
             **self._service_config(),
         }
 
@@ -453,24 +469,51 @@ class RealNode:
         nothing of a pod is left need not wait for it. A running container, or one of a pod
         still in the API server (being deleted included), is the kubelet's business and
         left alone."""
+        removed: list[str] = []
+        uids: set[str] = set()
+        for container in self._of_gone_pods():
+            if container.status == "running":
+                continue
+            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                container.remove(v=True)
+                removed.append(container.name)
+            uids.add(container.labels.get(POD_UID_LABEL, ""))
+        _remove_pod_logs(uids)
+        return removed
+
+    def wait_settled(self, timeout_s: float = 60.0) -> None:
+        """Until no container of a pod gone from the API server is left: ``settle`` again
+        while the kubelet still stops one, or tears the same pod sandbox down (Docker then
+        refuses the second removal); AssertionError after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.settle()
+            left = [c.name for c in self._of_gone_pods()]
+            if not left:
+                return
+            assert time.monotonic() < deadline, f"left after settling: {left}"
+            time.sleep(0.2)
+
+    def _of_gone_pods(self) -> list[Any]:
         # Containers first: the kubelet makes them only for pods the API server had, so one
         # whose pod a later listing lacks is a deleted pod's (not a pod made meanwhile).
         containers = self.containers()
         with contextlib.closing(self.plane.client()) as admin:
             # A lazy listing: read before the client closes.
             live = {p.metadata.uid for p in admin.list(Pod, namespace=ALL_NS) if p.metadata}
-        removed: list[str] = []
-        uids: set[str] = set()
-        for container in containers:
-            uid = container.labels.get(POD_UID_LABEL, "")
-            if uid in live or container.status == "running":
-                continue
-            with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
-                container.remove(v=True)
-                removed.append(container.name)
-            uids.add(uid)
-        _remove_pod_logs(uids)
-        return removed
+        return [c for c in containers if c.labels.get(POD_UID_LABEL, "") not in live]
+
+    def kill(self, pod_name: str, container: str) -> None:
+        """SIGKILL one running container of a pod, as the runtime's OOM killer or a person
+        on the node would; the kubelet then reports it (exit 137)."""
+        (found,) = [
+            c
+            for c in self.containers()
+            if c.labels.get(POD_NAME_LABEL) == pod_name
+            and c.labels.get(CONTAINER_NAME_LABEL) == container
+            and c.status == "running"
+        ]
+        found.kill()
 
     # -- services (kube-proxy, DNS) ---------------------------------------------------------
 

@@ -2,7 +2,7 @@
 RoleBinding exactly as ``helm template`` renders them from the chart (never hand-copied),
 applied by an administrator, and the account's token as the token controller issued it.
 
-A backend given ``worker_kubeconfig`` talks to the API server as the chart's worker does in
+A backend given a kubeconfig of this account talks to the API server as the chart's worker does in
 a cluster, so a verb the Role lacks fails its test with the API server's 403, and the audit
 log shows every verb the worker used (``tests/k8s/test_rbac.py`` compares the two).
 """

@@ -38,7 +38,7 @@ def kubeconfig(
         return
     cluster = request.getfixturevalue("real_cluster")  # tests/k8s/conftest.py
     path = tmp_path_factory.mktemp("k8s-e2e") / "kubeconfig"
-    path.write_text(json.dumps(cluster.worker_kubeconfig()))  # JSON is YAML
+    path.write_text(json.dumps(cluster.kubeconfig()))  # JSON is YAML
     yield str(path)
 
 

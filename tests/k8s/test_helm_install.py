@@ -281,22 +281,13 @@ def all_ready(cluster: Cluster, namespace: str) -> Callable[[], bool]:
     return check
 
 
-def sandbox_rollouts(cluster: Cluster) -> list[str]:
-    """The rollout label of every sandbox pod (``POOL_LABEL`` for a warm pool's)."""
-    return [
-        (p.metadata.labels or {}).get("orchestrator.rollout", "")
+def sandbox_pods(cluster: Cluster) -> dict[str, str]:
+    """Each sandbox pod's name and rollout label (``POOL_LABEL`` for a warm pool's)."""
+    return {
+        p.metadata.name: (p.metadata.labels or {}).get("orchestrator.rollout", "")
         for p in cluster.pods(SANDBOXES)
-        if p.metadata
-    ]
-
-
-def sandbox_pods(cluster: Cluster) -> list[str]:
-    try:
-        return [p.metadata.name for p in cluster.pods(SANDBOXES) if p.metadata and p.metadata.name]
-    except ApiError as exc:
-        if exc.status.code == 404:
-            return []
-        raise
+        if p.metadata and p.metadata.name
+    }
 
 
 def agent_rft_rollout(client: httpx.Client, item: dict[str, Any]) -> tuple[str, float]:
@@ -398,7 +389,7 @@ def test_helm_install_a_trainers_rollouts_upgrade_and_uninstall(
             # Every graded rollout's pod goes (closed by the reaper); what stays is the
             # warm pool the deployment keeps (a pool pod has no rollout).
             wait_for(
-                lambda: all(rollout == POOL_LABEL for rollout in sandbox_rollouts(cluster)),
+                lambda: all(rollout == POOL_LABEL for rollout in sandbox_pods(cluster).values()),
                 timeout_s=60,
                 what="the graded rollouts' pods gone",
             )

@@ -22,16 +22,16 @@ from orchestrator.sandbox.backend import SandboxHandle, SandboxLimits, SandboxSp
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
 from orchestrator.sandbox.k8s.pods import CONTAINER, SEED_CONTAINER
 from tests.k8s.conftest import RealCluster
-from tests.k8s.node import POD_LOGS, POD_UID_LABEL
+from tests.k8s.node import CONTAINER_NAME_LABEL, POD_LOGS, POD_UID_LABEL
 from tests.k8s.rbac import SANDBOX_NAMESPACE
 from tests.k8s.test_backend import k8s_settings
 
-# The group of the real node's modules (this and test_helm_install.py), one after another
-# on one worker: one real kubelet per Docker daemon is node.py's lock, and a module of this
-# group never holds a worker waiting for it. Beside the hand-written cluster's modules
-# (group k8s) on another worker: the real kubelet leaves that cluster's containers alone
-# (they carry no io.kubernetes.* label), and kube-proxy's rules match only its own
-# Services' addresses. Together they were the run's longest worker (7:39 of 8:01).
+# The group of the real node's modules (this, test_cluster_e2e, test_helm_install,
+# test_stack_on_kubernetes, test_agent_caused), one after another on one worker: one real
+# kubelet per Docker daemon is node.py's lock, and a module of this group never holds a
+# worker waiting for it. Beside the hand-written cluster's modules (group k8s) on another
+# worker: the real kubelet leaves that cluster's containers alone (they carry no
+# io.kubernetes.* label), and kube-proxy's rules match only its own Services' addresses.
 pytestmark = pytest.mark.xdist_group("real-node")
 
 # Measured: the pod gone from the API server 0.02 s after the destroy, its containers
@@ -88,7 +88,7 @@ def test_a_sandbox_runs_on_a_real_kubelet_and_leaves_nothing(
         # Made by this kubelet through dockershim (its labels, under its cgroup root): the
         # pause container and the sandbox running, the seeding init container done.
         made = {
-            c.labels["io.kubernetes.container.name"]: (c.status, c.attrs["State"]["ExitCode"])
+            c.labels[CONTAINER_NAME_LABEL]: (c.status, c.attrs["State"]["ExitCode"])
             for c in node.containers()
             if c.labels.get(POD_UID_LABEL) == uid
         }
@@ -123,13 +123,7 @@ def test_a_sandbox_runs_on_a_real_kubelet_and_leaves_nothing(
     assert not _exists(admin, Secret, name)
     assert k8s.list_owned() == []
     # What is left of it is exited (its pause container), for the kubelet's garbage
-    # collection to remove within a minute; the node removes it now. The kubelet may be
-    # tearing the same pod sandbox down at that moment (Docker then refuses the second
-    # removal, or a sandbox the kubelet made again for the deleted pod is still being
-    # stopped), so what is left is settled until it is gone, within a bound.
-    deadline = time.monotonic() + DESTROYED_TIMEOUT_S
-    while node.settle() or node.pod_containers(uid):
-        assert time.monotonic() < deadline, f"left after settling: {node.pod_containers(uid)}"
-        time.sleep(0.2)
+    # collection to remove within a minute; the node removes it now.
+    node.wait_settled(DESTROYED_TIMEOUT_S)
     assert node.pod_containers(uid) == []
     assert list(POD_LOGS.glob(f"*_{uid}")) == []

@@ -1,8 +1,8 @@
 """The whole stack on the Kubernetes backend: a trainer's calls go API → Redis/Celery →
-worker → ``KubernetesBackend`` → the pod's exec agent over TCP, against the real control
-plane and the test kubelet of cluster.py (conftest.py's ``k8s_stack``). The API, worker and
-reaper have no Docker daemon to reach (``ORCH_DOCKER_HOST`` names none), so anything on this
-path that still asks Docker fails here.
+worker → ``KubernetesBackend`` → the pod's exec agent over TCP at its pod IP, against the
+real control plane and a real kubelet (node.py; conftest.py's ``k8s_stack``). The API,
+worker and reaper have no Docker daemon to reach (``ORCH_DOCKER_HOST`` names none), so
+anything on this path that still asks Docker fails here.
 
 Checked: an Agent RFT rollout with sequential and parallel calls, graded, its pod there
 while it lives and gone after; readiness from the backend's heartbeat; a pod killed under a
@@ -42,7 +42,7 @@ from tests.e2e.helpers import error_code, file_f1, function_call, new_trace, wai
 from tests.k8s.conftest import OUTAGE, POOLED, K8sStack
 from tests.stacks import TOKEN
 
-pytestmark = pytest.mark.xdist_group("k8s")
+pytestmark = pytest.mark.xdist_group("real-node")
 
 GOLD = ["src/requests/sessions.py", "src/requests/adapters.py"]
 
