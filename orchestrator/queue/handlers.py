@@ -130,7 +130,8 @@ def _sweep_at_start() -> None:
     On Kubernetes a release's pods start together, so a worker often starts before Redis
     answers; left to the reaper's next sweep of the host, its start took a minute or two
     longer (tests/k8s/test_helm_install.py: `helm install` to every pod Ready went from
-    about 25 s to 110-140 s, and past 4 minutes once)."""
+    about 25 s to 110-140 s, and past 4 minutes once). Pinned by tests/k8s/
+    test_stack_on_kubernetes.py (a worker started while the API server is away)."""
     host = worker.current()
     failures = 0
     while host.swept_mark is None and not host.in_flight.draining:

@@ -226,24 +226,20 @@ def _environments(path: Path) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def k8s_stack(
-    settings: Settings,
-    real_cluster: RealCluster,
-    requests_image: str,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[K8sStack]:
-    """API, worker and reaper of a deployment of its own whose sandboxes are pods."""
-    root = tmp_path_factory.mktemp("k8s-stack")
+def k8s_deployment(
+    settings: Settings, cluster: RealCluster, image: str, root: Path, name: str = "k8s"
+) -> K8sStack:
+    """A deployment of its own (not started) whose sandboxes are pods of ``cluster``, its
+    configuration and logs under ``root``."""
     kubeconfig = root / "kubeconfig"
-    kubeconfig.write_text(json.dumps(real_cluster.kubeconfig(NAMESPACE)))  # JSON is YAML
+    kubeconfig.write_text(json.dumps(cluster.kubeconfig(NAMESPACE)))  # JSON is YAML
     catalogue = root / "codebases.yaml"
     # The image as the local daemon names it: relative to an empty k8s_image_registry.
-    catalogue.write_text(yaml.safe_dump({REQUESTS_CODEBASE: requests_image}))
+    catalogue.write_text(yaml.safe_dump({REQUESTS_CODEBASE: image}))
     environments = _environments(root / "environments.yaml")
     made = deployment(
         settings,
-        "k8s",
+        name,
         logs=root,
         codebase=REQUESTS_CODEBASE,
         env={"KUBECONFIG": str(kubeconfig)},
@@ -258,17 +254,39 @@ def k8s_stack(
     )
     made.env.pop("DOCKER_HOST", None)
     stack = K8sStack(settings=made.settings, env=made.env, codebase=made.codebase, logs=root)
-    stack.cluster = real_cluster
-    stack.image = requests_image
-    stack.k8s = KubernetesBackend(stack.settings, client=real_cluster.client(NAMESPACE))
+    stack.cluster = cluster
+    stack.image = image
+    stack.k8s = KubernetesBackend(stack.settings, client=cluster.client(NAMESPACE))
+    return stack
+
+
+def stop_k8s_deployment(stack: K8sStack) -> None:
+    """Its processes stopped, its pods destroyed through the API server (not by a daemon)
+    and settled on the node, its Redis keys forgotten."""
+    try:
+        stack.stop_all()
+        collect_expired(stack.k8s, everything=True)
+        stack.cluster.settle()
+        flush_redis(stack.settings)
+    finally:
+        stack.k8s.client.close()
+
+
+@pytest.fixture(scope="module")
+def k8s_stack(
+    settings: Settings,
+    real_cluster: RealCluster,
+    requests_image: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[K8sStack]:
+    """API, worker and reaper of a deployment of its own whose sandboxes are pods."""
+    stack = k8s_deployment(
+        settings, real_cluster, requests_image, tmp_path_factory.mktemp("k8s-stack")
+    )
     try:
         for role in ROLES:
             stack.start_role(role)
         stack.wait_ready()
         yield stack
     finally:
-        stack.stop_all()
-        # The sandboxes are pods: destroyed through the API server, not by a daemon.
-        collect_expired(stack.k8s, everything=True)
-        real_cluster.settle()
-        flush_redis(stack.settings)
+        stop_k8s_deployment(stack)

@@ -11,7 +11,8 @@ pool pod still starting is spared; an unknown codebase refused with the catalogu
 one ``/v1/rollouts`` lifecycle through ``RolloutClient``; a warm pool pod handed out and
 replaced; the operators' commands (smoke, sandbox run/ls/gc, codebase ls, status,
 rollouts ls) beside the stack; an API server outage under a running rollout (the worker
-cordoned, the calls answered, the rollout graded and closed once it is back).
+cordoned, the calls answered, the rollout graded and closed once it is back); a worker
+started while the API server is away (its first sweep tried again until it finishes).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import threading
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -32,6 +34,7 @@ import pytest
 import redis
 
 from orchestrator.client import RolloutClient
+from orchestrator.config import Settings
 from orchestrator.environments.examples import REQUESTS_CODEBASE
 from orchestrator.queue.sweep import POOL_DELIVERY_S, pool_delivery_s
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
@@ -39,7 +42,13 @@ from orchestrator.sandbox.k8s import pods
 from orchestrator.state.keys import Keys
 from orchestrator.state.pool_sizing import POOL_LABEL, pool_name
 from tests.e2e.helpers import error_code, file_f1, function_call, new_trace, wait_for
-from tests.k8s.conftest import OUTAGE, POOLED, K8sStack
+from tests.k8s.conftest import (
+    OUTAGE,
+    POOLED,
+    K8sStack,
+    k8s_deployment,
+    stop_k8s_deployment,
+)
 from tests.stacks import TOKEN
 
 pytestmark = pytest.mark.xdist_group("real-node")
@@ -497,3 +506,41 @@ def test_an_api_server_outage_cordons_the_worker_and_its_rollout_calls_on(
         assert client.get(f"/v1/rollouts/{trace}").json()["state"] == "closed"
     stack.cluster.settle()
     assert stack.cluster.docker_objects(name) == []
+
+
+def test_a_worker_started_while_the_api_server_is_away_is_schedulable_soon_after_it_is_back(
+    k8s_stack: K8sStack, settings: Settings, tmp_path: Path
+) -> None:
+    """A worker's first sweep lifts its "starting" cordon. On Kubernetes a release's pods
+    start together, so a worker may start before the API server answers it: that sweep
+    fails, and is tried again every second (queue/handlers.py) until it finishes. This
+    deployment runs no reaper, whose sweep of the host would otherwise lift the cordon
+    too: without the retry its worker stays cordoned for good."""
+    plane = k8s_stack.cluster.plane
+    stack = k8s_deployment(settings, k8s_stack.cluster, k8s_stack.image, tmp_path, "k8s-start")
+    worker_log = tmp_path / "worker.log"
+    try:
+        plane.stop_apiserver()
+        try:
+            stack.start_role("worker")
+            stack.start_role("api")
+            wait_for(
+                lambda: (
+                    worker_log.exists() and "worker.start_sweep_failed" in worker_log.read_text()
+                ),
+                timeout_s=60,
+                what="the worker's first sweep to fail while the API server is away",
+            )
+        finally:
+            restarted = time.monotonic()
+            plane.start_apiserver()
+        stack.wait_ready(timeout_s=30)
+        print(f"stack ready {time.monotonic() - restarted:.1f} s after the API server's start")
+        events = [
+            json.loads(line).get("event")
+            for line in worker_log.read_text().splitlines()
+            if line.startswith("{")
+        ]
+        assert events.index("worker.start_sweep_failed") < events.index("worker.start_sweep")
+    finally:
+        stop_k8s_deployment(stack)
