@@ -5,13 +5,14 @@ Pipelined commands of many coroutines on one connection each get their own reply
 reply reaches only its caller; a lost connection fails what was in flight and the next
 command connects again (retried when the caller says it is safe); a script Redis forgot is
 loaded again; a blocking command cancelled takes its connection with it; a thread's
-connection is its own.
+connection is its own; a Redis that hangs fails its commands in bounded time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -25,6 +26,7 @@ import redis
 
 from orchestrator.config import Settings
 from orchestrator.local import free_port
+from orchestrator.state import resp
 from orchestrator.state.resp import AsyncConnection, BlockingPool, Script, SyncConnection
 from tests.redis_units import delete_keys
 
@@ -132,7 +134,7 @@ def test_a_lost_connection_fails_what_was_in_flight_and_is_retried_when_safe(
         connection = AsyncConnection(private_redis["tcp"], name)
         try:
             await connection.call("PING")
-            waiting = asyncio.ensure_future(pool.call("BLPOP", "never", 20))
+            waiting = asyncio.ensure_future(pool.call("BLPOP", "never", 20, block_s=20))
             await asyncio.sleep(0.3)
             assert admin.client_kill_filter(skipme=True) >= 2
             with pytest.raises(redis.ConnectionError):
@@ -146,7 +148,7 @@ def test_a_lost_connection_fails_what_was_in_flight_and_is_retried_when_safe(
             await asyncio.sleep(0.1)
             admin.client_kill_filter(skipme=True)
             assert await racing in (1, 2)
-            assert await pool.call("LPUSH", "l", "x") == 1
+            assert await pool.call("LPUSH", "l", "x", block_s=0) == 1
         finally:
             await connection.close()
             await pool.close()
@@ -219,11 +221,11 @@ def test_a_cancelled_blocking_command_takes_its_connection_with_it(
         pool = BlockingPool(private_redis["tcp"], f"{NAME}:cancel")
         try:
             with pytest.raises(TimeoutError):
-                await asyncio.wait_for(pool.call("BLPOP", "later", 5), 0.3)
+                await asyncio.wait_for(pool.call("BLPOP", "later", 5, block_s=5), 0.3)
             # Its answer would have been someone else's: the connection is gone, and the
             # element pushed now is not popped by a ghost.
             admin.rpush("later", "x")
-            assert await pool.call("LPOP", "later") == "x"
+            assert await pool.call("LPOP", "later", block_s=0) == "x"
         finally:
             await pool.close()
 
@@ -256,3 +258,73 @@ def test_each_thread_has_its_own_connection(settings: Settings, prefix: str) -> 
     assert len(set(seen)) == 8
     assert sync.call("GET", f"{prefix}n") == "1600"
     sync.close()
+
+
+def test_a_hung_redis_is_a_lost_connection_on_every_kind_not_a_wait_forever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Redis that hangs (its process stopped: its kernel still acknowledges, nothing
+    answers, as a frozen primary or one cut off without a reset) fails a command within
+    ``REPLY_TIMEOUT_S`` past the time it blocks by design, as a lost connection: the
+    pipelined connection, the blocking pool's and a thread's. Once Redis answers again, the
+    next command connects again."""
+    monkeypatch.setattr(resp, "REPLY_TIMEOUT_S", 0.5)
+    port = free_port()
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    sync = SyncConnection(url, NAME, timeout_s=0.5)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert sync.call("PING") == "PONG"
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+
+        async def hung() -> list[float]:
+            connection = AsyncConnection(url, NAME)
+            pool = BlockingPool(url, NAME)
+            try:
+                assert await connection.call("PING") == "PONG"
+                # The pool's connection made (and idle) before Redis hangs: a new one would
+                # fail its handshake instead, within CONNECT_TIMEOUT_S.
+                assert await pool.call("BLPOP", "hung", 0.05, block_s=0.05) is None
+                server.send_signal(signal.SIGSTOP)
+                took = []
+                for command in (
+                    connection.call("PING", retry=False),
+                    pool.call("BLPOP", "hung", 0.3, block_s=0.3),
+                ):
+                    started = time.monotonic()
+                    with pytest.raises(redis.ConnectionError, match="no reply from Redis"):
+                        await command
+                    took.append(time.monotonic() - started)
+                server.send_signal(signal.SIGCONT)
+                assert await connection.call("PING") == "PONG"
+                assert await pool.call("BLPOP", "hung", 0.05, block_s=0.05) is None
+                return took
+            finally:
+                server.send_signal(signal.SIGCONT)
+                await connection.close()
+                await pool.close()
+
+        pipelined, blocking = asyncio.run(hung())
+        assert 0.5 <= pipelined < 2.5 and 0.8 <= blocking < 2.8, (pipelined, blocking)
+        server.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(redis.ConnectionError):
+            sync.call("PING")
+        assert time.monotonic() - started < 2.5
+        server.send_signal(signal.SIGCONT)
+        assert sync.call("PING") == "PONG"
+    finally:
+        server.send_signal(signal.SIGCONT)
+        sync.close()
+        server.terminate()
+        server.wait(timeout=10)

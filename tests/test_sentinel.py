@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -30,7 +31,7 @@ from celery import Celery
 from orchestrator.config import Settings
 from orchestrator.environments.loader import load_environments
 from orchestrator.local import free_port
-from orchestrator.state.broker import celery_url
+from orchestrator.state.broker import celery_url, make_celery
 from orchestrator.state.collector import StateCollector
 from orchestrator.state.connection import async_redis_client, redis_client
 from orchestrator.state.resp import FAILOVER_RETRY_S, AsyncConnection, SyncConnection
@@ -240,6 +241,48 @@ def test_celery_reaches_the_primary_through_the_sentinels(sentinels: Sentinels) 
     _wait_new_primary(sentinels, primary.port)
     publish("q2")
     assert redis.Redis(port=sentinels.primary().port).llen("q2") == 1
+
+
+def test_celery_publishes_past_a_hung_primary(sentinels: Sentinels, settings: Settings) -> None:
+    """A primary that hangs (SIGSTOP: its connections stay open, its kernel acknowledges,
+    nothing answers) holds a publish on its connection for no longer than make_celery's
+    socket timeout and the retries after it: the publish ends, and once the Sentinels
+    promote a replica, publishes land there. Without the timeout a publish waited forever,
+    and with it a worker's whole consumer loop (its heartbeat publishes)."""
+    app = make_celery(settings.model_copy(update={"redis_url": sentinels.url}))
+    primary = sentinels.primary()
+    assert primary.proc is not None
+    ended: list[BaseException | None] = []
+    with app.connection_for_write() as connection:
+        client = connection.default_channel.client
+        client.lpush("q1", "x")
+        primary.proc.send_signal(signal.SIGSTOP)
+        try:
+
+            def publish() -> None:
+                try:
+                    client.lpush("q1", "y")
+                    ended.append(None)
+                except redis.RedisError as exc:
+                    ended.append(exc)
+
+            worker = threading.Thread(target=publish, daemon=True)
+            started = time.monotonic()
+            worker.start()
+            _wait_new_primary(sentinels, primary.port)
+            worker.join(HUNG_PUBLISH_BOUND_S)
+            assert not worker.is_alive(), "a publish on a hung primary never ended"
+            print(f"publish on a hung primary ended after {time.monotonic() - started:.1f} s")
+        finally:
+            primary.proc.send_signal(signal.SIGCONT)
+    with app.connection_for_write() as connection:
+        connection.default_channel.client.lpush("q2", "x")
+    assert redis.Redis(port=sentinels.primary().port).llen("q2") == 1
+
+
+# The socket timeout (REPLY_TIMEOUT_S) of each try redis-py makes, and the backoff
+# between them; far below forever.
+HUNG_PUBLISH_BOUND_S = 60.0
 
 
 def test_the_state_collector_reports_replicas_and_failovers(

@@ -37,8 +37,22 @@ from pydantic import BaseModel
 
 from orchestrator.config import Settings, get_settings
 from orchestrator.state.keys import Keys
+from orchestrator.state.resp import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S
 from orchestrator.state.sentinel import SentinelUrl, is_sentinel
 from orchestrator.state.wire import ReplyT, Request, RequestT, Task, TaskName
+
+HUNG_REDIS_OPTIONS: dict[str, Any] = {
+    "socket_timeout": REPLY_TIMEOUT_S,
+    "socket_connect_timeout": CONNECT_TIMEOUT_S,
+    "health_check_interval": 5,
+}
+"""kombu's, for a Redis that hangs (frozen, or cut off without a reset: a failover's old
+primary). Without a socket timeout a publish on it waited forever, and with it the worker's
+whole consumer loop, a Celery heartbeat's publish included (tests/k8s/test_helm_install.py,
+the chart's Sentinel mode: no task consumed again after the failover). The health check
+drops the consumer's BRPOP connection once its reply is overdue by this many seconds past
+the BRPOP's own second, so it finds the new primary within about 11 s (kombu's default,
+25, is about 51 s)."""
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -68,9 +82,12 @@ def make_celery(settings: Settings) -> Celery:
         broker_transport_options={
             "ack_emulation": False,
             "client_name": keys.client_name("broker"),
+            **HUNG_REDIS_OPTIONS,
             **sentinel_options,
         },
-        result_backend_transport_options=sentinel_options,
+        result_backend_transport_options={**HUNG_REDIS_OPTIONS, **sentinel_options},
+        redis_socket_timeout=REPLY_TIMEOUT_S,
+        redis_socket_connect_timeout=CONNECT_TIMEOUT_S,
     )
     return app
 

@@ -9,7 +9,7 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from orchestrator.state.resp import SyncConnection
+from orchestrator.state.resp import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, SyncConnection
 from orchestrator.state.sentinel import SentinelUrl, is_sentinel
 
 SyncRedis = redis.Redis
@@ -43,8 +43,16 @@ def async_redis_client(redis_url: str, **options: Any) -> aioredis.Redis:
 def worker_client(redis_url: str, name: str) -> SyncRedis:
     """A client of the worker process, its connections named ``name`` (state/keys.Keys.
     client_name). Its pool holds up to 256 connections: more than the worker's threads
-    (Celery's, the creation lane's) that can hold one at once."""
-    return redis_client(redis_url, max_connections=256, client_name=name)
+    (Celery's, the creation lane's) that can hold one at once. A reply later than
+    :data:`~orchestrator.state.resp.REPLY_TIMEOUT_S` is an error (a hung Redis answers
+    nothing), and the next command connects again."""
+    return redis_client(
+        redis_url,
+        max_connections=256,
+        client_name=name,
+        socket_timeout=REPLY_TIMEOUT_S,
+        socket_connect_timeout=CONNECT_TIMEOUT_S,
+    )
 
 
 def call_path_connection(redis_url: str, name: str) -> SyncConnection:

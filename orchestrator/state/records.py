@@ -31,7 +31,12 @@ from orchestrator.state.calls import ApiCalls
 from orchestrator.state.connection import async_redis_client
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutSource, RolloutState, TrajectoryStep
-from orchestrator.state.resp import AsyncConnection, BlockingPool
+from orchestrator.state.resp import (
+    CONNECT_TIMEOUT_S,
+    REPLY_TIMEOUT_S,
+    AsyncConnection,
+    BlockingPool,
+)
 from orchestrator.state.sentinel import is_sentinel
 
 RECENT_FAILURES_MAX = 100
@@ -281,6 +286,10 @@ class RolloutStore:
             retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
             retry_on_error=[RedisConnectionError, RedisTimeoutError],
             client_name=keys.client_name(role),
+            # A hung Redis answers nothing: the command times out, and its retry connects
+            # again (behind Sentinel, to whichever primary the Sentinels name by then).
+            socket_timeout=REPLY_TIMEOUT_S,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
         )
         # The call path's own connections (state/resp.py): its two scripts pipelined on
         # one, the waits for replies on others.

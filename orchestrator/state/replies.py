@@ -147,7 +147,8 @@ class WorkerClient:
     async def wait_reply(self, reply_key: str, timeout_s: float) -> dict[str, Any] | None:
         """One bounded wait on a reply list; None when nothing came."""
         # (0 would be forever: a wait is always bounded.)
-        popped = await self._waits.call("BLPOP", reply_key, max(0.01, round(timeout_s, 3)))
+        block_s = max(0.01, round(timeout_s, 3))
+        popped = await self._waits.call("BLPOP", reply_key, block_s, block_s=block_s)
         if popped is None:
             return None
         reply: dict[str, Any] = json.loads(popped[1])

@@ -17,6 +17,10 @@ Redis cost per call. Everything off the hot path keeps redis-py.
 - :class:`Script`: EVALSHA, loading the script when Redis does not know it (NOSCRIPT,
   after a restart or a SCRIPT FLUSH).
 
+A reply that does not come within :data:`REPLY_TIMEOUT_S` (past the time a blocking
+command blocks) is a lost connection too: a hung Redis acknowledges at the TCP level and
+answers nothing.
+
 Failures look like redis-py's, so the layers above catch one name
 (:data:`~orchestrator.state.errors.StateError`): a lost or refused connection is a
 ``redis.ConnectionError``, an error reply a ``redis.ResponseError``. A command that lost its
@@ -67,6 +71,13 @@ RETRY_MAX_S = 1.0
 # and a replica is promoted within a second or two of that.
 FAILOVER_RETRY_S = 15.0
 FAILOVER_RETRY_EVERY_S = 0.25
+# How long a command's reply may take (beyond the time it blocks by design: BLPOP's) before
+# its connection is taken as lost. A Redis that hangs (its process frozen, its node cut off
+# without a reset) keeps the TCP connection open, its kernel still acknowledging, and
+# answers nothing: without this every call waited on it forever, a failover included
+# (tests/k8s/test_helm_install.py, the chart's Sentinel mode). A loaded Redis answers a
+# call path's script in milliseconds.
+REPLY_TIMEOUT_S = 5.0
 # How long a write waits for its replicas (WAIT) before it is taken as not kept: healthy
 # replicas acknowledge within a millisecond or two on one network.
 REPLICA_WAIT_MS = 1000
@@ -179,16 +190,33 @@ def _demoted(reply: object) -> bool:
 
 
 class _Protocol(asyncio.Protocol):
-    """One connection: writes commands, resolves their futures in order as replies come."""
+    """One connection: writes commands, resolves their futures in order as replies come.
+    Each waits with its deadline; a watchdog looks at the oldest now and then (replies
+    come in order, so it is the first to be late), not a timer per command: the call path
+    sends thousands a second."""
 
     def __init__(self) -> None:
         self.reader = _reader()
-        self.waiting: deque[asyncio.Future[Any]] = deque()
+        self.waiting: deque[tuple[asyncio.Future[Any], float]] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost: Exception | None = None
+        self._watchdog: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._watch()
+
+    def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._watchdog = loop.call_later(max(0.05, REPLY_TIMEOUT_S / 4), self._look)
+
+    def _look(self) -> None:
+        if self.lost is not None:
+            return
+        if self.waiting and self.waiting[0][1] < asyncio.get_running_loop().time():
+            self.abandon(redis.ConnectionError("no reply from Redis in time: taken as lost"))
+            return
+        self._watch()
 
     def data_received(self, data: bytes) -> None:
         self.reader.feed(data)
@@ -207,7 +235,7 @@ class _Protocol(asyncio.Protocol):
                 if self.transport is not None:
                     self.transport.close()
                 return
-            future = self.waiting.popleft()
+            future, _ = self.waiting.popleft()
             if _demoted(reply):  # every later command on it would be refused too
                 lost = redis.ConnectionError(f"Redis is a replica now: {reply}")
                 if not future.done():
@@ -226,19 +254,31 @@ class _Protocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(redis.ConnectionError(f"connection to Redis lost: {exc or 'closed'}"))
 
+    def abandon(self, exc: Exception) -> None:
+        """No reply came in time: fail every command waiting on this connection and close
+        it (its stream can no longer be trusted to be in step)."""
+        self._fail(exc)
+        if self.transport is not None:
+            self.transport.close()
+
     def _fail(self, exc: Exception) -> None:
         self.lost = exc
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         while self.waiting:
-            future = self.waiting.popleft()
+            future, _ = self.waiting.popleft()
             if not future.done():
                 future.set_exception(exc)
 
-    def send(self, args: Sequence[Arg]) -> asyncio.Future[Any]:
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    def send(self, args: Sequence[Arg], block_s: float = 0.0) -> asyncio.Future[Any]:
+        """The future of the command's reply; failed when none came within ``block_s``
+        (the time it blocks by design) plus :data:`REPLY_TIMEOUT_S`."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         if self.lost is not None or self.transport is None or self.transport.is_closing():
             future.set_exception(self.lost or redis.ConnectionError("not connected to Redis"))
             return future
-        self.waiting.append(future)
+        self.waiting.append((future, loop.time() + block_s + REPLY_TIMEOUT_S))
         self.transport.write(_pack(args))
         return future
 
@@ -254,14 +294,16 @@ class AsyncConnection:
         self._protocol: _Protocol | None = None
         self._connecting: asyncio.Lock | None = None
 
-    async def call(self, *args: Arg, retry: bool = False) -> Any:
+    async def call(self, *args: Arg, retry: bool = False, block_s: float = 0.0) -> Any:
         """The reply to one command. ``retry``: the command may run twice (it is retried
-        on a new connection when its connection was lost, whether or not Redis ran it)."""
+        on a new connection when its connection was lost, whether or not Redis ran it).
+        ``block_s``: how long the command blocks by design (BLPOP's timeout); a reply
+        later than that plus :data:`REPLY_TIMEOUT_S` loses the connection."""
         retries = _Retries(self.endpoint)
         while True:
             try:
                 protocol = await self._connected()
-                return await protocol.send(args)
+                return await protocol.send(args, block_s)
             except redis.ConnectionError:
                 wait = retries.next_wait() if retry else None
                 if wait is None:
@@ -322,10 +364,11 @@ class BlockingPool:
         self.name = name
         self._idle: list[AsyncConnection] = []
 
-    async def call(self, *args: Arg) -> Any:
+    async def call(self, *args: Arg, block_s: float) -> Any:
+        """The reply to one blocking command that blocks up to ``block_s``."""
         connection = self._idle.pop() if self._idle else AsyncConnection(self.url, self.name)
         try:
-            reply = await connection.call(*args)
+            reply = await connection.call(*args, block_s=block_s)
         except BaseException:
             await connection.close()
             raise
@@ -345,7 +388,9 @@ class SyncConnection:
     """A blocking Redis connection per thread of the process (Celery runs tasks in
     threads); connects on first use in a thread and again after a loss."""
 
-    def __init__(self, url: str, name: str, *, timeout_s: float | None = None) -> None:
+    def __init__(self, url: str, name: str, *, timeout_s: float = REPLY_TIMEOUT_S) -> None:
+        """``timeout_s``: how long a reply may take before the connection is taken as
+        lost (each read; a WAIT blocks up to :data:`REPLICA_WAIT_MS`, less)."""
         self.endpoint = Endpoint.from_url(url)
         self.name = name
         self.timeout_s = timeout_s

@@ -503,17 +503,21 @@ class RealNode:
             live = {p.metadata.uid for p in admin.list(Pod, namespace=ALL_NS) if p.metadata}
         return [c for c in containers if c.labels.get(POD_UID_LABEL, "") not in live]
 
-    def kill(self, pod_name: str, container: str) -> None:
-        """SIGKILL one running container of a pod, as the runtime's OOM killer or a person
-        on the node would; the kubelet then reports it (exit 137)."""
+    def container(self, pod_name: str, name: str) -> Any:
+        """The running Docker container of one of a pod's containers."""
         (found,) = [
             c
             for c in self.containers()
             if c.labels.get(POD_NAME_LABEL) == pod_name
-            and c.labels.get(CONTAINER_NAME_LABEL) == container
+            and c.labels.get(CONTAINER_NAME_LABEL) == name
             and c.status == "running"
         ]
-        found.kill()
+        return found
+
+    def kill(self, pod_name: str, container: str) -> None:
+        """SIGKILL one running container of a pod, as the runtime's OOM killer or a person
+        on the node would; the kubelet then reports it (exit 137)."""
+        self.container(pod_name, container).kill()
 
     # -- services (kube-proxy, DNS) ---------------------------------------------------------
 

@@ -11,10 +11,14 @@ cluster, both because this one is 1.20: the chart's ``kubeVersion`` floor (1.30)
 in the test's copy of the chart, and the PDBs are served at ``policy/v1beta1`` (the chart
 picks the version the cluster serves). NetworkPolicies are admitted and not enforced (no
 policy engine in Debian's CNI plugins).
+
+And the chart's Sentinel mode: three Redis pods and their Sentinels, found through the
+cluster DNS by their StatefulSet names, the primary hung under a trainer's rollouts.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -29,6 +33,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 import yaml
 from lightkube import ALL_NS, ApiError
 from lightkube.models.core_v1 import HostPathVolumeSource, PersistentVolumeSpec
@@ -46,6 +51,7 @@ from lightkube.resources.core_v1 import (
 )
 from lightkube.resources.networking_v1 import NetworkPolicy
 from lightkube.resources.rbac_authorization_v1 import Role, RoleBinding
+from redis.sentinel import Sentinel
 
 from orchestrator.client import RolloutClient
 from orchestrator.config import Settings
@@ -71,6 +77,7 @@ GOLD = ["src/requests/sessions.py", "src/requests/adapters.py"]
 # Every workload Ready: image start, Python imports, the worker's first heartbeat and its
 # readiness probe (every 15 s). Measured about 40 s here.
 READY_TIMEOUT_S = 240.0
+SENTINEL_SERVICE = "orchestrator"  # the chart's redis.bundled.sentinel.service
 SMALL = {"requests": {"cpu": "50m", "memory": "64Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}}
 
 
@@ -186,6 +193,10 @@ class Cluster:
             trust_env=False,
         )
 
+    def redis_password(self) -> str:
+        secret = self.admin.get(Secret, f"{FULLNAME}-secrets", namespace=NAMESPACE)
+        return base64.b64decode((secret.data or {})["redis-password"]).decode()
+
     def api_url(self) -> str:
         """The API through its Service's ClusterIP (kube-proxy's rules on this host)."""
         service = self.admin.get(Service, f"{FULLNAME}-api", namespace=NAMESPACE)
@@ -207,7 +218,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             made.admin.close()
 
 
-def values(settings: Settings, requests_image: str, **changed: Any) -> dict[str, Any]:
+def values(
+    settings: Settings, requests_image: str, *, sentinel: bool = False, **changed: Any
+) -> dict[str, Any]:
+    """The release's values: small requests, the local images, ``changed`` settings;
+    ``sentinel``: Redis as a primary, two replicas and a Sentinel beside each."""
     environments = yaml.safe_load(default_environments_text())
     for environment in environments["environments"]:
         if environment["name"] == "codebase-planning":
@@ -240,6 +255,7 @@ def values(settings: Settings, requests_image: str, **changed: Any) -> dict[str,
                 "image": {"repository": "orchestrator/redis", "tag": "7.0"},
                 "resources": SMALL,
                 "persistence": {"size": "256Mi"},
+                "sentinel": {"enabled": sentinel, "resources": SMALL},
             }
         },
         "sandboxes": {"namespace": SANDBOXES, "pendingTimeoutSeconds": 90},
@@ -318,14 +334,7 @@ def test_helm_install_a_trainers_rollouts_upgrade_and_uninstall(
     item = {"codebase": REQUESTS_CODEBASE, "prompt": "Find the send methods.", "gold_files": GOLD}
     try:
         # -- install -------------------------------------------------------------------------
-        started = time.monotonic()
-        notes = cluster.helm(
-            "install", RELEASE, str(cluster.chart), "--namespace", NAMESPACE,
-            "--create-namespace", "--values", str(values_file), "--wait", "--timeout", "4m",
-            timeout=READY_TIMEOUT_S + 60,
-        )  # fmt: skip
-        wait_for(all_ready(cluster, NAMESPACE), timeout_s=READY_TIMEOUT_S, what="every pod Ready")
-        print(f"helm install to every pod Ready: {time.monotonic() - started:.1f} s")
+        notes = install(cluster, values_file)
         kinds = {
             (p.metadata.labels or {}).get("app.kubernetes.io/component")
             for p in cluster.pods(NAMESPACE)
@@ -400,6 +409,147 @@ def test_helm_install_a_trainers_rollouts_upgrade_and_uninstall(
         print(f"helm uninstall to nothing left: {time.monotonic() - phase:.1f} s")
 
 
+@pytest.mark.timeout(900)
+def test_helm_install_with_sentinel_serves_on_after_its_redis_primary_hangs(
+    cluster: Cluster, settings: Settings, base_image: str
+) -> None:
+    """The chart's Sentinel mode, installed: three Redis pods (a primary and two replicas)
+    with a Sentinel beside each, found by their StatefulSet names through the cluster DNS;
+    the API, the worker and the reaper reach Redis through the Sentinels. The primary's
+    Redis is frozen (its container paused: a hung process, or a node cut off, not a crash
+    that a restart would mend before the Sentinels look): the Sentinels promote a replica,
+    every client follows, and the trainer's rollouts are scored again within a bound;
+    every answer meanwhile is a 200 or a 5xx (the trainer retries those), never a 4xx or
+    a wrong score. Thawed, the old primary is a replica of the new one."""
+    requests_image = ensure_requests_codebase(settings)
+    volumes = [redis_volume(cluster) for _ in range(3)]
+    values_file = cluster.chart.parent / "values-sentinel.yaml"
+    values_file.write_text(yaml.safe_dump(values(settings, requests_image, sentinel=True)))
+    item = {"codebase": REQUESTS_CODEBASE, "prompt": "Find the send methods.", "gold_files": GOLD}
+    try:
+        install(cluster, values_file)
+        password = cluster.redis_password()
+        primary = sentinel_primary(cluster, password)
+        assert primary.startswith(f"{FULLNAME}-redis-")
+        with cluster.trainer() as client:
+            assert agent_rft_rollout(client, item)[1] == pytest.approx(1.0)
+            frozen = cluster.node.container(primary, "redis")
+            frozen.pause()
+            hung = time.monotonic()
+            try:
+                failed: list[int] = []
+                while True:
+                    assert time.monotonic() - hung < FAILOVER_BOUND_S, (
+                        f"no rollout scored {FAILOVER_BOUND_S} s after the primary hung; "
+                        f"answers: {failed}\n{cluster.describe()}"
+                    )
+                    statuses, score = try_rollout(client, item)
+                    if score is not None:
+                        assert score == pytest.approx(1.0)
+                        break
+                    failed.extend(statuses[-1:])
+                    time.sleep(1)
+                served = time.monotonic() - hung
+                promoted = sentinel_primary(cluster, password)
+            finally:
+                frozen.unpause()
+            print(
+                f"primary {primary} hung: a rollout scored again after {served:.1f} s; "
+                f"answers before it: {failed}; new primary {promoted}"
+            )
+            assert all(status >= 500 for status in failed), failed
+            assert promoted != primary
+            # Thawed, the old primary is told by the Sentinels to follow the new one.
+            wait_for(
+                lambda: redis_role(cluster, primary, password) == "slave",
+                timeout_s=60,
+                what="the old primary a replica",
+            )
+            wait_for(all_ready(cluster, NAMESPACE), timeout_s=120, what="every pod Ready again")
+            assert agent_rft_rollout(client, item)[1] == pytest.approx(1.0)
+    finally:
+        phase = time.monotonic()
+        uninstall(cluster, *volumes)
+        print(f"helm uninstall (Sentinel) to nothing left: {time.monotonic() - phase:.1f} s")
+
+
+FAILOVER_BOUND_S = 120.0
+"""The Sentinels' down-after (5 s) and election, the clients' socket timeouts and their
+asking the Sentinels again, with room for this loaded machine."""
+
+
+def try_rollout(client: httpx.Client, item: dict[str, Any]) -> tuple[list[int], float | None]:
+    """One Agent RFT rollout, stopped at the first answer that is not a 200: every
+    answer's status, and the score if it was graded."""
+    trace = new_trace()
+    statuses: list[int] = []
+    called = client.post(
+        "/agent-rft/tools", json=function_call(trace, item, "shell", {"command": "true"})
+    )
+    statuses.append(called.status_code)
+    if called.status_code != 200:
+        return statuses, None
+    answer = "Files to edit:\n" + "\n".join(f"- {path}" for path in GOLD)
+    graded = client.post(
+        "/agent-rft/grade",
+        json={"sample": {"output_text": answer}, "item": item, "trace_id": trace},
+    )
+    statuses.append(graded.status_code)
+    if graded.status_code != 200:
+        return statuses, None
+    return statuses, float(graded.json()["score"])
+
+
+def _redis_pods(cluster: Cluster) -> list[Pod]:
+    return [
+        p
+        for p in cluster.pods(NAMESPACE)
+        if p.metadata is not None
+        and (p.metadata.labels or {}).get("app.kubernetes.io/component") == "redis"
+        and p.status is not None
+        and p.status.podIP
+    ]
+
+
+def sentinel_primary(cluster: Cluster, password: str) -> str:
+    """The pod the Sentinels name as the primary (asked at their pod IPs), by its name."""
+    addresses = [
+        (p.status.podIP, 26379) for p in _redis_pods(cluster) if p.status and p.status.podIP
+    ]
+    sentinels = Sentinel(addresses, sentinel_kwargs={"password": password, "socket_timeout": 3})
+    try:
+        host, _ = sentinels.discover_master(SENTINEL_SERVICE)
+    finally:
+        for sentinel in sentinels.sentinels:
+            sentinel.close()
+    return str(host).split(".")[0]
+
+
+def redis_role(cluster: Cluster, pod_name: str, password: str) -> str:
+    (pod,) = [p for p in _redis_pods(cluster) if p.metadata and p.metadata.name == pod_name]
+    assert pod.status is not None and pod.status.podIP is not None
+    client = redis.Redis(host=pod.status.podIP, port=6379, password=password, socket_timeout=3)
+    try:
+        return str(client.info("replication")["role"])
+    except redis.RedisError:
+        return ""
+    finally:
+        client.close()
+
+
+def install(cluster: Cluster, values_file: Path) -> str:
+    """``helm install --wait``, then every pod of the release Ready; NOTES.txt as printed."""
+    started = time.monotonic()
+    notes = cluster.helm(
+        "install", RELEASE, str(cluster.chart), "--namespace", NAMESPACE,
+        "--create-namespace", "--values", str(values_file), "--wait", "--timeout", "5m",
+        timeout=READY_TIMEOUT_S + 120,
+    )  # fmt: skip
+    wait_for(all_ready(cluster, NAMESPACE), timeout_s=READY_TIMEOUT_S, what="every pod Ready")
+    print(f"helm install to every pod Ready: {time.monotonic() - started:.1f} s")
+    return notes
+
+
 def upgrade(cluster: Cluster, values_file: Path, changed: dict[str, Any]) -> None:
     """``helm upgrade`` with a changed setting: the ConfigMap's checksum rolls the API, the
     worker and the reaper; Redis (its own pod template unchanged) stays."""
@@ -420,7 +570,7 @@ def upgrade(cluster: Cluster, values_file: Path, changed: dict[str, Any]) -> Non
     assert len(rolled) == 3 and all(old.get(name) != now[name] for name in rolled), (old, now)
 
 
-def uninstall(cluster: Cluster, volume: str) -> None:
+def uninstall(cluster: Cluster, *volumes: str) -> None:
     cluster.helm("uninstall", RELEASE, "--namespace", NAMESPACE, "--wait", "--timeout", "3m")
     # The StatefulSet's claim outlives it (Kubernetes keeps a StatefulSet's PVCs):
     # docs/kubernetes.md's uninstall deletes it, as here.
@@ -464,8 +614,9 @@ def uninstall(cluster: Cluster, volume: str) -> None:
         raise AssertionError(f"left after helm uninstall: {leftovers}") from exc
     cluster.node.settle()
     assert [c.name for c in cluster.node.containers()] == []
-    with contextlib.suppress(ApiError):
-        cluster.admin.delete(PersistentVolume, volume)
+    for volume in volumes:
+        with contextlib.suppress(ApiError):
+            cluster.admin.delete(PersistentVolume, volume)
 
 
 def _names(objects: Any) -> list[str]:
