@@ -443,7 +443,12 @@ def test_helm_install_with_sentinel_serves_on_after_its_redis_primary_hangs(
                         f"no rollout scored {FAILOVER_BOUND_S} s after the primary hung; "
                         f"answers: {failed}\n{cluster.describe()}"
                     )
-                    statuses, score = try_rollout(client, item)
+                    try:
+                        statuses, score = try_rollout(client, item)
+                    except httpx.TransportError:
+                        # The API pod unready a moment (its readiness asks Redis): the
+                        # Service has no endpoint, and the trainer tries again.
+                        statuses, score = [UNREACHABLE], None
                     if score is not None:
                         assert score == pytest.approx(1.0)
                         break
@@ -457,7 +462,7 @@ def test_helm_install_with_sentinel_serves_on_after_its_redis_primary_hangs(
                 f"primary {primary} hung: a rollout scored again after {served:.1f} s; "
                 f"answers before it: {failed}; new primary {promoted}"
             )
-            assert all(status >= 500 for status in failed), failed
+            assert all(status >= 500 or status == UNREACHABLE for status in failed), failed
             assert promoted != primary
             # Thawed, the old primary is told by the Sentinels to follow the new one.
             wait_for(
@@ -473,6 +478,8 @@ def test_helm_install_with_sentinel_serves_on_after_its_redis_primary_hangs(
         print(f"helm uninstall (Sentinel) to nothing left: {time.monotonic() - phase:.1f} s")
 
 
+UNREACHABLE = 0
+"""A try the API's Service did not take (no ready endpoint), as the trainer sees it."""
 FAILOVER_BOUND_S = 120.0
 """The Sentinels' down-after (5 s) and election, the clients' socket timeouts and their
 asking the Sentinels again, with room for this loaded machine."""
