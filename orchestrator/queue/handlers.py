@@ -527,21 +527,22 @@ def _recycle(request: RecycleSandbox) -> None:
         report = None
         result, why = RecycleResult.RECYCLED, ""
         try:
+            # A limit the sandbox hit is said before a full pool: it is what the sandbox
+            # did (whether a refill landed first is timing), and the audit's reason.
+            hit = [] if pool is None else backend.limits_hit(handle)
             if pool is None or not same_spec(pool.spec, request.spec):
                 result, why = RecycleResult.SPEC_CHANGED, "its pool takes no sandbox of its spec"
+            elif hit:
+                result, why = RecycleResult.LIMIT_HIT, f"it hit {', '.join(hit)}"
             elif not filler.reserve(pool, 1):
                 result, why = RecycleResult.POOL_FULL, "its pool is full"
             else:
                 reserved = True
                 host.yield_to_calls("reset", request.pool)
-                hit = backend.limits_hit(handle)
-                if hit:
-                    result, why = RecycleResult.LIMIT_HIT, f"it hit {', '.join(hit)}"
-                else:
-                    report = backend.reset(handle, request.spec)
-                    if not report.clean:
-                        found = "; ".join(report.differences)[:500]
-                        result, why = RecycleResult.AUDIT_FAILED, f"its audit found {found}"
+                report = backend.reset(handle, request.spec)
+                if not report.clean:
+                    found = "; ".join(report.differences)[:500]
+                    result, why = RecycleResult.AUDIT_FAILED, f"its audit found {found}"
         except Exception as exc:  # noqa: BLE001 - whatever failed, it ends pooled or destroyed
             result, why = (
                 RecycleResult.RESET_FAILED,
