@@ -561,10 +561,7 @@ class RealNode:
         while True:
             for process in (self.kube_proxy, self.dnsmasq):
                 assert process is not None
-                if not process.alive():
-                    raise NodeUnavailable(
-                        f"{process.name} exited ({process.returncode()}):\n{process.tail(40)}"
-                    )
+                _running(process)
             try:
                 with urllib.request.urlopen(f"http://{self.proxy_healthz}/healthz", timeout=2):
                     return
@@ -673,10 +670,7 @@ class RealNode:
         assert self.dnsmasq is not None
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
-            if not self.dnsmasq.alive():
-                raise NodeUnavailable(
-                    f"dnsmasq exited ({self.dnsmasq.returncode()}):\n{self.dnsmasq.tail(40)}"
-                )
+            _running(self.dnsmasq)
             try:
                 with socket.create_connection((address, self.dns_port), timeout=1):
                     return
@@ -762,6 +756,14 @@ class RealNode:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _running(process: _Process) -> None:
+    """NodeUnavailable, with its exit status and last lines, when ``process`` has exited."""
+    if not process.alive():
+        raise NodeUnavailable(
+            f"{process.name} exited ({process.returncode()}):\n{process.tail(40)}"
+        )
 
 
 def dns_records(services: list[Service], endpoints: list[Endpoints]) -> list[tuple[str, str]]:
