@@ -204,10 +204,9 @@ def settings() -> Iterator[Settings]:
 def client() -> Iterator[docker.DockerClient]:
     """A client of the test machine's dockerd, for looking behind the backend's back."""
     client = docker.from_env()
-    # The test kubelet's threads (tests/k8s/cluster.py) use it while pytest rewrites
-    # PYTEST_CURRENT_TEST, and requests looks for proxies in os.environ on every request:
-    # iterating os.environ as it changes raised KeyError and cut a pod's teardown short.
-    # A unix socket takes no proxy.
+    # Tests' threads use it while pytest rewrites PYTEST_CURRENT_TEST, and requests looks
+    # for proxies in os.environ on every request: iterating os.environ as it changes raised
+    # KeyError (seen cutting a pod's teardown short). A unix socket takes no proxy.
     client.api.trust_env = False
     yield client
     client.close()

@@ -1,11 +1,10 @@
-"""The Kubernetes tests' clusters, and a whole deployment on the Kubernetes backend.
+"""The Kubernetes tests' cluster, and a whole deployment on the Kubernetes backend.
 
 ``real_cluster``: the real control plane (control_plane.py) and a real node (node.py: the
-kubelet built from Debian's source, dockershim on the local dockerd, CNI pod addresses), for
-the modules of group ``real-node``. ``k8s_cluster``: the same control plane with the
-hand-written test kubelet (cluster.py), kept for what a real node cannot be made to do on
-cue (a pod's IP handed to the next pod, a lost node per pod, an expired watch) and for the
-worker's requests read from the API server's audit log.
+kubelet built from Debian's source, dockershim on the local dockerd, CNI pod addresses),
+read and acted on through cluster.py's ``RealCluster``, for the modules of group
+``real-node`` (one real kubelet per Docker daemon: they run one after another on one xdist
+worker).
 
 ``k8s_stack``: the real API, Celery worker and reaper as subprocesses with
 ``ORCH_SANDBOX_BACKEND=kubernetes``, on the real node, talking to the API server through
@@ -21,26 +20,21 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import docker
 import pytest
 import yaml
-from lightkube import ApiError, Client
-from lightkube.resources.core_v1 import Pod, Secret
 
 from orchestrator.config import Settings
 from orchestrator.environments.examples import REQUESTS_CODEBASE, ensure_requests_codebase
 from orchestrator.environments.loader import default_environments_text
 from orchestrator.sandbox.gc import collect_expired
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
-from orchestrator.sandbox.k8s.pods import CONTAINER
 from tests import agent_caused
-from tests.k8s.cluster import Api, TestCluster
+from tests.k8s.cluster import Api, RealCluster
 from tests.k8s.control_plane import ControlPlane
-from tests.k8s.node import POD_NAME_LABEL, RealNode
+from tests.k8s.node import RealNode
 from tests.k8s.rbac import RELEASE_NAMESPACE, SANDBOX_NAMESPACE, apply_worker_rbac
 from tests.stacks import ROLES, Stack, deployment, flush_redis
 
@@ -49,64 +43,6 @@ NAMESPACE = "orchestrator-sandboxes"
 NO_DOCKER = "unix:///nonexistent/docker.sock"
 
 Obj = dict[str, Any]
-
-
-@dataclass
-class RealCluster:
-    """A control plane, its real node, and clients as the admin and as the chart's worker
-    (``token``: its ServiceAccount's). What the tests read behind the backend's back, and
-    the faults they play, as the hand-written cluster's (cluster.py) same-named methods."""
-
-    plane: ControlPlane
-    node: RealNode
-    admin: Client
-    worker: Client
-    token: str
-
-    def kubeconfig(self, namespace: str = SANDBOX_NAMESPACE) -> dict[str, Any]:
-        """A kubeconfig as the chart's worker ServiceAccount."""
-        return self.plane.kubeconfig_for("worker", namespace, token=self.token)
-
-    def client(self, namespace: str = SANDBOX_NAMESPACE) -> Client:
-        """A new lightkube client as the chart's worker (the caller closes it)."""
-        return self.plane.client("worker", namespace, token=self.token)
-
-    def read(self, plural: str, name: str, namespace: str = SANDBOX_NAMESPACE) -> Obj | None:
-        """The object as the API server has it now, or None."""
-        try:
-            found = self.admin.get(_KINDS[plural], name, namespace=namespace)
-        except ApiError as exc:
-            if exc.status.code == 404:
-                return None
-            raise
-        return found.to_dict()
-
-    def names(self, plural: str, namespace: str = SANDBOX_NAMESPACE) -> set[str]:
-        return {
-            o.metadata.name
-            for o in self.admin.list(_KINDS[plural], namespace=namespace)
-            if o.metadata and o.metadata.name
-        }
-
-    def kill(self, pod_name: str) -> None:
-        """SIGKILL the sandbox's container, as a runtime or a person on the node would."""
-        self.node.kill(pod_name, CONTAINER)
-
-    def settle(self, timeout_s: float = 60.0) -> None:
-        """Until nothing of the pods gone from the API server is left on the node."""
-        self.node.wait_settled(timeout_s)
-
-    def docker_objects(self, pod_name: str) -> list[str]:
-        """The containers of one pod that still exist (dockershim makes no volumes: a pod's
-        emptyDirs are directories of the kubelet's)."""
-        return [
-            f"container {c.name}"
-            for c in self.node.containers()
-            if c.labels.get(POD_NAME_LABEL) == pod_name
-        ]
-
-
-_KINDS: dict[str, type[Pod] | type[Secret]] = {"pods": Pod, "secrets": Secret}
 
 
 @pytest.fixture(scope="module")
@@ -119,18 +55,25 @@ def real_node_options() -> dict[str, Any]:
 def real_cluster(real_node_options: dict[str, Any]) -> Iterator[RealCluster]:
     """A control plane and its real node (node.py), with the chart's worker RBAC applied:
     for the modules of group ``real-node`` (one real kubelet per daemon at a time)."""
-    with ControlPlane(namespaces=(RELEASE_NAMESPACE, SANDBOX_NAMESPACE)) as plane:
-        admin_api = Api(plane, "admin")
-        try:
-            _, token = apply_worker_rbac(admin_api)
-        finally:
-            admin_api.close()
+    with (
+        ControlPlane(namespaces=(RELEASE_NAMESPACE, SANDBOX_NAMESPACE)) as plane,
+        contextlib.closing(Api(plane, "admin")) as api,
+    ):
+        worker_user, token = apply_worker_rbac(api)
         with (
             RealNode(plane, **real_node_options) as node,
             contextlib.closing(plane.client()) as admin,
             contextlib.closing(plane.client("worker", SANDBOX_NAMESPACE, token=token)) as worker,
         ):
-            cluster = RealCluster(plane=plane, node=node, admin=admin, worker=worker, token=token)
+            cluster = RealCluster(
+                plane=plane,
+                node=node,
+                admin=admin,
+                api=api,
+                worker=worker,
+                worker_user=worker_user,
+                token=token,
+            )
             cluster.settle()
             yield cluster
             cluster.settle()
@@ -147,26 +90,6 @@ class K8sStack(Stack):
     def pods_of(self, rollout_id: str) -> list[str]:
         """Names of the live pods of ``rollout_id`` (read through the API server)."""
         return [h.native_id for h in self.k8s.list_owned() if h.rollout_id == rollout_id]
-
-
-@pytest.fixture(scope="session")
-def k8s_session_cluster(settings: Settings, client: docker.DockerClient) -> Iterator[TestCluster]:
-    """The session's one hand-written cluster (control plane and test kubelet), shared by
-    the modules of group ``k8s``, one after another on one xdist worker: starting one costs
-    about 10 s of both cores."""
-    # Its containers carry a deployment of their own (still this run's, for the leak
-    # check), so no Docker backend's label sweep takes them for its sandboxes.
-    with TestCluster(client, docker_deployment=f"{settings.deployment}-kubelet") as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def k8s_cluster(k8s_session_cluster: TestCluster) -> Iterator[TestCluster]:
-    """The session's cluster for one module: settled (no pod of the module before it left
-    going) when the module starts and when it ends."""
-    k8s_session_cluster.settle()
-    yield k8s_session_cluster
-    k8s_session_cluster.settle()
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,10 @@ What differs from a production control plane, and why:
 
 - ``--watch-cache=false``: watches and lists are served from etcd, so ``compact()`` (etcd's
   own compaction) makes a watch from an older resourceVersion fail with the real 410;
-- the controller manager runs every controller but ``nodelifecycle`` (no kubelet renews a
-  Lease here; a lost node is played by the test kubelet, see cluster.py);
+- the controller manager runs every controller but ``nodelifecycle``: a lost node is
+  played by the test at once (cluster.py ``node_lost``), not after that controller's
+  40 s grace and the pods' tolerations, and node.py lifts a new Node's not-ready taint as
+  that controller would;
 - an audit log of every request (``requests()``, ``audit()``), which tests read to see what a
   client did and what the API server answered.
 """

@@ -1,10 +1,11 @@
-"""Loopback addresses for the containers that stand in for pods.
+"""Loopback addresses for a container that listens as a pod does (test_agent_tcp.py's agent).
 
-Test traffic goes only to loopback, never to Docker's bridge addresses (CI machines may not
-route to them). So a "pod" runs with the host's network and listens on an address of its own
-in 127.0.0.0/8, which Linux answers on ``lo`` with no setup. Addresses are drawn at random
+Test traffic to a plain container goes only to loopback, never to Docker's bridge addresses
+(CI machines may not route to them). So the container runs with the host's network and
+listens on an address of its own in 127.0.0.0/8, which Linux answers on ``lo`` with no
+setup. Addresses are drawn at random
 from about sixteen million, never in 127.0.0.0/16 (127.0.0.1, Debian's 127.0.1.1 for the
-host name), never one another pod of this process holds, and only once the port binds there:
+host name), never one another caller of this process holds, and only once the port binds there:
 parallel test processes each draw their own, and the bind catches the rare collision.
 """
 
@@ -22,7 +23,7 @@ _ATTEMPTS = 64
 
 
 class AddressTaken(RuntimeError):
-    """The address asked for is held by another pod, or its port does not bind there."""
+    """No address with the port free was found."""
 
 
 def port_binds(address: str, port: int) -> int | None:
@@ -39,17 +40,10 @@ def port_binds(address: str, port: int) -> int | None:
         return bound
 
 
-def claim(port: int = 0, wanted: str | None = None) -> tuple[str, int]:
+def claim(port: int = 0) -> tuple[str, int]:
     """An address in 127.0.0.0/8 held for the caller until ``release``, and a port free on
-    it (``port`` itself, or a free one for 0). ``wanted`` asks for that address: a pod
-    handed a killed pod's address, as a CNI reuses them."""
+    it (``port`` itself, or a free one for 0)."""
     with _lock:
-        if wanted is not None:
-            bound = None if wanted in _held else port_binds(wanted, port)
-            if bound is None:
-                raise AddressTaken(f"{wanted}:{port or 'any'} is held or does not bind")
-            _held.add(wanted)
-            return wanted, bound
         for _ in range(_ATTEMPTS):
             address = (
                 f"127.{random.randint(1, 255)}.{random.randint(0, 255)}.{random.randint(1, 254)}"

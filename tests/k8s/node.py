@@ -47,6 +47,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -210,7 +211,7 @@ class RealNode:
         self.kubelet: _Process | None = None
         self._lock: Any = None
         self.docker = docker.from_env()
-        # A unix socket takes no proxy (and os.environ changes under pytest: cluster.py).
+        # A unix socket takes no proxy (and os.environ changes under pytest: tests/conftest.py).
         self.docker.api.trust_env = False
 
     @property
@@ -518,6 +519,42 @@ class RealNode:
         """SIGKILL one running container of a pod, as the runtime's OOM killer or a person
         on the node would; the kubelet then reports it (exit 137)."""
         self.container(pod_name, container).kill()
+
+    @contextlib.contextmanager
+    def unresponsive(self, *pod_names: str) -> Iterator[None]:
+        """For the block, the node as one cut off from its cluster: the kubelet stopped
+        (SIGSTOP: no status, no lease, no deletion confirmed) and the named pods'
+        containers frozen (``docker pause``: their addresses take connections that nobody
+        answers). After it, both go on where they were."""
+        assert self.kubelet is not None and self.kubelet.proc is not None
+        frozen = [c for c in self.containers() if c.labels.get(POD_NAME_LABEL) in pod_names]
+        frozen = [c for c in frozen if c.status == "running"]
+        group = self.kubelet.proc.pid  # its own session and process group: _Process
+        os.killpg(group, signal.SIGSTOP)
+        try:
+            for container in frozen:
+                container.pause()
+            yield
+        finally:
+            for container in frozen:
+                with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
+                    container.unpause()
+            os.killpg(group, signal.SIGCONT)
+
+    def hand_out(self, address: str, timeout_s: float = 30.0) -> None:
+        """The next pod to start gets ``address``, as a CNI hands a terminated pod's
+        address to a new pod: once the address is free (the kubelet tore the old pod's
+        network down), the ``host-local`` allocator's record of the last address it gave
+        is set to the one before it, as after going once round the node's /24.
+        AssertionError if the address is still held after ``timeout_s``."""
+        store = self.root / "cni" / "ipam" / self._cni_config()["name"]
+        deadline = time.monotonic() + timeout_s
+        while (store / address).exists():
+            assert time.monotonic() < deadline, f"{address} still held after {timeout_s} s"
+            time.sleep(0.1)
+        # host-local keeps one such file per range of the network (one range here: 0).
+        previous = ipaddress.ip_address(address) - 1
+        (store / "last_reserved_ip.0").write_text(str(previous))
 
     # -- services (kube-proxy, DNS) ---------------------------------------------------------
 

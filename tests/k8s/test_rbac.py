@@ -8,16 +8,14 @@ and RoleBinding (tests/k8s/rbac.py):
    attacker holding the worker's token, and nothing else.
 2. **A missing verb fails.** For each grant, the Role without it (on the same server) makes
    the operation that needs it fail with the API server's 403, as the backend reports it.
-3. **The chart is accepted.** Every object of every scenario, sent with server-side dry
-   run: schema validation and admission of a real server, except the kinds listed here as
-   not served by 1.20 or backed by CRDs that are not installed.
+
+The worker's sandboxes are pods of a real node (node.py). That the chart's every object is
+accepted by a real API server is test_chart_on_api_server.py's.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import copy
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,15 +31,13 @@ from orchestrator.sandbox.k8s import backend as backend_module
 from orchestrator.sandbox.k8s import pods
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
 from orchestrator.sandbox.k8s.watch import watch_pod
-from tests.chart.conftest import NAMESPACE as RELEASE_NAMESPACE
-from tests.chart.conftest import SCENARIOS, Helm, helm_binary
 from tests.k8s import rbac
-from tests.k8s.cluster import Api, ApiError, TestCluster
-from tests.k8s.control_plane import AuditEntry, ControlPlane
+from tests.k8s.cluster import RealCluster
+from tests.k8s.control_plane import AuditEntry
 from tests.k8s.rbac import SANDBOX_NAMESPACE, Grant
 from tests.k8s.test_backend import k8s_settings, spec
 
-pytestmark = pytest.mark.xdist_group("k8s")
+pytestmark = pytest.mark.xdist_group("real-node")
 
 Obj = dict[str, Any]
 
@@ -51,33 +47,14 @@ SWEEP_TIMEOUT_S = 15.0
 # "At once": well inside the 30 s an authorization webhook caches a refusal by default.
 RBAC_AT_ONCE_S = 2.0
 
-# apiVersions the chart renders that Kubernetes 1.20 does not serve (the chart asks for
-# 1.30 or later: Chart.yaml's kubeVersion), each with the version 1.20 serves the kind at.
-# The objects are sent at that version instead, so their spec is still checked.
-NOT_SERVED_BY_1_20: dict[tuple[str, str], str] = {
-    # policy/v1 is served from 1.21 on.
-    ("policy/v1", "PodDisruptionBudget"): "policy/v1beta1",
-    # autoscaling/v2 is served from 1.23 on (v2beta2 has the same fields the chart uses).
-    ("autoscaling/v2", "HorizontalPodAutoscaler"): "autoscaling/v2beta2",
-}
-# Kinds of operators' CRDs, not installed on this server: not checkable here (checked
-# offline against tests/chart/crd_schemas.py by tests/chart/test_chart_render.py).
-CRD_KINDS: dict[tuple[str, str], str] = {
-    ("monitoring.coreos.com/v1", "ServiceMonitor"): "the Prometheus Operator",
-    ("monitoring.coreos.com/v1", "PrometheusRule"): "the Prometheus Operator",
-    ("keda.sh/v1alpha1", "ScaledObject"): "KEDA",
-    ("keda.sh/v1alpha1", "TriggerAuthentication"): "KEDA",
-}
-
-
 # What the Role grants, read from the chart when the tests are collected.
 GRANTED = sorted(rbac.grants(rbac.worker_role()))
 
 
 @pytest.fixture(scope="module")
-def cluster(k8s_cluster: TestCluster) -> TestCluster:
-    """The session's cluster (tests/k8s/conftest.py)."""
-    return k8s_cluster
+def cluster(real_cluster: RealCluster) -> RealCluster:
+    """The module's cluster (tests/k8s/conftest.py)."""
+    return real_cluster
 
 
 @pytest.fixture(scope="module")
@@ -92,11 +69,11 @@ def role(objects: list[Obj]) -> Obj:
 
 
 @pytest.fixture(scope="module")
-def worker(settings: Settings, cluster: TestCluster, role: Obj) -> Iterator[KubernetesBackend]:
+def worker(settings: Settings, cluster: RealCluster, role: Obj) -> Iterator[KubernetesBackend]:
     with contextlib.ExitStack() as stack:
         backend = as_worker(stack, settings, cluster)
         yield backend
-        rbac.replace_role(cluster.admin, role)  # each case restores it; a failed one may not
+        rbac.replace_role(cluster.api, role)  # each case restores it; a failed one may not
         for handle in backend.list_owned():
             backend.destroy(handle)
         cluster.settle()
@@ -111,19 +88,19 @@ def shared(worker: KubernetesBackend, base_image: str) -> Iterator[SandboxHandle
 
 
 def as_worker(
-    stack: contextlib.ExitStack, settings: Settings, cluster: TestCluster, **overrides: Any
+    stack: contextlib.ExitStack, settings: Settings, cluster: RealCluster, **overrides: Any
 ) -> KubernetesBackend:
     """A backend as the chart's worker, its client closed with ``stack``."""
     client = stack.enter_context(contextlib.closing(cluster.client()))
     return KubernetesBackend(k8s_settings(settings, **overrides), client=client)
 
 
-def worker_requests(cluster: TestCluster, since: int) -> list[AuditEntry]:
+def worker_requests(cluster: RealCluster, since: int) -> list[AuditEntry]:
     """The worker's requests among the audit log's entries from index ``since`` on."""
     return [e for e in list(cluster.plane.audit())[since:] if e.user == cluster.worker_user]
 
 
-def logged(cluster: TestCluster, since: int, *, watches: int) -> list[AuditEntry]:
+def logged(cluster: RealCluster, since: int, *, watches: int) -> list[AuditEntry]:
     """The worker's requests from ``since`` on, once the log holds ``watches`` watches. A
     watch is logged when it ends, and the server notices a moment after the backend closed
     it: until then, the log lacks it (and a count of requests made so far is short)."""
@@ -140,7 +117,7 @@ def grant_of(entry: AuditEntry) -> Grant:
     return Grant(entry.group, entry.resource, entry.verb)
 
 
-def audit_mark(cluster: TestCluster) -> int:
+def audit_mark(cluster: RealCluster) -> int:
     return len(list(cluster.plane.audit()))
 
 
@@ -149,7 +126,7 @@ def audit_mark(cluster: TestCluster) -> int:
 
 def test_the_worker_uses_exactly_what_the_role_grants(
     settings: Settings,
-    cluster: TestCluster,
+    cluster: RealCluster,
     role: Obj,
     base_image: str,
     monkeypatch: pytest.MonkeyPatch,
@@ -200,7 +177,7 @@ def test_the_worker_uses_exactly_what_the_role_grants(
             "kind": "Secret",
             "metadata": {"name": orphan, "labels": dict(pods.selector(sweeper.settings))},
         }
-        cluster.admin.request("POST", f"/api/v1/namespaces/{SANDBOX_NAMESPACE}/secrets", body)
+        cluster.api.request("POST", f"/api/v1/namespaces/{SANDBOX_NAMESPACE}/secrets", body)
         deadline = time.monotonic() + SWEEP_TIMEOUT_S
         while sweeper.sweep_leftovers() == 0:
             assert time.monotonic() < deadline, "the orphan Secret was never swept"
@@ -234,7 +211,7 @@ class Case:
     """What the operations of one case act on and through."""
 
     settings: Settings
-    cluster: TestCluster
+    cluster: RealCluster
     worker: KubernetesBackend
     shared: SandboxHandle
     base_image: str
@@ -298,7 +275,7 @@ NEEDS: dict[Grant, Need] = {
 
 @contextlib.contextmanager
 def role_without(
-    cluster: TestCluster, objects: list[Obj], role: Obj, grant: Grant
+    cluster: RealCluster, objects: list[Obj], role: Obj, grant: Grant
 ) -> Iterator[tuple[int, float]]:
     """The worker's Role without ``grant`` on the server for the block, then the rendered
     one again. Yields how many rounds of access reviews the cut took to be in effect (1:
@@ -306,13 +283,13 @@ def role_without(
     everything = rbac.grants(role)
     cut = rbac.without(role, grant)
     started = time.monotonic()
-    rbac.replace_role(cluster.admin, cut)
+    rbac.replace_role(cluster.api, cut)
     try:
-        rounds = rbac.wait_authorized(cluster.admin, objects, cut, everything=everything)
+        rounds = rbac.wait_authorized(cluster.api, objects, cut, everything=everything)
         yield rounds, time.monotonic() - started
     finally:
-        rbac.replace_role(cluster.admin, role)
-        rbac.wait_authorized(cluster.admin, objects, role, everything=everything)
+        rbac.replace_role(cluster.api, role)
+        rbac.wait_authorized(cluster.api, objects, role, everything=everything)
 
 
 def test_every_grant_has_an_operation_that_needs_it() -> None:
@@ -323,7 +300,7 @@ def test_every_grant_has_an_operation_that_needs_it() -> None:
 def test_a_role_without_a_verb_fails_the_operation_that_needs_it(
     grant: Grant,
     settings: Settings,
-    cluster: TestCluster,
+    cluster: RealCluster,
     objects: list[Obj],
     role: Obj,
     worker: KubernetesBackend,
@@ -361,132 +338,3 @@ def test_a_role_without_a_verb_fails_the_operation_that_needs_it(
     cluster.settle()
     assert cluster.names("pods") == pods_before
     assert cluster.names("secrets") == secrets_before
-
-
-# -- 3. the chart on a real API server -------------------------------------------------------
-
-
-@dataclass
-class Discovery:
-    """What the API server serves, as its discovery documents say (how helm and kubectl
-    map a kind to its collection, and refuse one with "no matches for kind")."""
-
-    api: Api
-    found: dict[str, Obj | None] = field(default_factory=dict)
-
-    def resource(self, api_version: str, kind: str) -> Obj | None:
-        """The discovery entry of ``kind`` at ``api_version``; None when not served."""
-        if api_version not in self.found:
-            path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-            self.found[api_version] = self.api.get(path)
-        served = self.found[api_version] or {}
-        return next(
-            (
-                r
-                for r in served.get("resources") or []
-                if r["kind"] == kind and "/" not in r["name"]
-            ),
-            None,
-        )
-
-    def collection(self, obj: Obj) -> str:
-        entry = self.resource(obj["apiVersion"], obj["kind"])
-        assert entry is not None
-        base = "/api/v1" if obj["apiVersion"] == "v1" else f"/apis/{obj['apiVersion']}"
-        if not entry["namespaced"]:
-            return f"{base}/{entry['name']}"
-        namespace = obj["metadata"].get("namespace") or RELEASE_NAMESPACE
-        return f"{base}/namespaces/{namespace}/{entry['name']}"
-
-
-def leaves(value: Any, path: str = "") -> set[str]:
-    """The paths of a JSON value's scalars. Empty lists and maps count as absent: the API
-    server omits them when it writes an object back."""
-    if isinstance(value, dict):
-        return set().union(*(leaves(v, f"{path}.{k}") for k, v in value.items()))
-    if isinstance(value, list):
-        return set().union(*(leaves(v, f"{path}[{i}]") for i, v in enumerate(value)))
-    return {path}
-
-
-def as_sent(obj: Obj) -> Obj:
-    """What the server should give back at least: a Secret's ``stringData`` is write-only,
-    merged into ``data``."""
-    sent = copy.deepcopy(obj)
-    if sent["kind"] == "Secret" and "stringData" in sent:
-        strings = sent.pop("stringData")
-        data = sent.setdefault("data", {})
-        data.update({k: base64.b64encode(v.encode()).decode() for k, v in strings.items()})
-    return sent
-
-
-@pytest.fixture(scope="module")
-def bare_plane() -> Iterator[ControlPlane]:
-    """A control plane holding only the release namespace, as before ``helm install``:
-    the test cluster's already holds the worker's RBAC objects (a create would be 409)."""
-    with ControlPlane(namespaces=(RELEASE_NAMESPACE,)) as plane:
-        yield plane
-
-
-def test_every_object_of_the_chart_is_accepted_by_a_real_api_server(
-    bare_plane: ControlPlane,
-) -> None:
-    helm = Helm(helm_binary())
-    admin = Api(bare_plane, "admin")
-    try:
-        check_chart(helm, admin)
-    finally:
-        admin.close()
-
-
-def check_chart(helm: Helm, admin: Api) -> None:
-    discovery = Discovery(admin)
-    rendered = {name: helm.render(*values) for name, values in SCENARIOS.items()}
-    unknown: set[tuple[str, str]] = set()
-    problems: list[str] = []
-
-    def send(scenario: str, obj: Obj) -> None:
-        """Create ``obj`` with a dry run: validated and admitted, not stored."""
-        where = f"{scenario}: {obj['kind']} {obj['metadata']['name']}"
-        try:
-            back = admin.request("POST", discovery.collection(obj), obj, dryRun="All")
-        except ApiError as exc:
-            problems.append(f"{where}: {exc}")
-            return
-        # 1.20 drops a field it does not know (no strict field validation before 1.25).
-        dropped = leaves(as_sent(obj)) - leaves(back)
-        if dropped:
-            problems.append(f"{where}: fields 1.20 dropped: {sorted(dropped)}")
-
-    # Namespaces first, while the sandbox namespace does not exist yet; then it is made
-    # (what helm does first), for the objects in it to be admitted there.
-    namespaces = [(s, o) for s, objs in rendered.items() for o in objs if o["kind"] == "Namespace"]
-    for scenario, obj in namespaces:
-        send(scenario, obj)
-    assert namespaces, "the chart renders no Namespace"
-    admin.request("POST", "/api/v1/namespaces", namespaces[0][1])
-
-    for scenario, objs in rendered.items():
-        for obj in objs:
-            kind = (obj["apiVersion"], obj["kind"])
-            if obj["kind"] == "Namespace":
-                continue
-            if discovery.resource(*kind) is not None:
-                send(scenario, obj)
-                continue
-            unknown.add(kind)
-            served = NOT_SERVED_BY_1_20.get(kind)
-            if served is not None:
-                send(scenario, {**obj, "apiVersion": served})
-    assert not problems, "\n".join(problems)
-    # Exactly the kinds named above are unknown to 1.20: a new one fails here, to be looked
-    # at and listed with its reason, not skipped quietly.
-    listed = set(NOT_SERVED_BY_1_20) | set(CRD_KINDS)
-    assert unknown == listed, f"unknown to 1.20: {sorted(unknown)}; listed: {sorted(listed)}"
-    for kind, served in NOT_SERVED_BY_1_20.items():
-        assert discovery.resource(served, kind[1]) is not None, (kind, served)
-    # A dry run stores nothing: the server holds none of the objects it accepted.
-    for obj in rendered["default"]:
-        if obj["kind"] != "Namespace" and discovery.resource(obj["apiVersion"], obj["kind"]):
-            path = f"{discovery.collection(obj)}/{obj['metadata']['name']}"
-            assert admin.get(path) is None, f"a dry run stored {path}"

@@ -18,20 +18,20 @@ from lightkube.resources.core_v1 import Pod, Secret
 
 from orchestrator.config import Settings
 from orchestrator.environments.examples import ensure_requests_codebase
-from orchestrator.sandbox.backend import SandboxHandle, SandboxLimits, SandboxSpec
+from orchestrator.sandbox.backend import SandboxHandle
 from orchestrator.sandbox.k8s.backend import KubernetesBackend
 from orchestrator.sandbox.k8s.pods import CONTAINER, SEED_CONTAINER
-from tests.k8s.conftest import RealCluster
+from tests.k8s.cluster import RealCluster
 from tests.k8s.node import CONTAINER_NAME_LABEL, POD_LOGS, POD_UID_LABEL
 from tests.k8s.rbac import SANDBOX_NAMESPACE
-from tests.k8s.test_backend import k8s_settings
+from tests.k8s.test_backend import k8s_settings, spec
 
-# The group of the real node's modules (this, test_cluster_e2e, test_helm_install,
-# test_stack_on_kubernetes, test_agent_caused), one after another on one worker: one real
-# kubelet per Docker daemon is node.py's lock, and a module of this group never holds a
-# worker waiting for it. Beside the hand-written cluster's modules (group k8s) on another
-# worker: the real kubelet leaves that cluster's containers alone (they carry no
-# io.kubernetes.* label), and kube-proxy's rules match only its own Services' addresses.
+# The group of the real node's modules (this, test_backend, test_rbac, test_cluster_e2e,
+# test_helm_install, test_stack_on_kubernetes, test_agent_caused), one after another on one
+# worker: one real kubelet per Docker daemon is node.py's lock, and a module of this group
+# never holds a worker waiting for it. The real kubelet leaves the other tests' containers
+# alone (they carry no io.kubernetes.* label), and kube-proxy's rules match only its own
+# Services' addresses.
 pytestmark = pytest.mark.xdist_group("real-node")
 
 # Measured: the pod gone from the API server 0.02 s after the destroy, its containers
@@ -43,15 +43,6 @@ DESTROYED_TIMEOUT_S = 15.0
 def codebase_image(settings: Settings, base_image: str) -> str:
     """The `requests` codebase: the init container copies its /workspace into the pod."""
     return ensure_requests_codebase(settings)
-
-
-def spec(image: str, rollout_id: str) -> SandboxSpec:
-    # A fraction of a core: the node offers the machine's real two.
-    return SandboxSpec(
-        image=image,
-        rollout_id=rollout_id,
-        limits=SandboxLimits(memory_mb=512, disk_mb=256, cpus=0.25),
-    )
 
 
 def _exists(admin: Client, kind: type[Pod] | type[Secret], name: str) -> bool:
@@ -68,11 +59,7 @@ def test_a_sandbox_runs_on_a_real_kubelet_and_leaves_nothing(
     real_cluster: RealCluster, settings: Settings, codebase_image: str
 ) -> None:
     node, admin = real_cluster.node, real_cluster.admin
-    # A real kubelet's start (1.20's once-a-second polling, the probe's first delay) takes
-    # longer than the hand-written node's: 30 s, not test_backend's 15.
-    k8s = KubernetesBackend(
-        k8s_settings(settings, sandbox_start_timeout_s=30), client=real_cluster.worker
-    )
+    k8s = KubernetesBackend(k8s_settings(settings), client=real_cluster.worker)
     handle: SandboxHandle | None = k8s.create(spec(codebase_image, "real-node"))
     assert handle is not None
     name = handle.native_id
