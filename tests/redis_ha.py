@@ -43,6 +43,7 @@ class RedisServer:
     port: int
     replica_of: int | None = None
     proc: subprocess.Popen[bytes] | None = None
+    paused: bool = False
 
     @property
     def url(self) -> str:
@@ -75,8 +76,23 @@ class RedisServer:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
         self.proc = None
+        self.paused = False
+
+    def pause(self) -> None:
+        """SIGSTOP: a hung Redis. Its connections stay open and its kernel still
+        acknowledges what clients send; nothing is ever answered."""
+        assert self.proc is not None and self.proc.poll() is None
+        self.proc.send_signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        if self.proc is not None and self.paused:
+            self.proc.send_signal(signal.SIGCONT)
+        self.paused = False
 
     def stop(self) -> None:
+        self.resume()  # a stopped process takes no SIGTERM until continued
         stop_process(self.proc)
         self.proc = None
 
@@ -216,11 +232,13 @@ class Sentinels:
         return primary
 
     def restore(self, timeout_s: float = 30) -> RedisServer:
-        """Whole again after a test killed servers: each dead one started again as a
-        replica of the current primary (as an operator, or a StatefulSet, brings a lost
-        node back), then :meth:`wait_settled`; the primary."""
+        """Whole again after a test killed or hung servers: each hung one continued, each
+        dead one started again as a replica of the current primary (as an operator, or a
+        StatefulSet, brings a lost node back), then :meth:`wait_settled`; the primary."""
         primary = self.primary_port()
         for server in self.servers:
+            # A hung one, continued, is told by the Sentinels to follow the new primary.
+            server.resume()
             if not server.alive():
                 server.replica_of = primary
                 server.start()

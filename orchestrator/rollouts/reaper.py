@@ -243,6 +243,11 @@ async def _reap_one(
     end = reason_to_end(rollout, service, now)
     if end is None:
         return None
+    if end.reason in _ENDED_BY_US and await _failed_over(service, rollout):
+        # Not the trainer's doing: Redis failed over while the rollout ran, and a primary
+        # that hung rather than died kept every call away for as long as it took (the
+        # idle clock ran meanwhile). Its grade would be refused for the failover anyway.
+        end = End(EndReason.INFRA_FAILED)
     if end.reason == EndReason.STUCK_CREATING:
         await service.mark_infra_failed(
             rollout_id, Cause.STUCK_CREATING, "sandbox never became ready", {}
@@ -254,6 +259,16 @@ async def _reap_one(
         # A lost host's sandbox goes when the host's sweep runs again; it is reaped now.
         metrics.SANDBOXES_REAPED.labels(host_cause or end.reason).inc()
     return end.reason
+
+
+async def _failed_over(service: RolloutService, rollout: Rollout) -> bool:
+    """Whether Redis failed over since the rollout's record was made; if so it is failed
+    for that (sticky, ``state_failover``: rollouts/closes.py)."""
+    try:
+        await service.closer.refuse_failed_over(rollout)
+    except InfraError:
+        return True
+    return False
 
 
 async def _record_pool_demand(store: RolloutStore, pools: PoolClaims, since: float) -> None:

@@ -44,6 +44,10 @@ class Seen:
         """Round trips per role of this deployment's connections, as command names."""
         roles: dict[str, list[str]] = {}
         in_multi: set[str] = set()
+        # The worker's host probe reads the deployment's state mark every heartbeat
+        # interval (a SET NX and a GET in one pipeline: queue/worker.with_state_check),
+        # whatever calls run: seen once in a fresh-clone run as 2.4 round trips a call.
+        keys_of_no_call = {keys.state_mark}
         for command in self.commands:
             if command.get("client_type") == "lua":
                 continue
@@ -51,9 +55,12 @@ class Seen:
             name = self.names.get(address, "")
             if not name.startswith(keys.client_name("")):
                 continue
-            verb = str(command["command"]).split(" ", 1)[0].upper()
+            verb, *args = str(command["command"]).split(" ", 2)
+            verb = verb.upper()
             if verb in CONNECTION_SETUP:
                 continue  # a connection's, once: not the steady call's
+            if args and args[0].strip('"') in keys_of_no_call:
+                continue  # the host's own periodic work, not the steady call's
             if address in in_multi:
                 if verb == "EXEC":
                     in_multi.discard(address)

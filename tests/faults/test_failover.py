@@ -1,9 +1,11 @@
-"""The Redis primary killed mid-burst, on a deployment that reaches Redis through Sentinel
+"""The Redis primary killed, or hung, mid-burst, on a deployment that reaches Redis through Sentinel
 (tests/redis_ha.py: a primary, two replicas, three Sentinels; conftest.failover_stack),
 with the worker's claims and results on a replica before they count.
 
 While a batch of rollouts is in flight (one of them in a 3-second call), the primary is
-SIGKILLed. What the trainer must be able to rely on, checked as the other faults are
+SIGKILLed (its connections reset at once), or SIGSTOPped (a hung process, or a host cut
+off: its connections stay open and nothing is ever answered, so each client finds out by
+its own reply timeout). What the trainer must be able to rely on, checked as the other faults are
 (test_faults.py, report.py):
 
 - every call answered 200 ran exactly once (the sandboxes' ledgers); every other call was
@@ -11,8 +13,8 @@ SIGKILLed. What the trainer must be able to rely on, checked as the other faults
 - every rollout in flight at the failover is discarded, never scored: its record was made
   under the old primary, which may have taken writes the replica never got, so its grade
   is a 503 ``state_failover`` (docs/failure-model.md, "Redis failover");
-- the service resumes by itself: the time from the kill to the first call answered 200 is
-  measured and bounded, and a fresh batch afterwards scores exactly right;
+- the service resumes by itself: the time from the fault to the first call answered 200
+  is measured and bounded, and a fresh batch afterwards scores exactly right;
 - nothing is leaked on the daemon once the reaper has run.
 """
 
@@ -40,10 +42,12 @@ from tests.redis_ha import DOWN_AFTER_MS
 
 pytestmark = [pytest.mark.xdist_group("faults"), pytest.mark.slow]
 
-# From the kill to the first call answered 200 again: the Sentinels' down-after (1 s
+# From the fault to the first call answered 200 again: the Sentinels' down-after (1 s
 # here), their vote and the promotion (about a second), then each client's next retry
 # (a quarter second apart), Celery's consumer reconnecting its BRPOP included. Measured
-# 2-4 s on 2 cores; the bound leaves room for a loaded machine.
+# 2-4 s on 2 cores for a kill; a hang adds the clients' reply timeouts
+# (state/resp.REPLY_TIMEOUT_S, state/broker.HUNG_REDIS_OPTIONS: 5 s). The bound leaves
+# room for a loaded machine.
 RESUME_BOUND_S = 20.0
 
 
@@ -53,7 +57,8 @@ def failover(failover_stack: FaultStack) -> FaultStack:
     return failover_stack
 
 
-def test_primary_killed_mid_burst(failover: FaultStack) -> None:
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_primary_lost_mid_burst(failover: FaultStack, fault: str) -> None:
     sentinels = failover.sentinels
     assert sentinels is not None
     killed: dict[str, float] = {}
@@ -64,7 +69,7 @@ def test_primary_killed_mid_burst(failover: FaultStack) -> None:
         await ledger_shows(failover, victim.trace_id, call_id)
         primary = sentinels.primary()
         killed["at"] = time.monotonic()
-        await asyncio.to_thread(primary.kill)
+        await asyncio.to_thread(primary.kill if fault == "killed" else primary.pause)
         return set()  # known only once the batch is over: see below
 
     results, _ = run_batch(failover, batch(), inject)
@@ -79,10 +84,10 @@ def test_primary_killed_mid_burst(failover: FaultStack) -> None:
         if a.status == 0 or a.status >= 500
     )
     notes = [
-        f"resumed {resumed_s:.1f} s after the kill (down-after {DOWN_AFTER_MS} ms)",
+        f"resumed {resumed_s:.1f} s after it (down-after {DOWN_AFTER_MS} ms)",
         f"{answered_5xx} answers 5xx",
     ]
-    row = finish(failover, "redis primary killed (Sentinel)", results, victims, started, notes)
+    row = finish(failover, f"redis primary {fault} (Sentinel)", results, victims, started, notes)
     check(row, results)
     assert victims, _dump(results)
     # Discarded, never scored; a grade asked for is refused naming the failover.
@@ -95,8 +100,8 @@ def test_primary_killed_mid_burst(failover: FaultStack) -> None:
                 assert cause == "state_failover", _dump(results)
     assert resumed_s < RESUME_BOUND_S, _dump(results)
 
-    # Sentinel has a primary again (the killed one comes back as its replica): a fresh
-    # batch is not touched at all.
+    # Sentinel has a primary again (the lost one comes back as its replica): a fresh batch
+    # is not touched at all.
     sentinels.restore()
     started = time.monotonic()
     fresh, _ = run_batch(failover, batch(victim=False))
@@ -119,5 +124,5 @@ def _resumed_after(results: list[Result], at: float) -> float:
         for a in c.attempts
         if a.status == 200 and a.started > at
     ]
-    assert ends, "no call was answered 200 after the kill"
+    assert ends, "no call was answered 200 after the fault"
     return min(ends)

@@ -1,14 +1,18 @@
 """Pod statuses, in the shapes Kubernetes reports them, mapped to a state, an outcome and
-whose fault it is."""
+whose fault it is; and the events kept as a failed start's evidence."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 import pytest
-from lightkube.resources.core_v1 import Pod
+from lightkube.models.core_v1 import ObjectReference
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.core_v1 import Event, Pod
 
 from orchestrator.outcomes import Outcome
+from orchestrator.sandbox.k8s.backend import evidence_events
 from orchestrator.sandbox.k8s.states import assess
 
 T0 = "2030-01-02T03:04:05Z"
@@ -386,3 +390,34 @@ def test_pod_gone_or_being_deleted() -> None:
     assert (gone.state, gone.outcome, gone.fatal) == ("missing", Outcome.INFRA_ERROR, True)
     deleting = assess(pod(RUNNING_READY, deletionTimestamp=T0, deletionGracePeriodSeconds=0))
     assert deleting.state == "terminating" and deleting.fatal and not deleting.alive
+
+
+def test_a_failed_starts_evidence_keeps_its_warnings_over_later_normal_events() -> None:
+    """As a real kubelet's failed pull reads (one second, seven events): the warning that
+    says why is kept over the normal events of its retries; then the latest of the rest,
+    in time order."""
+    at = datetime(2026, 12, 5, 11, 0, 0, tzinfo=UTC)
+    seen = [
+        ("Scheduled", "Normal"),
+        ("Pulling", "Normal"),
+        ("Failed", "Warning"),  # Failed to pull image ...: no such host
+        ("Failed", "Warning"),  # Error: ErrImagePull
+        ("Pulling", "Normal"),
+        ("BackOff", "Normal"),
+        ("Failed", "Warning"),  # Error: ImagePullBackOff
+    ]
+    events = [
+        Event(
+            metadata=ObjectMeta(name=f"pod.{index:02x}"),
+            involvedObject=ObjectReference(name="pod"),
+            reason=reason,
+            type=kind,
+            lastTimestamp=at + timedelta(seconds=index),
+        )
+        for index, (reason, kind) in enumerate(seen)
+    ]
+    kept = evidence_events(events)
+    assert [e.metadata.name for e in kept if e.metadata] == [
+        "pod.02", "pod.03", "pod.04", "pod.05", "pod.06"
+    ]  # fmt: skip
+    assert evidence_events(events[:3]) == events[:3]
