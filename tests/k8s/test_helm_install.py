@@ -438,17 +438,23 @@ def test_helm_install_with_sentinel_serves_on_after_its_redis_primary_hangs(
             hung = time.monotonic()
             try:
                 failed: list[int] = []
+                # Each try: (seconds from the hang to its start, its length, its answers).
+                tries: list[str] = []
                 while True:
                     assert time.monotonic() - hung < FAILOVER_BOUND_S, (
                         f"no rollout scored {FAILOVER_BOUND_S} s after the primary hung; "
-                        f"answers: {failed}\n{cluster.describe()}"
+                        f"answers: {failed}; tries: {tries}\n{cluster.describe()}"
                     )
+                    began = time.monotonic()
                     try:
                         statuses, score = try_rollout(client, item)
                     except httpx.TransportError:
                         # The API pod unready a moment (its readiness asks Redis): the
                         # Service has no endpoint, and the trainer tries again.
                         statuses, score = [UNREACHABLE], None
+                    tries.append(
+                        f"+{began - hung:.1f} s for {time.monotonic() - began:.1f} s: {statuses}"
+                    )
                     if score is not None:
                         assert score == pytest.approx(1.0)
                         break
@@ -460,7 +466,7 @@ def test_helm_install_with_sentinel_serves_on_after_its_redis_primary_hangs(
                 frozen.unpause()
             print(
                 f"primary {primary} hung: a rollout scored again after {served:.1f} s; "
-                f"answers before it: {failed}; new primary {promoted}"
+                f"answers before it: {failed}; new primary {promoted}; tries: {tries}"
             )
             assert all(status >= 500 or status == UNREACHABLE for status in failed), failed
             assert promoted != primary
