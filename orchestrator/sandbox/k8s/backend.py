@@ -555,8 +555,8 @@ def _free_bytes(path: Path) -> int:
 
 
 def evidence_events(events: list[Event]) -> list[Event]:
-    """At most ``EVIDENCE_EVENTS`` of ``events`` (in time order), in their order: the
-    latest warnings first, then the latest of the rest. The warning says why (a real
+    """At most ``EVIDENCE_EVENTS`` of ``events`` (sorted by time), kept in that order:
+    the latest warnings first, then the latest of the rest. The warning says why (a real
     kubelet's failed pull: "Failed to pull image ...: no such host"); the normal events
     after it (its retries, "Pulling" again, "BackOff") only say that it goes on, and a
     cut by time alone dropped it (seen on the real node, 2 starts in 3)."""
