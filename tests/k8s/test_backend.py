@@ -2,10 +2,11 @@
 its real node (node.py: the kubelet built from Debian's source, dockershim on the local
 dockerd, each pod at an address of its own through CNI): create (pod, Secret, watch until
 Ready, agent ping), commands and files through the agent at the pod IP with the token,
-probes of healthy, killed, OOM-killed and node-lost sandboxes, a dead pod's address handed
-to a new pod, failed starts that leave nothing behind, destroy, listing, the leftover sweep
-and the heartbeat's count; a create's watch expired (410), cut by an API server restart,
-or cut by an outage that outlasts its deadline; an API server outage under a live sandbox.
+probes of healthy, killed and node-lost sandboxes, a command OOM-killed in a sandbox that
+lives on, a dead pod's address handed to a new pod, failed starts that leave nothing
+behind, destroy, listing, the leftover sweep and the heartbeat's count; a create's watch
+expired (410), cut by an API server restart, or cut by an outage that outlasts its
+deadline; an API server outage under a live sandbox.
 
 What this cannot show (NetworkPolicy, RuntimeClasses other than runc) is listed in
 docs/kubernetes-backend.md.
@@ -22,7 +23,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import docker
 import httpx2
 import pytest
 from lightkube import Client, KubeConfig
@@ -179,7 +179,6 @@ def test_a_sandbox_runs_commands_and_reads_the_codebase(
 def test_the_pod_is_what_the_backend_rendered_and_owns_its_secret(
     k8s: KubernetesBackend,
     cluster: RealCluster,
-    client: docker.DockerClient,
     sandbox: SandboxHandle,
 ) -> None:
     pod = cluster.read("pods", sandbox.native_id)
