@@ -78,12 +78,11 @@ class Api:
 @dataclass
 class RealCluster:
     """A control plane, its real node, and clients of its API server: as the admin
-    (``admin``, lightkube; ``api``, plain dicts) and as the chart's worker (``worker``, its
-    ServiceAccount's ``token``, user name ``worker_user``)."""
+    (``api``, plain dicts) and as the chart's worker (``worker``, its ServiceAccount's
+    ``token``, user name ``worker_user``)."""
 
     plane: ControlPlane
     node: RealNode
-    admin: Client
     api: Api
     worker: Client
     worker_user: str

@@ -62,13 +62,11 @@ def real_cluster(real_node_options: dict[str, Any]) -> Iterator[RealCluster]:
         worker_user, token = apply_worker_rbac(api)
         with (
             RealNode(plane, **real_node_options) as node,
-            contextlib.closing(plane.client()) as admin,
             contextlib.closing(plane.client("worker", SANDBOX_NAMESPACE, token=token)) as worker,
         ):
             cluster = RealCluster(
                 plane=plane,
                 node=node,
-                admin=admin,
                 api=api,
                 worker=worker,
                 worker_user=worker_user,

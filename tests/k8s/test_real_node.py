@@ -12,9 +12,6 @@ import ipaddress
 import time
 
 import pytest
-from lightkube import Client
-from lightkube.core.exceptions import ApiError
-from lightkube.resources.core_v1 import Pod, Secret
 
 from orchestrator.config import Settings
 from orchestrator.environments.examples import ensure_requests_codebase
@@ -23,7 +20,6 @@ from orchestrator.sandbox.k8s.backend import KubernetesBackend
 from orchestrator.sandbox.k8s.pods import CONTAINER, SEED_CONTAINER
 from tests.k8s.cluster import RealCluster
 from tests.k8s.node import CONTAINER_NAME_LABEL, POD_LOGS, POD_UID_LABEL
-from tests.k8s.rbac import SANDBOX_NAMESPACE
 from tests.k8s.test_backend import k8s_settings, spec
 
 # The group of the real node's modules (this, test_backend, test_rbac, test_cluster_e2e,
@@ -45,33 +41,22 @@ def codebase_image(settings: Settings, base_image: str) -> str:
     return ensure_requests_codebase(settings)
 
 
-def _exists(admin: Client, kind: type[Pod] | type[Secret], name: str) -> bool:
-    try:
-        admin.get(kind, name, namespace=SANDBOX_NAMESPACE)
-    except ApiError as exc:
-        if exc.status.code == 404:
-            return False
-        raise
-    return True
-
-
 def test_a_sandbox_runs_on_a_real_kubelet_and_leaves_nothing(
     real_cluster: RealCluster, settings: Settings, codebase_image: str
 ) -> None:
-    node, admin = real_cluster.node, real_cluster.admin
+    node = real_cluster.node
     k8s = KubernetesBackend(k8s_settings(settings), client=real_cluster.worker)
     handle: SandboxHandle | None = k8s.create(spec(codebase_image, "real-node"))
     assert handle is not None
     name = handle.native_id
     try:
-        pod = admin.get(Pod, name, namespace=SANDBOX_NAMESPACE)
-        assert pod.metadata is not None and pod.status is not None
-        uid = pod.metadata.uid
-        assert uid is not None
-        assert pod.status.phase == "Running"
+        pod = real_cluster.read("pods", name)
+        assert pod is not None
+        uid = pod["metadata"]["uid"]
+        assert pod["status"]["phase"] == "Running"
         # The pod's own address on the node's pod network, reached over its veth.
-        assert node.subnet is not None and pod.status.podIP is not None
-        assert ipaddress.ip_address(pod.status.podIP) in node.subnet
+        assert node.subnet is not None
+        assert ipaddress.ip_address(pod["status"]["podIP"]) in node.subnet
         # Made by this kubelet through dockershim (its labels, under its cgroup root): the
         # pause container and the sandbox running, the seeding init container done.
         made = {
@@ -101,13 +86,13 @@ def test_a_sandbox_runs_on_a_real_kubelet_and_leaves_nothing(
     # Destroyed, as the product means it: the pod and its Secret gone from the API server
     # and no container of the pod running.
     deadline = time.monotonic() + DESTROYED_TIMEOUT_S
-    while _exists(admin, Pod, name) or node.pod_containers(uid, running=True):
+    while real_cluster.read("pods", name) or node.pod_containers(uid, running=True):
         assert time.monotonic() < deadline, (
-            f"not destroyed after {DESTROYED_TIMEOUT_S} s: pod {_exists(admin, Pod, name)}, "
+            f"not destroyed after {DESTROYED_TIMEOUT_S} s: pod {real_cluster.read('pods', name)}, "
             f"running {node.pod_containers(uid, running=True)}"
         )
         time.sleep(0.1)
-    assert not _exists(admin, Secret, name)
+    assert real_cluster.read("secrets", name) is None
     assert k8s.list_owned() == []
     # What is left of it is exited (its pause container), for the kubelet's garbage
     # collection to remove within a minute; the node removes it now.
