@@ -1004,11 +1004,11 @@ def recycled_so_far(settings: Settings) -> dict[str, float]:
     return counts
 
 
-def recycle_waits_so_far(base: str) -> dict[str, list[float]]:
+def recycle_waits_so_far(base: str, token: str) -> dict[str, list[float]]:
     """The API's orchestrator_pool_recycle_wait_seconds by result: [count, sum of s]."""
     waits: dict[str, list[float]] = {}
     try:
-        text = httpx.get(f"{base}/metrics").text
+        text = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {token}"}).text
     except httpx.HTTPError:
         return waits
     for family in text_string_to_metric_families(text):
@@ -1536,7 +1536,7 @@ def stack_phase(
                 counters = Counters()
                 at_launch = pool_levels(settings, codebase)
                 recycled_before = recycled_so_far(settings)
-                waits_before = recycle_waits_so_far(base)
+                waits_before = recycle_waits_so_far(base, token)
                 with Sampler(counters, client, DEPLOYMENT) as sampler:
                     raw = asyncio.run(
                         burst_phase(
@@ -1557,7 +1557,7 @@ def stack_phase(
                         result: int(recycled_after[result] - recycled_before.get(result, 0.0))
                         for result in recycled_after
                     }
-                    waits_after = recycle_waits_so_far(base)
+                    waits_after = recycle_waits_so_far(base, token)
                     raw["recycle_waits"] = waits_between(waits_before, waits_after)
                     if number == args.bursts:
                         print("waiting for the reaper", flush=True)

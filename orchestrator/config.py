@@ -62,9 +62,42 @@ class Settings(BaseSettings):
     api_host: str = Field("127.0.0.1", description="Address the API binds to.")
     api_port: int = Field(8000, ge=1, le=65535, description="Port the API listens on.")
     api_workers: int = Field(1, ge=1, le=64, description="API processes (uvicorn workers).")
-    api_tokens: str = Field(
-        "", description="Comma-separated bearer tokens accepted by the API (required)."
+    api_metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Where a scraper reads the API's /metrics with no token: a listener of "
+        "its own on api_metrics_host, never the port trainers reach. 0: none, and /metrics "
+        "on the API's port answers the operator's tokens only.",
     )
+    api_metrics_host: str = Field("127.0.0.1", description="Address api_metrics_port binds.")
+    api_forwarded_allow_ips: str = Field(
+        "127.0.0.1",
+        description="Proxies whose X-Forwarded-For names the client (uvicorn's "
+        "forwarded_allow_ips: comma-separated addresses or CIDRs, `*` for any). Behind a load "
+        "balancer or an ingress, list it: a client is then counted by its own address, "
+        "not the proxy's, for the lock-out of guessing (auth_failures_max) and in logs.",
+    )
+    api_tokens: str = Field(
+        "",
+        description="Comma-separated bearer tokens of the operator (tenant `default`, who "
+        "sees every tenant's things), each the token or its digest `sha256:<hex>` "
+        "(`orchestrator tenants token`). This or a tenants file is required.",
+    )
+    tenants_file: Path | None = Field(
+        None,
+        description="YAML file of tenants, their tokens' digests and their quotas "
+        "(docs/tenancy.md); read again when it changes, so tokens are added and revoked "
+        "without a restart.",
+    )
+    auth_failures_max: int = Field(
+        20,
+        ge=1,
+        description="Failed authentications from one client address within "
+        "auth_failures_window_s, after which its requests get 429 until the window ends "
+        "(each API process counts its own).",
+    )
+    auth_failures_window_s: float = Field(60.0, gt=0, description="See auth_failures_max.")
     grader_url_secret: str = Field(
         "",
         description="When set, the endpoint grader is also served at "

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Response
 
-from orchestrator.api.auth import require_secret, require_token
+from orchestrator.api.auth import Caller, require_secret, require_token
 from orchestrator.api.deps import service
 from orchestrator.api.models import (
     ErrorResponse,
@@ -22,6 +22,7 @@ from orchestrator.api.models import (
 from orchestrator.grading import extract_answer
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.state.models import RolloutSource
+from orchestrator.tenants import Principal
 
 router = APIRouter(prefix="/agent-rft", tags=["agent-rft"], dependencies=[Depends(require_token)])
 
@@ -38,7 +39,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-async def _call(body: FunctionCall, name: str, svc: RolloutService) -> Response:
+async def _call(body: FunctionCall, name: str, svc: RolloutService, caller: Principal) -> Response:
     reply = await svc.call_tool(
         body.trace_id,
         name,
@@ -46,6 +47,7 @@ async def _call(body: FunctionCall, name: str, svc: RolloutService) -> Response:
         call_id=body.call_id,
         item=body.item,
         source=RolloutSource.AGENT_RFT,
+        caller=caller,
     )
     output = FunctionCallOutput(call_id=body.call_id, id=body.id, output=reply.output)
     # Serialized here, once: FastAPI would validate the model again against the route's
@@ -55,20 +57,20 @@ async def _call(body: FunctionCall, name: str, svc: RolloutService) -> Response:
 
 @router.post("/tools", response_model=FunctionCallOutput, responses=ERRORS)
 async def tool_call(
-    body: FunctionCall, svc: Annotated[RolloutService, Depends(service)]
+    body: FunctionCall, svc: Annotated[RolloutService, Depends(service)], caller: Caller
 ) -> Response:
     """One tool call; the tool is the body's ``name`` (several tools may share this URL)."""
     if not body.name:
         raise HTTPException(422, "body.name: the tool name is required on this endpoint")
-    return await _call(body, body.name, svc)
+    return await _call(body, body.name, svc, caller)
 
 
 @router.post("/tools/{name}", response_model=FunctionCallOutput, responses=ERRORS)
 async def named_tool_call(
-    name: str, body: FunctionCall, svc: Annotated[RolloutService, Depends(service)]
+    name: str, body: FunctionCall, svc: Annotated[RolloutService, Depends(service)], caller: Caller
 ) -> Response:
     """One tool call to the tool named in the path (the body's ``name`` is ignored)."""
-    return await _call(body, name, svc)
+    return await _call(body, name, svc, caller)
 
 
 # The endpoint grader without a header, under the deployment's secret path segment
@@ -80,25 +82,28 @@ secret_grader = APIRouter(
 
 
 @router.post("/grade", responses=ERRORS)
-async def grade(body: GradeRequest, svc: Annotated[RolloutService, Depends(service)]) -> Score:
+async def grade(
+    body: GradeRequest, svc: Annotated[RolloutService, Depends(service)], caller: Caller
+) -> Score:
     """Score a rollout. Idempotent; an infra-failed rollout gets 503, never a score."""
-    return await _grade(body, svc)
+    return await _grade(body, svc, caller)
 
 
 @secret_grader.post("/grade/{secret}")
 async def grade_by_secret(
-    body: GradeRequest, svc: Annotated[RolloutService, Depends(service)]
+    body: GradeRequest, svc: Annotated[RolloutService, Depends(service)], caller: Caller
 ) -> Score:
-    """:func:`grade`, for a grader that sends no header."""
-    return await _grade(body, svc)
+    """:func:`grade`, for a grader that sends no header: the secret's tenant's."""
+    return await _grade(body, svc, caller)
 
 
-async def _grade(body: GradeRequest, svc: RolloutService) -> Score:
+async def _grade(body: GradeRequest, svc: RolloutService, caller: Principal) -> Score:
     reply = await svc.grade(
         body.trace_id,
         extract_answer(body.sample),
         body.item,
         source=RolloutSource.AGENT_RFT,
         sample=body.sample,
+        caller=caller,
     )
     return Score(score=reply.score, details=reply.details)

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, HTTPException
+from fastapi import APIRouter, FastAPI, HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator import __version__
 from orchestrator.api import agent_rft, errors, health, rollouts
-from orchestrator.api.auth import e2b_sandbox, loggable_path, request_allowed
+from orchestrator.api.auth import (
+    PRINCIPAL,
+    AuthFailures,
+    authenticate,
+    e2b_sandbox,
+    loggable_path,
+)
 from orchestrator.api.deps import AppState
 from orchestrator.api.middleware import HttpMetrics
 from orchestrator.config import Settings, get_settings
@@ -28,19 +36,23 @@ from orchestrator.state.broker import make_celery
 from orchestrator.state.collector import StateCollector
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.replies import WorkerClient
+from orchestrator.tenants import Principal, Tenants, TenantsError
 
 
 class RequestGuard:
-    """Before any route, in this order: the bearer token (except on open paths and the
-    grader's secret path, :func:`~orchestrator.api.auth.request_allowed`); 413 for
+    """Before any route, in this order: an address locked out for guessing gets 429; the
+    caller's credential, to its tenant (:func:`~orchestrator.api.auth.authenticate`; open
+    paths need none), put in the scope for the routes; 413 for
     bodies over the limit, counted as they stream in (Content-Length may lie or be absent);
     every body read as JSON whatever its declared content type (clients that omit the
     header are common). After the route: any exception that escaped is a 503 JSON answer
     (our bug, never the agent's) and the connection stays usable."""
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, settings: Settings, tenants: Tenants) -> None:
         self.app = app
         self.settings = settings
+        self.tenants = tenants
+        self.failures = AuthFailures(settings.auth_failures_max, settings.auth_failures_window_s)
         self.limit = settings.max_request_bytes
         self.file_limit = (settings.e2b_file_max_mb << 20) + (1 << 20)
 
@@ -50,7 +62,23 @@ class RequestGuard:
             return
         headers = dict(scope.get("headers", []))
         path = scope["path"]
-        if not request_allowed(self.settings, path, headers):
+        client = scope.get("client")
+        address = client[0] if client else ""
+        locked_s = self.failures.locked_for(address)
+        if locked_s:
+            # Refused whatever it presents: a right guess now would say so (docs/tenancy.md).
+            await self._answer(
+                send,
+                path,
+                429,
+                "too_many_failed_authentications",
+                "too many failed authentications from this address: try again later",
+                {"Retry-After": str(math.ceil(locked_s))},
+            )
+            return
+        verdict = authenticate(self.tenants, path, headers)
+        if verdict is None:
+            self.failures.failed(address)
             await self._answer(
                 send,
                 path,
@@ -61,6 +89,8 @@ class RequestGuard:
                 {"WWW-Authenticate": "Bearer"},
             )
             return
+        if isinstance(verdict, Principal):
+            scope.setdefault("state", {})[PRINCIPAL] = verdict
         # A file written through the E2B API is its own body, up to e2b_file_max_mb.
         limit = self.file_limit if path == "/files" else self.limit
         declared = headers.get(b"content-length")
@@ -131,11 +161,28 @@ async def _empty_receive() -> Message:
     return {"type": "http.disconnect"}
 
 
+ROUTERS: tuple[APIRouter, ...] = (
+    agent_rft.router,
+    health.router,
+    agent_rft.secret_grader,
+    rollouts.router,
+    e2b_control.router,
+    e2b_envd.router,
+)
+"""Every route of the API (tests/e2e/test_tenancy.py tries each across tenants). Matched
+in this order: the tool calls' first, since every request pays for the routes tried
+before its own (E2B's planes hold dozens)."""
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     configure_logging(settings)
-    if not settings.tokens:
-        raise RuntimeError("no API tokens configured: set ORCH_API_TOKENS")
+    if not settings.tokens and settings.tenants_file is None:
+        raise RuntimeError("no API tokens configured: set ORCH_API_TOKENS or ORCH_TENANTS_FILE")
+    try:  # a tenants file that cannot be read fails the start (docs/tenancy.md)
+        tenants = Tenants(settings.tokens, settings.grader_url_secret, settings.tenants_file)
+    except TenantsError as exc:
+        raise RuntimeError(str(exc)) from None
     # Every path of an Agent RFT call must answer within the platform's bound.
     check_agent_rft_bound(settings)
     environments = load_environments(settings)
@@ -162,6 +209,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             queue=queue,
             service=rollouts,
             e2b=E2BSandboxes(rollouts),
+            tenants=tenants,
         )
         # The deployment's state gauges, read from Redis at each scrape of /metrics.
         app.state.metrics_state = StateCollector(settings, environments)
@@ -174,7 +222,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # (tests/e2e/test_event_loop.py).
         get_logger(__name__).info("api.started", asyncio_debug=loop.get_debug())
         try:
-            yield
+            async with contextlib.AsyncExitStack() as listeners:
+                if settings.api_metrics_port:
+                    await listeners.enter_async_context(health.metrics_listener(app, settings))
+                yield
         finally:
             app.state.metrics_state.close()
             await store.close()
@@ -186,14 +237,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     errors.install(app)
-    # Routes are matched in the order they are added: the tool calls' first, since every
-    # request pays for the routes tried before its own (E2B's planes hold dozens).
-    app.include_router(agent_rft.router)
-    app.include_router(health.router)
-    app.include_router(agent_rft.secret_grader)
-    app.include_router(rollouts.router)
-    app.include_router(e2b_control.router)
-    app.include_router(e2b_envd.router)
-    app.add_middleware(RequestGuard, settings=settings)
+    for router in ROUTERS:
+        app.include_router(router)
+    app.add_middleware(RequestGuard, settings=settings, tenants=tenants)
     app.add_middleware(HttpMetrics)  # outermost: it counts the guard's refusals too
     return app

@@ -1,40 +1,33 @@
-"""Bearer-token auth: tokens from settings, compared in constant time.
+"""Who may make a request, and for which tenant (docs/tenancy.md).
 
-Checked twice on purpose: by :class:`~orchestrator.api.app.RequestGuard` before the body is
-read (an unauthenticated caller learns nothing about its body), and by the routes'
-dependency, which also puts the scheme into the OpenAPI document.
+:class:`~orchestrator.api.app.RequestGuard` decides before the body is read (an
+unauthenticated caller learns nothing about its body) and puts the caller's
+:class:`~orchestrator.tenants.Principal` in the request's scope; the routes' dependency
+(:func:`caller`) reads it from there, and puts the scheme into the OpenAPI document.
 """
 
 from __future__ import annotations
 
-import secrets
+import time
+from collections import OrderedDict
+from enum import Enum
+from typing import Annotated
 
-from fastapi import HTTPException, Request
+from fastapi import Depends, HTTPException, Request
 
-from orchestrator.api.deps import state
-from orchestrator.config import Settings
+from orchestrator.tenants import Principal, Tenants
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/docs", "/redoc", "/openapi.json"})
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/redoc", "/openapi.json"})
 HEADERLESS_GRADE_PREFIX = "/agent-rft/grade/"
 """The endpoint grader under a secret path segment (``grader_url_secret``): no header."""
+PRINCIPAL = "principal"
+"""The key of the caller's :class:`Principal` in the request scope's ``state``."""
 
 
-def token_ok(tokens: list[str], authorization: str) -> bool:
+def bearer(authorization: str) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header ("" when there is none)."""
     scheme, _, presented = authorization.partition(" ")
-    ok = False
-    if scheme.lower() == "bearer" and presented:
-        # Compare against every token so the time taken does not reveal which matched.
-        for token in tokens:
-            ok |= secrets.compare_digest(presented.encode(), token.encode())
-    return ok
-
-
-def secret_ok(secret: str, path: str) -> bool:
-    """Whether ``path`` is the endpoint grader under the deployment's secret segment."""
-    if not secret or not path.startswith(HEADERLESS_GRADE_PREFIX):
-        return False
-    presented = path.removeprefix(HEADERLESS_GRADE_PREFIX)
-    return secrets.compare_digest(presented.encode(), secret.encode())
+    return presented.strip() if scheme.lower() == "bearer" else ""
 
 
 def loggable_path(path: str) -> str:
@@ -61,27 +54,91 @@ def e2b_sandbox(path: str) -> bool:
     return path in ("/health", "/files") or path.startswith(E2B_SANDBOX_PATHS[2:])
 
 
-def request_allowed(settings: Settings, path: str, headers: dict[bytes, bytes]) -> bool:
-    """The one rule of who may make a request: an open path, the grader's secret path,
-    a valid bearer token; on the E2B planes, the SDK's own credentials."""
-    if path in OPEN_PATHS or secret_ok(settings.grader_url_secret, path):
-        return True
+class Open(Enum):
+    """A request :func:`authenticate` lets through with no caller: an open path, or one
+    whose route checks a credential of its own (the E2B sandbox plane's access token)."""
+
+    PATH = "open"
+
+
+def authenticate(
+    tenants: Tenants, path: str, headers: dict[bytes, bytes]
+) -> Principal | Open | None:
+    """The one rule of who may make a request: an open path; the grader's secret path; a
+    bearer token; on the E2B planes, the SDK's own credentials. None: refused."""
+    if path in OPEN_PATHS:
+        return Open.PATH
+    if path.startswith(HEADERLESS_GRADE_PREFIX) and "/" not in path.removeprefix(
+        HEADERLESS_GRADE_PREFIX
+    ):
+        return tenants.by_grader_secret(path.removeprefix(HEADERLESS_GRADE_PREFIX))
     if e2b_control(path):
-        key = headers.get(b"x-api-key", b"").decode("latin-1")
-        return bool(key) and token_ok(settings.tokens, f"Bearer {key}")
+        return tenants.by_token(headers.get(b"x-api-key", b"").decode("latin-1").strip())
     if e2b_sandbox(path):
-        return b"e2b-sandbox-id" in headers and b"x-access-token" in headers
-    return token_ok(settings.tokens, headers.get(b"authorization", b"").decode("latin-1"))
+        named = b"e2b-sandbox-id" in headers and b"x-access-token" in headers
+        return Open.PATH if named else None
+    return tenants.by_token(bearer(headers.get(b"authorization", b"").decode("latin-1")))
 
 
-async def require_secret(request: Request) -> None:
-    """The secret grader route's own check (the guard's too: checked twice, as tokens)."""
-    if not secret_ok(state(request).settings.grader_url_secret, request.url.path):
-        raise HTTPException(404, "Not Found")
+class AuthFailures:
+    """Failed authentications per client address, in a fixed window: past ``limit`` in
+    one, the address is refused (429) until the window ends, whatever it presents, so a
+    guess that happens to be right is refused too and brute force learns nothing. Kept
+    per process, bounded (the oldest addresses are forgotten first)."""
+
+    MAX_ADDRESSES = 10_000
+
+    def __init__(self, limit: int, window_s: float) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._seen: OrderedDict[str, tuple[float, int]] = OrderedDict()
+
+    def locked_for(self, address: str) -> float:
+        """Seconds until ``address`` may try again (0: it may now)."""
+        started, failures = self._seen.get(address, (0.0, 0))
+        left = started + self.window_s - time.monotonic()
+        return left if failures >= self.limit and left > 0 else 0.0
+
+    def failed(self, address: str) -> None:
+        now = time.monotonic()
+        started, failures = self._seen.pop(address, (now, 0))
+        if now - started >= self.window_s:
+            started, failures = now, 0
+        self._seen[address] = (started, failures + 1)
+        while len(self._seen) > self.MAX_ADDRESSES:
+            self._seen.popitem(last=False)
 
 
-async def require_token(request: Request) -> None:
-    if not token_ok(state(request).settings.tokens, request.headers.get("authorization", "")):
+def caller(request: Request) -> Principal:
+    """The caller the guard authenticated (a route's dependency: async-free, a dict read)."""
+    found = request.scope.get("state", {}).get(PRINCIPAL)
+    if not isinstance(found, Principal):
         raise HTTPException(
             401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
         )
+    return found
+
+
+async def require_token(request: Request) -> None:
+    """A router's dependency: the request has a caller (and OpenAPI shows the scheme)."""
+    caller(request)
+
+
+async def require_admin(request: Request) -> None:
+    """A route only the operator's tokens may use: any other caller gets a 404."""
+    if not caller(request).admin:
+        raise HTTPException(404, "Not Found")
+
+
+async def require_secret(request: Request) -> None:
+    """The secret grader route's own check (the guard's too): a 404 without a caller."""
+    if not isinstance(request.scope.get("state", {}).get(PRINCIPAL), Principal):
+        raise HTTPException(404, "Not Found")
+
+
+async def _caller(request: Request) -> Principal:
+    return caller(request)
+
+
+Caller = Annotated[Principal, Depends(_caller)]
+"""A route's parameter: who is calling (async: no thread hop, bench/profile.py)."""

@@ -11,6 +11,7 @@ from orchestrator.e2b.sandboxes import E2BSandboxes
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.replies import WorkerClient
+from orchestrator.tenants import Tenants
 
 
 @dataclass
@@ -20,6 +21,7 @@ class AppState:
     queue: WorkerClient
     service: RolloutService
     e2b: E2BSandboxes
+    tenants: Tenants
 
 
 def state(request: Request) -> AppState:

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Response
 
 from orchestrator.api.agent_rft import ERRORS
-from orchestrator.api.auth import require_token
+from orchestrator.api.auth import Caller, require_token
 from orchestrator.api.deps import service
 from orchestrator.api.models import (
     ROLLOUT_ID,
@@ -40,8 +40,9 @@ RolloutId = Annotated[str, Path(pattern=ROLLOUT_ID, description="The rollout's i
 
 
 @router.post("", status_code=201, responses=RESPONSES)
-async def create_rollout(body: CreateRollout, svc: Svc) -> RolloutCreated:
-    """Create a rollout and its sandbox; returns the tools' schemas for the model."""
+async def create_rollout(body: CreateRollout, svc: Svc, caller: Caller) -> RolloutCreated:
+    """Create a rollout and its sandbox, the caller's tenant's; returns the tools' schemas
+    for the model."""
     rollout_id = body.id or f"ro_{uuid.uuid4().hex}"
     rollout = await svc.start(
         rollout_id,
@@ -50,6 +51,7 @@ async def create_rollout(body: CreateRollout, svc: Svc) -> RolloutCreated:
         environment=body.environment,
         codebase=body.codebase,
         exclusive=True,
+        caller=caller,
     )
     resolved = svc.environment_of(rollout)
     return RolloutCreated(
@@ -64,29 +66,38 @@ async def create_rollout(body: CreateRollout, svc: Svc) -> RolloutCreated:
 
 
 @router.post("/{rollout_id}/tools/{name}", response_model=ToolCallResponse, responses=RESPONSES)
-async def call_tool(rollout_id: RolloutId, name: str, body: ToolCallRequest, svc: Svc) -> Response:
+async def call_tool(
+    rollout_id: RolloutId, name: str, body: ToolCallRequest, svc: Svc, caller: Caller
+) -> Response:
     """Run a tool. Agent mistakes are 200 with ``outcome: agent_error``."""
-    reply = await svc.call_tool(rollout_id, name, body.arguments, call_id=body.call_id)
+    reply = await svc.call_tool(
+        rollout_id, name, body.arguments, call_id=body.call_id, caller=caller
+    )
     # Serialized once, here: as agent_rft.py's tool routes (the hot path).
     response = ToolCallResponse.model_validate(reply.model_dump())
     return Response(response.model_dump_json(), media_type="application/json")
 
 
 @router.post("/{rollout_id}/grade", responses=RESPONSES)
-async def grade_rollout(rollout_id: RolloutId, body: RolloutGradeRequest, svc: Svc) -> Score:
+async def grade_rollout(
+    rollout_id: RolloutId, body: RolloutGradeRequest, svc: Svc, caller: Caller
+) -> Score:
     answer = body.answer if body.answer is not None else extract_answer(body.sample or {})
-    reply = await svc.grade(rollout_id, answer, None, source=RolloutSource.API, sample=body.sample)
+    reply = await svc.grade(
+        rollout_id, answer, None, source=RolloutSource.API, sample=body.sample, caller=caller
+    )
     return Score(score=reply.score, details=reply.details)
 
 
 @router.get("/{rollout_id}", responses=RESPONSES)
-async def get_rollout(rollout_id: RolloutId, svc: Svc) -> RolloutView:
-    return view(await known(svc.store, rollout_id), await svc.store.call_count(rollout_id))
+async def get_rollout(rollout_id: RolloutId, svc: Svc, caller: Caller) -> RolloutView:
+    rollout = await known(svc.store, rollout_id, caller)
+    return view(rollout, await svc.store.call_count(rollout_id))
 
 
 @router.get("/{rollout_id}/trajectory", responses=RESPONSES)
-async def get_trajectory(rollout_id: RolloutId, svc: Svc) -> Trajectory:
-    rollout = await known(svc.store, rollout_id)
+async def get_trajectory(rollout_id: RolloutId, svc: Svc, caller: Caller) -> Trajectory:
+    rollout = await known(svc.store, rollout_id, caller)
     sandbox = rollout.sandbox
     return Trajectory(
         rollout_id=rollout_id,
@@ -98,10 +109,10 @@ async def get_trajectory(rollout_id: RolloutId, svc: Svc) -> Trajectory:
 
 
 @router.delete("/{rollout_id}", responses=RESPONSES)
-async def delete_rollout(rollout_id: RolloutId, svc: Svc) -> RolloutView:
+async def delete_rollout(rollout_id: RolloutId, svc: Svc, caller: Caller) -> RolloutView:
     """End the rollout now: its sandbox is destroyed (or, recycled, reset for another
     rollout); the record stays readable."""
-    rollout = await svc.close(rollout_id, "deleted")
+    rollout = await svc.close(rollout_id, "deleted", caller=caller)
     return view(rollout, await svc.store.call_count(rollout_id))
 
 

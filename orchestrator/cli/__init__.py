@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regrade": ("orchestrator.cli.rewards", "regrade"),
     "rft-config": ("orchestrator.cli.rft_config", "rft_config"),
     "preflight": ("orchestrator.cli.preflight", "preflight"),
+    "tenants": ("orchestrator.cli.tenants", "app"),
     "config": ("orchestrator.cli.config_docs", "app"),
 }
 

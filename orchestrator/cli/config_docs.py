@@ -1,5 +1,6 @@
 """``orchestrator config docs``: docs/configuration.md, generated from the models themselves
-(``Settings`` and the environment models), so the page cannot drift from the code.
+(``Settings``, the environment models and the tenants file's), so the page cannot drift
+from the code.
 tests/test_config_docs.py fails when the committed page differs from what this prints."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from orchestrator.environments.models import (
     SetupStep,
 )
 from orchestrator.sandbox.backend import ScratchDir
+from orchestrator.tenants import Quotas, TenantConfig
 
 app = typer.Typer(help="The deployment's configuration.", no_args_is_help=True)
 
@@ -209,6 +211,20 @@ def configuration_markdown() -> str:
             "tool: one fixed program whose argv placeholders take the model's arguments.",
             CustomToolConfig,
             "tools[].",
+        ),
+        model_section(
+            "Tenants",
+            "The tenants file (`ORCH_TENANTS_FILE`) is `tenants:`, a map of a tenant's name "
+            "([a-z0-9-]) to these (docs/tenancy.md).",
+            TenantConfig,
+            "tenants.<name>.",
+        ),
+        model_section(
+            "Tenant quotas",
+            "`quotas:` of a tenant: its share of the deployment; each left out: no bound of "
+            "its own.",
+            Quotas,
+            "tenants.<name>.quotas.",
         ),
     ]
     return "\n".join(sections)

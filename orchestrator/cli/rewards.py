@@ -46,6 +46,9 @@ Until = Annotated[
 ]
 Environment = Annotated[str | None, typer.Option(help="Only rollouts of this environment.")]
 OutcomeOption = Annotated[Outcome | None, typer.Option(help="Only rollouts with this outcome.")]
+TenantOption = Annotated[
+    str | None, typer.Option(help="Only this tenant's rollouts (docs/tenancy.md).")
+]
 
 
 def _selection(
@@ -55,6 +58,7 @@ def _selection(
     outcome: Outcome | None,
     *,
     graded: bool,
+    tenant: str | None,
 ) -> RolloutFilter:
     return RolloutFilter(
         since=when(since, "--since"),
@@ -62,6 +66,7 @@ def _selection(
         environment=environment,
         outcome=outcome,
         graded=graded,
+        tenant=tenant,
     )
 
 
@@ -104,6 +109,7 @@ def export(
     environment: Environment = None,
     outcome: OutcomeOption = None,
     graded: Annotated[bool, typer.Option(help="Only rollouts with a stored score.")] = False,
+    tenant: TenantOption = None,
     form: Annotated[
         ExportFormat | None,
         typer.Option("--format", help="jsonl or parquet; by default, the file's extension."),
@@ -121,7 +127,7 @@ def export(
                 param_hint="--format",
             )
         form = ExportFormat(suffix)
-    selection = _selection(since, until, environment, outcome, graded=graded)
+    selection = _selection(since, until, environment, outcome, graded=graded, tenant=tenant)
     writer = ExportWriter(out, form)
     try:
         _walk(
@@ -147,6 +153,7 @@ def regrade(
         str | None, typer.Option(help="Only rollouts of this environment (default: any).")
     ] = None,
     outcome: OutcomeOption = None,
+    tenant: TenantOption = None,
     limit: Annotated[int, typer.Option(min=1, help="Show at most this many rows.")] = 50,
     json_: Annotated[bool, typer.Option("--json", help="Print JSON (every rollout).")] = False,
 ) -> None:
@@ -162,7 +169,7 @@ def regrade(
         raise typer.Exit(2) from None
     entries: list[Regraded] = []
     _walk(
-        _selection(since, until, environment, outcome, graded=True),
+        _selection(since, until, environment, outcome, graded=True, tenant=tenant),
         "regrading",
         lambda rollout, steps: entries.append(regrader.regrade(rollout, steps)),
     )

@@ -64,6 +64,9 @@ def ls(
         Outcome | None, typer.Option(help="Only rollouts with this outcome.")
     ] = None,
     limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 50,
+    tenant: Annotated[
+        str | None, typer.Option(help="Only this tenant's rollouts (docs/tenancy.md).")
+    ] = None,
     before: Annotated[
         str | None,
         typer.Option(
@@ -84,6 +87,7 @@ def ls(
             outcome=outcome.value if outcome else None,
             limit=limit,
             before=cursor,
+            tenant=tenant,
         )
     )
     more = f"older: --before {cursor_of(rollouts[-1])}" if len(rollouts) == limit else ""

@@ -123,6 +123,16 @@ def api_token(settings: Settings) -> str:
     return settings.api_tokens if settings.tokens else _kept_secret(settings, "api-token")
 
 
+def operator_token(settings: Settings) -> str | None:
+    """A token of the operator's that this process can present: the first of
+    ORCH_API_TOKENS given as itself (not as a digest), else the one ``up`` kept; None."""
+    plain = [t for t in settings.tokens if not t.startswith("sha256:")]
+    if plain:
+        return plain[0]
+    kept = settings.state_dir / "api-token"
+    return kept.read_text().strip() if not settings.tokens and kept.exists() else None
+
+
 def grader_secret(settings: Settings) -> str:
     """ORCH_GRADER_URL_SECRET if set; else the one kept from the last start, or a new one."""
     return settings.grader_url_secret or _kept_secret(settings, "grader-secret")

@@ -21,6 +21,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator.cli.serve import operator_token
 from orchestrator.config import Settings, get_settings
 from orchestrator.environments.loader import EnvironmentRegistry, load_environments
 from orchestrator.state.records import RolloutStore
@@ -34,7 +35,10 @@ FAILURES_SHOWN = 10
 
 
 def default_api_url(settings: Settings) -> str:
-    """The API this deployment serves (its own host and port)."""
+    """Where this deployment's API metrics are read: the scraper's port when it has one,
+    else the API's own (host and port)."""
+    if settings.api_metrics_port:
+        return f"http://{settings.api_metrics_host}:{settings.api_metrics_port}"
     return f"http://{settings.api_host}:{settings.api_port}"
 
 
@@ -48,9 +52,9 @@ async def _read(settings: Settings, registry: EnvironmentRegistry) -> StatusSnap
         await store.close()
 
 
-def _scrape(api_url: str) -> tuple[Scrape | None, str | None]:
+def _scrape(api_url: str, token: str | None) -> tuple[Scrape | None, str | None]:
     try:
-        return fetch(api_url), None
+        return fetch(api_url, token=token), None
     except httpx.HTTPError as exc:
         return None, f"{type(exc).__name__}: {exc}"
 
@@ -60,7 +64,7 @@ def take_snapshot(
 ) -> tuple[StatusSnapshot, Scrape | None]:
     """One frame: Redis state, and the calls since ``before`` (the previous scrape)."""
     snapshot = asyncio.run(_read(settings, registry))
-    after, error = _scrape(api_url)
+    after, error = _scrape(api_url, None if settings.api_metrics_port else operator_token(settings))
     if after is None:
         snapshot.calls = CallStats(api_url=api_url, error=error)
     else:

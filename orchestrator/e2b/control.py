@@ -1,5 +1,6 @@
 """The E2B control plane (docs/e2b.md): the REST calls the SDK's ``Sandbox`` class makes to
-its API URL, authenticated by ``X-API-KEY`` (one of the deployment's tokens).
+its API URL, authenticated by ``X-API-KEY`` (a tenant's token: it sees its tenant's sandboxes and
+snapshots only, docs/tenancy.md).
 
 The SDK's generated client is strict about shapes: a create answers 201, a kill or a timeout
 204, and every error ``{"code": <int>, "message": ...}`` (anything else crashes its
@@ -14,7 +15,7 @@ from urllib.parse import parse_qsl
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
-from orchestrator.api.auth import token_ok
+from orchestrator.api.auth import PRINCIPAL
 from orchestrator.api.deps import state
 from orchestrator.e2b.models import (
     ConnectBody,
@@ -28,6 +29,7 @@ from orchestrator.e2b.models import (
 from orchestrator.e2b.sandboxes import BadRequest, E2BSandboxes, SandboxGone
 from orchestrator.rollouts.errors import InfraError, Rejected, RejectedKind
 from orchestrator.state.admission import AtCapacity
+from orchestrator.tenants import Principal
 
 
 class E2BError(Exception):
@@ -46,12 +48,13 @@ def error_response(exc: E2BError) -> JSONResponse:
     )
 
 
-async def require_api_key(request: Request) -> None:
-    """The SDK's ``X-API-KEY`` must be one of the deployment's tokens (the guard checked it
-    before the body was read; this is the route's own check, as for bearer tokens)."""
-    key = request.headers.get("x-api-key", "")
-    if not token_ok(state(request).settings.tokens, f"Bearer {key}"):
+async def api_key_caller(request: Request) -> Principal:
+    """Who the SDK's ``X-API-KEY`` acts for: a token of a tenant (docs/tenancy.md). The
+    guard authenticated it before the body was read; this is the route's dependency."""
+    found = request.scope.get("state", {}).get(PRINCIPAL)
+    if not isinstance(found, Principal):
         raise E2BError(401, "missing or wrong X-API-KEY")
+    return found
 
 
 async def sandboxes(request: Request) -> E2BSandboxes:
@@ -60,8 +63,9 @@ async def sandboxes(request: Request) -> E2BSandboxes:
 
 
 # Not in the OpenAPI document: its contract is E2B's (docs/e2b.md), its clients their SDK.
-router = APIRouter(include_in_schema=False, dependencies=[Depends(require_api_key)])
+router = APIRouter(include_in_schema=False)
 Sandboxes = Annotated[E2BSandboxes, Depends(sandboxes)]
+Caller = Annotated[Principal, Depends(api_key_caller)]
 
 
 E2B_REJECTED_STATUS = {
@@ -97,10 +101,10 @@ def _translate(exc: Exception, sandbox_id: str | None = None) -> E2BError:
 
 @router.post("/sandboxes", status_code=201)
 @router.post("/v2/sandboxes", status_code=201)
-async def create_sandbox(body: NewSandbox, svc: Sandboxes) -> JSONResponse:
+async def create_sandbox(body: NewSandbox, svc: Sandboxes, caller: Caller) -> JSONResponse:
     """``Sandbox.create(template=...)``."""
     try:
-        made = await svc.create(body)
+        made = await svc.create(body, caller)
     except (BadRequest, Rejected, AtCapacity, InfraError) as exc:
         return error_response(_translate(exc))
     return JSONResponse(wire_json(made), status_code=201)
@@ -110,6 +114,7 @@ async def create_sandbox(body: NewSandbox, svc: Sandboxes) -> JSONResponse:
 @router.get("/v2/sandboxes")
 async def list_sandboxes(
     svc: Sandboxes,
+    caller: Caller,
     metadata: str = "",
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     next_token: Annotated[str, Query(alias="nextToken")] = "",
@@ -117,42 +122,44 @@ async def list_sandboxes(
     """``Sandbox.list()``: the live sandboxes, paginated by ``x-next-token``."""
     wanted = dict(parse_qsl(metadata, keep_blank_values=True))
     after = int(next_token) if next_token.isdigit() else 0
-    page, following = await svc.listing(metadata=wanted, limit=limit, after=after)
+    page, following = await svc.listing(metadata=wanted, limit=limit, after=after, caller=caller)
     headers = {"x-next-token": str(following)} if following is not None else {}
     return JSONResponse([wire_json(d) for d in page], headers=headers)
 
 
 @router.get("/sandboxes/{sandbox_id}")
-async def get_sandbox(sandbox_id: str, svc: Sandboxes) -> JSONResponse:
+async def get_sandbox(sandbox_id: str, svc: Sandboxes, caller: Caller) -> JSONResponse:
     """``Sandbox.get_info()``."""
     try:
-        return JSONResponse(wire_json(await svc.detail(sandbox_id)))
+        return JSONResponse(wire_json(await svc.detail(sandbox_id, caller)))
     except (SandboxGone, InfraError) as exc:
         return error_response(_translate(exc, sandbox_id))
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
-async def kill_sandbox(sandbox_id: str, svc: Sandboxes) -> Response:
+async def kill_sandbox(sandbox_id: str, svc: Sandboxes, caller: Caller) -> Response:
     """``sandbox.kill()``: 204, or 404 when there is no such live sandbox."""
-    if not await svc.kill(sandbox_id):
+    if not await svc.kill(sandbox_id, caller):
         return error_response(E2BError(404, f"sandbox {sandbox_id} not found"))
     return Response(status_code=204)
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
-async def sandbox_metrics(sandbox_id: str, svc: Sandboxes) -> JSONResponse:
+async def sandbox_metrics(sandbox_id: str, svc: Sandboxes, caller: Caller) -> JSONResponse:
     """``sbx.get_metrics()``: what it uses now, one entry (none while it is paused)."""
     try:
-        return JSONResponse([wire_json(m) for m in await svc.metrics(sandbox_id)])
+        return JSONResponse([wire_json(m) for m in await svc.metrics(sandbox_id, caller)])
     except (SandboxGone, InfraError) as exc:
         return error_response(_translate(exc, sandbox_id))
 
 
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
-async def set_timeout(sandbox_id: str, body: TimeoutBody, svc: Sandboxes) -> Response:
+async def set_timeout(
+    sandbox_id: str, body: TimeoutBody, svc: Sandboxes, caller: Caller
+) -> Response:
     """``sandbox.set_timeout(seconds)``: it is killed that long from now."""
     try:
-        await svc.set_timeout(sandbox_id, body.timeout)
+        await svc.set_timeout(sandbox_id, body.timeout, caller)
     except (SandboxGone, BadRequest, InfraError) as exc:
         return error_response(_translate(exc, sandbox_id))
     return Response(status_code=204)
@@ -160,21 +167,25 @@ async def set_timeout(sandbox_id: str, body: TimeoutBody, svc: Sandboxes) -> Res
 
 @router.post("/sandboxes/{sandbox_id}/connect")
 @router.post("/v2/sandboxes/{sandbox_id}/connect")
-async def connect_sandbox(sandbox_id: str, body: ConnectBody, svc: Sandboxes) -> JSONResponse:
+async def connect_sandbox(
+    sandbox_id: str, body: ConnectBody, svc: Sandboxes, caller: Caller
+) -> JSONResponse:
     """``Sandbox.connect(id)``: the same sandbox, for another client; a paused one resumes
     (201, as E2B answers a resume)."""
     try:
-        out, resumed = await svc.connect(sandbox_id, body.timeout)
+        out, resumed = await svc.connect(sandbox_id, body.timeout, caller)
     except (SandboxGone, BadRequest, Rejected, AtCapacity, InfraError) as exc:
         return error_response(_translate(exc, sandbox_id))
     return JSONResponse(wire_json(out), status_code=201 if resumed else 200)
 
 
 @router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
-async def resume_sandbox(sandbox_id: str, body: ConnectBody, svc: Sandboxes) -> JSONResponse:
+async def resume_sandbox(
+    sandbox_id: str, body: ConnectBody, svc: Sandboxes, caller: Caller
+) -> JSONResponse:
     """The older SDKs' ``resume``: as ``connect``; 409 when it was not paused."""
     try:
-        out, resumed = await svc.connect(sandbox_id, body.timeout)
+        out, resumed = await svc.connect(sandbox_id, body.timeout, caller)
     except (SandboxGone, BadRequest, Rejected, AtCapacity, InfraError) as exc:
         return error_response(_translate(exc, sandbox_id))
     if not resumed:
@@ -183,10 +194,12 @@ async def resume_sandbox(sandbox_id: str, body: ConnectBody, svc: Sandboxes) -> 
 
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
-async def pause_sandbox(sandbox_id: str, body: PauseBody, svc: Sandboxes) -> Response:
+async def pause_sandbox(
+    sandbox_id: str, body: PauseBody, svc: Sandboxes, caller: Caller
+) -> Response:
     """``sbx.pause()``: 204; 409 when it is paused already (the SDK returns False)."""
     try:
-        if not await svc.pause(sandbox_id, body.memory):
+        if not await svc.pause(sandbox_id, body.memory, caller):
             return error_response(E2BError(409, f"sandbox {sandbox_id} is paused already"))
     except (SandboxGone, BadRequest, Rejected, InfraError) as exc:
         return error_response(_translate(exc, sandbox_id))
@@ -194,10 +207,12 @@ async def pause_sandbox(sandbox_id: str, body: PauseBody, svc: Sandboxes) -> Res
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
-async def create_snapshot(sandbox_id: str, body: SnapshotBody, svc: Sandboxes) -> JSONResponse:
+async def create_snapshot(
+    sandbox_id: str, body: SnapshotBody, svc: Sandboxes, caller: Caller
+) -> JSONResponse:
     """``sbx.create_snapshot(name)``: its filesystem, kept (docs/snapshots.md)."""
     try:
-        made = await svc.snapshot(sandbox_id, body.name, body.memory)
+        made = await svc.snapshot(sandbox_id, body.name, body.memory, caller)
     except (SandboxGone, BadRequest, Rejected, InfraError) as exc:
         return error_response(_translate(exc, sandbox_id))
     return JSONResponse(wire_json(made), status_code=201)
@@ -206,6 +221,7 @@ async def create_snapshot(sandbox_id: str, body: SnapshotBody, svc: Sandboxes) -
 @router.get("/snapshots")
 async def list_snapshots(
     svc: Sandboxes,
+    caller: Caller,
     sandbox_id: Annotated[str, Query(alias="sandboxID")] = "",
     name: str = "",
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
@@ -214,26 +230,28 @@ async def list_snapshots(
     """``Sandbox.list_snapshots()``: paginated by ``x-next-token``."""
     after = int(next_token) if next_token.isdigit() else 0
     page, following = await svc.snapshots_listing(
-        sandbox_id=sandbox_id or None, name=name or None, limit=limit, after=after
+        sandbox_id=sandbox_id or None, name=name or None, limit=limit, after=after, caller=caller
     )
     headers = {"x-next-token": str(following)} if following is not None else {}
     return JSONResponse([wire_json(s) for s in page], headers=headers)
 
 
 @router.delete("/templates/{template_id}", status_code=204)
-async def delete_snapshot(template_id: str, svc: Sandboxes) -> Response:
+async def delete_snapshot(template_id: str, svc: Sandboxes, caller: Caller) -> Response:
     """``Sandbox.delete_snapshot(id)``: 204, or 404 when there is no such snapshot (a
     template here is an environment or a codebase, which the API never deletes)."""
-    if not await svc.drop_snapshot(template_id):
+    if not await svc.drop_snapshot(template_id, caller):
         return error_response(E2BError(404, f"snapshot {template_id} not found"))
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
-async def fork_sandbox(sandbox_id: str, body: ForkBody, svc: Sandboxes) -> JSONResponse:
+async def fork_sandbox(
+    sandbox_id: str, body: ForkBody, svc: Sandboxes, caller: Caller
+) -> JSONResponse:
     """``sbx.fork(count)``: one entry per fork, its sandbox or its own error."""
     try:
-        made = await svc.fork(sandbox_id, body.count, body.timeout)
+        made = await svc.fork(sandbox_id, body.count, body.timeout, caller)
     except (SandboxGone, BadRequest, Rejected, InfraError) as exc:
         return error_response(_translate(exc, sandbox_id))
     results: list[dict[str, object]] = []

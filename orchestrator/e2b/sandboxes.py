@@ -56,6 +56,7 @@ from orchestrator.state.wire import (
     Task,
     Tasks,
 )
+from orchestrator.tenants import Principal
 from orchestrator.tools.command import COMMAND_TOOL
 
 # A sandbox id is a DNS label (E2B's clients may put it in a host name): lowercase
@@ -113,16 +114,16 @@ class E2BSandboxes:
 
     # -- the control plane ----------------------------------------------------------------
 
-    async def create(self, body: NewSandbox) -> SandboxOut:
-        """A new sandbox from ``body.template``: a snapshot's id (or name), an
-        environment's name, a codebase's name (on the default environment), or
-        ``<environment>/<codebase>``."""
+    async def create(self, body: NewSandbox, caller: Principal) -> SandboxOut:
+        """A new sandbox of ``caller``'s tenant from ``body.template``: a snapshot's id (or
+        name) of those it sees, an environment's name, a codebase's name (on the default
+        environment), or ``<environment>/<codebase>``."""
         if body.auto_pause:
             raise BadRequest(
                 "autoPause is not supported: pause a sandbox with sbx.pause(), and it resumes "
                 "on its next request"
             )
-        snapshot = await self._snapshot_named(body.template_id)
+        snapshot = await self._snapshot_named(body.template_id, caller)
         if snapshot is not None:
             resolved = self.service.snapshots.environment_of(snapshot)
             environment, codebase = snapshot.environment, snapshot.codebase
@@ -132,7 +133,7 @@ class E2BSandboxes:
         state = self._new_state(
             body.template_id, resolved, body.timeout, body.metadata, body.env_vars
         )
-        return await self._start(state, resolved, environment, codebase, snapshot)
+        return await self._start(state, resolved, environment, codebase, snapshot, caller)
 
     def _new_state(
         self,
@@ -161,6 +162,7 @@ class E2BSandboxes:
         environment: str,
         codebase: str | None,
         snapshot: SnapshotRecord | None,
+        caller: Principal,
     ) -> SandboxOut:
         sandbox_id = ID_PREFIX + uuid.uuid4().hex[:20]
         item = {"environment": environment} | ({"codebase": codebase} if codebase else {})
@@ -176,46 +178,60 @@ class E2BSandboxes:
             resolved=resolved,
             fields={"e2b": state.model_dump(mode="json")},
             snapshot=snapshot,
+            caller=caller,
         )
         return self._out(sandbox_id, state)
 
     # -- snapshots and forks (docs/snapshots.md) ------------------------------------------
 
-    async def snapshot(self, sandbox_id: str, name: str | None, memory: bool | None) -> SnapshotOut:
+    async def snapshot(
+        self, sandbox_id: str, name: str | None, memory: bool | None, caller: Principal
+    ) -> SnapshotOut:
         """``create_snapshot``: the sandbox's filesystem, kept (it runs on)."""
         self._snapshots_served()
         if memory:
             raise BadRequest(MEMORY_REFUSED)
-        rollout, state = await self._running(sandbox_id)
+        rollout, state = await self._running(sandbox_id, caller)
         record = await self.service.snapshots.take(rollout, name=name, template=state.template)
         return SnapshotOut(snapshot_id=record.snapshot_id, names=[name] if name else [])
 
     async def snapshots_listing(
-        self, *, sandbox_id: str | None, name: str | None, limit: int, after: int
+        self,
+        *,
+        sandbox_id: str | None,
+        name: str | None,
+        limit: int,
+        after: int,
+        caller: Principal,
     ) -> tuple[list[SnapshotOut], int | None]:
-        """The deployment's snapshots (of ``sandbox_id``, or named ``name``, when given),
+        """The snapshots ``caller`` sees (of ``sandbox_id``, or named ``name``, when given),
         oldest first, from position ``after``; the position of the next page, or None."""
         found = [
             SnapshotOut(snapshot_id=r.snapshot_id, names=[r.name] if r.name else [])
             for r in await self.service.snapshots.registry.all()
-            if (not sandbox_id or r.parent == sandbox_id)
+            if caller.sees(r.tenant)
+            and (not sandbox_id or r.parent == sandbox_id)
             and (not name or name in (r.name, r.snapshot_id))
         ]
         page = found[after : after + limit]
         return page, (after + limit if len(found) > after + limit else None)
 
-    async def drop_snapshot(self, snapshot_id: str) -> bool:
+    async def drop_snapshot(self, snapshot_id: str, caller: Principal) -> bool:
+        """Delete a snapshot ``caller`` sees; False when there is none such."""
+        record = await self.service.snapshots.registry.get(snapshot_id)
+        if record is None or record.kind != SnapshotKind.NAMED or not caller.sees(record.tenant):
+            return False
         return await self.service.snapshots.drop(snapshot_id)
 
     async def fork(
-        self, sandbox_id: str, count: int, timeout_s: int | None
+        self, sandbox_id: str, count: int, timeout_s: int | None, caller: Principal
     ) -> list[SandboxOut | BaseException]:
         """``fork``: a snapshot of the sandbox (it runs on), and ``count`` sandboxes made
         from it at once on its host, each of which succeeds or fails on its own. The
         snapshot is the fork's alone: forgotten once they are made, its files gone with
         the last of them."""
         self._snapshots_served()
-        rollout, state = await self._running(sandbox_id)
+        rollout, state = await self._running(sandbox_id, caller)
         record = await self.service.snapshots.take(
             rollout, template=state.template, kind=SnapshotKind.FORK
         )
@@ -232,6 +248,7 @@ class E2BSandboxes:
                         record.environment,
                         record.codebase,
                         record,
+                        caller,
                     )
                     for _ in range(count)
                 ),
@@ -241,34 +258,37 @@ class E2BSandboxes:
             await self.service.snapshots.drop(record.snapshot_id)
         return list(made)
 
-    async def _snapshot_named(self, template: str) -> SnapshotRecord | None:
-        """The snapshot a template names: its id, or (not an environment's name) its name.
-        An id of none is refused (the snapshot was deleted, or never was)."""
+    async def _snapshot_named(self, template: str, caller: Principal) -> SnapshotRecord | None:
+        """The snapshot a template names: its id, or (not an environment's name) its name,
+        of those ``caller`` sees. An id of none is refused (the snapshot was deleted, or
+        never was, or is another tenant's: the same answer)."""
         registry = self.service.snapshots.registry
         if template.startswith("snap-"):
             found = await registry.get(template)
-            if found is None or found.kind != SnapshotKind.NAMED:
+            if found is None or found.kind != SnapshotKind.NAMED or not caller.sees(found.tenant):
                 raise BadRequest(
                     f"template {template!r}: no such snapshot (it may have been deleted)"
                 )
             return found
         if template in self.service.environments or "/" in template:
             return None
-        return await registry.find(template)
+        return await registry.find(template, caller)
 
-    async def connect(self, sandbox_id: str, timeout_s: int | None) -> tuple[SandboxOut, bool]:
+    async def connect(
+        self, sandbox_id: str, timeout_s: int | None, caller: Principal
+    ) -> tuple[SandboxOut, bool]:
         """The same sandbox for another client, resumed if it was paused (then True)."""
-        rollout, state = await self.alive(sandbox_id)
+        rollout, state = await self.alive(sandbox_id, caller)
         paused = rollout.state == RolloutState.PAUSED
         if paused:
-            rollout, state = await self._resume(sandbox_id, timeout_s)
+            rollout, state = await self._resume(sandbox_id, timeout_s, caller)
         elif timeout_s is not None:
             state = await self._set_end(rollout, state, timeout_s)
         return self._out(sandbox_id, state), paused
 
     # -- pause and resume (docs/snapshots.md) ---------------------------------------------
 
-    async def pause(self, sandbox_id: str, memory: bool | None) -> bool:
+    async def pause(self, sandbox_id: str, memory: bool | None, caller: Principal) -> bool:
         """``pause``: its filesystem kept as a snapshot, its sandbox gone (no slot, CPU or
         memory held), its commands ended; False when it was paused already. Its timeout
         stops until it resumes (``connect``, or any request to the sandbox)."""
@@ -276,7 +296,7 @@ class E2BSandboxes:
         if memory:
             raise BadRequest(MEMORY_REFUSED)
         async with self._changing(sandbox_id):
-            rollout, state = await self.alive(sandbox_id)
+            rollout, state = await self.alive(sandbox_id, caller)
             if rollout.state == RolloutState.PAUSED:
                 return False
             if rollout.state != RolloutState.ACTIVE or rollout.sandbox is None:
@@ -297,9 +317,11 @@ class E2BSandboxes:
                 "docs/kubernetes-backend.md says why not on Kubernetes yet)"
             )
 
-    async def _resume(self, sandbox_id: str, timeout_s: int | None) -> tuple[Rollout, E2BState]:
+    async def _resume(
+        self, sandbox_id: str, timeout_s: int | None, caller: Principal | None
+    ) -> tuple[Rollout, E2BState]:
         async with self._changing(sandbox_id):
-            rollout, state = await self.alive(sandbox_id)
+            rollout, state = await self.alive(sandbox_id, caller)
             if rollout.state != RolloutState.PAUSED:
                 return rollout, state  # resumed by another request meanwhile
             left = timeout_s or state.left_s or self.settings.e2b_default_timeout_s
@@ -342,29 +364,33 @@ class E2BSandboxes:
         finally:
             await self.store.end_start_lease(sandbox_id)
 
-    async def _running(self, sandbox_id: str) -> tuple[Rollout, E2BState]:
+    async def _running(self, sandbox_id: str, caller: Principal) -> tuple[Rollout, E2BState]:
         """:meth:`alive`, resumed first if it was paused."""
-        rollout, state = await self.alive(sandbox_id)
+        rollout, state = await self.alive(sandbox_id, caller)
         if rollout.state == RolloutState.PAUSED:
-            return await self._resume(sandbox_id, None)
+            return await self._resume(sandbox_id, None, caller)
         return rollout, state
 
-    async def detail(self, sandbox_id: str) -> SandboxDetail:
-        rollout, state = await self.alive(sandbox_id)
+    async def detail(self, sandbox_id: str, caller: Principal) -> SandboxDetail:
+        rollout, state = await self.alive(sandbox_id, caller)
         return self._detail(rollout, state)
 
     async def listing(
-        self, *, metadata: dict[str, str], limit: int, after: int
+        self, *, metadata: dict[str, str], limit: int, after: int, caller: Principal
     ) -> tuple[list[SandboxDetail], int | None]:
-        """Live sandboxes whose metadata has ``metadata``, from position ``after`` of the
-        listing; the position of the next page, or None."""
+        """Live sandboxes ``caller`` sees whose metadata has ``metadata``, from position
+        ``after`` of the listing; the position of the next page, or None."""
         found: list[SandboxDetail] = []
         ids = await self.store.live_ids()
         records = await self.store.get_many(ids)
         alive = [
             r
             for r in records
-            if r is not None and r.e2b is not None and r.state in _ALIVE and r.closed_at is None
+            if r is not None
+            and r.e2b is not None
+            and r.state in _ALIVE
+            and r.closed_at is None
+            and caller.sees(r.tenant)
         ]
         alive.sort(key=lambda r: r.created_at)
         for rollout in alive[after:]:
@@ -374,25 +400,25 @@ class E2BSandboxes:
         page = found[:limit]
         return page, (after + limit if len(found) > limit else None)
 
-    async def kill(self, sandbox_id: str) -> bool:
+    async def kill(self, sandbox_id: str, caller: Principal) -> bool:
         """Kill it (destroy its sandbox, close its rollout; a failed one too); False when
-        there is none."""
+        there is none (or it is another tenant's)."""
         paused_as = None
         try:
-            rollout, _ = await self.alive(sandbox_id)
+            rollout, _ = await self.alive(sandbox_id, caller)
             paused_as = rollout.paused_as
         except SandboxGone:
             return False
         except InfraError:
             pass  # failed, not gone: its sandbox (what is left of it) goes now
-        await self.service.close(sandbox_id, "killed by its E2B client")
+        await self.service.close(sandbox_id, "killed by its E2B client", caller=caller)
         if paused_as is not None:
             await self.service.snapshots.drop(paused_as)
         return True
 
-    async def metrics(self, sandbox_id: str) -> list[MetricOut]:
+    async def metrics(self, sandbox_id: str, caller: Principal) -> list[MetricOut]:
         """``get_metrics``: what it uses now, measured by its host (a paused one: none)."""
-        rollout, _ = await self.alive(sandbox_id)
+        rollout, _ = await self.alive(sandbox_id, caller)
         if rollout.sandbox is None or rollout.state == RolloutState.PAUSED:
             return []
         measured = await self._worker(
@@ -419,17 +445,21 @@ class E2BSandboxes:
             )
         ]
 
-    async def set_timeout(self, sandbox_id: str, timeout_s: int) -> None:
-        rollout, state = await self.alive(sandbox_id)
+    async def set_timeout(self, sandbox_id: str, timeout_s: int, caller: Principal) -> None:
+        rollout, state = await self.alive(sandbox_id, caller)
         await self._set_end(rollout, state, timeout_s)
 
     # -- what the sandbox plane needs -----------------------------------------------------
 
-    async def alive(self, sandbox_id: str) -> tuple[Rollout, E2BState]:
+    async def alive(self, sandbox_id: str, caller: Principal | None) -> tuple[Rollout, E2BState]:
         """The sandbox's record and state while it lives; :class:`SandboxGone` when it does
-        not; the rollout's :class:`InfraError` when it failed for infrastructure reasons."""
+        not (or ``caller`` may not see it: another tenant's); the rollout's
+        :class:`InfraError` when it failed for infrastructure reasons. ``caller`` None: the
+        sandbox plane, whose requests carry the sandbox's own access token instead."""
         rollout = await self.store.get(sandbox_id) if sandbox_id.startswith(ID_PREFIX) else None
         if rollout is None or rollout.e2b is None:
+            raise SandboxGone(sandbox_id)
+        if caller is not None and not caller.sees(rollout.tenant):
             raise SandboxGone(sandbox_id)
         failure = rollout.infra_failure
         if failure is not None or rollout.state == RolloutState.INFRA_FAILED:
@@ -449,11 +479,11 @@ class E2BSandboxes:
     async def authorized(self, sandbox_id: str, token: str) -> tuple[Rollout, E2BState]:
         """:meth:`alive`, for a request that must carry the sandbox's access token; a
         paused sandbox resumes for it (E2B's resume on traffic)."""
-        rollout, state = await self.alive(sandbox_id)
+        rollout, state = await self.alive(sandbox_id, None)
         if not secrets.compare_digest(token.encode(), state.access_token.encode()):
             raise ConnectError(Code.UNAUTHENTICATED, "wrong or missing X-Access-Token")
         if rollout.state == RolloutState.PAUSED:
-            return await self._resume(sandbox_id, None)
+            return await self._resume(sandbox_id, None, None)
         return rollout, state
 
     async def start_process(

@@ -96,6 +96,8 @@ def run(settings: Settings, *, workers: int, log_level: str, timeout_keep_alive:
         log_level=log_level,
         access_log=False,
         timeout_keep_alive=timeout_keep_alive,
+        proxy_headers=True,
+        forwarded_allow_ips=settings.api_forwarded_allow_ips,
         # uvloop and httptools when installed (they are dependencies); the stdlib's loop
         # for asyncio's debug mode, whose slow-callback report is the stdlib's.
         loop="asyncio" if settings.asyncio_debug else "auto",

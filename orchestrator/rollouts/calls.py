@@ -40,7 +40,7 @@ from orchestrator.rollouts.errors import (
     Rejected,
     RejectedKind,
 )
-from orchestrator.rollouts.lookup import present, unknown
+from orchestrator.rollouts.lookup import owned, present, unknown
 from orchestrator.rollouts.models import CallReply
 from orchestrator.rollouts.starts import Starter
 from orchestrator.state.calls import CallStartStatus, DispatchOutcome, TicketState
@@ -48,6 +48,7 @@ from orchestrator.state.models import RolloutSource, RolloutState, TrajectorySte
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import WorkerClient
 from orchestrator.state.wire import InfraFault, OpDone, RunOp, SandboxKilled
+from orchestrator.tenants import OPERATOR, Principal
 from orchestrator.tools.base import (
     InvalidArguments,
     Tool,
@@ -125,9 +126,11 @@ class ToolCalls:
         item: dict[str, Any] | None = None,
         source: RolloutSource = RolloutSource.API,
         stream_key: str | None = None,
+        caller: Principal = OPERATOR,
     ) -> CallReply:
         """Run one tool call. ``item`` given (Agent RFT) means: start the rollout if new.
         ``stream_key``: a client command's output goes to that stream too, as printed.
+        ``caller``: another tenant's rollout is unknown to it (a 404).
 
         Agent mistakes (unknown tool, bad arguments, spent budget) come back as
         ``agent_error`` replies without touching the sandbox; infrastructure faults raise
@@ -146,7 +149,9 @@ class ToolCalls:
         existing = None if known is not None else await self.store.get(rollout_id)
         if known is not None:
             rollout, resolved = known
+            owned(rollout, rollout_id, caller)
         elif existing is not None:
+            owned(existing, rollout_id, caller)
             if existing.infra_failure is not None:  # its cause, before its environment's
                 await self.closer.refuse_failed(existing, "rollout failed earlier")
             resolved = self.starter.environment_of(existing)
@@ -172,6 +177,7 @@ class ToolCalls:
                     resolved=resolved,
                     deadline=deadline,
                     reserve_s=reserve,
+                    caller=caller,
                 )
             else:
                 rollout = await self.starter.wait_ready(existing, deadline, reserve)

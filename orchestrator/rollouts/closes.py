@@ -23,6 +23,7 @@ from orchestrator.state.pools import PoolClaims
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueTimeout, WorkerClient
 from orchestrator.state.wire import DestroySandbox, Tasks
+from orchestrator.tenants import OPERATOR, Principal
 
 log = get_logger(__name__)
 
@@ -51,6 +52,7 @@ class Closer:
         ended_by: Cause | None = None,
         why: str = "",
         destroy: bool = True,
+        caller: Principal = OPERATOR,
     ) -> Rollout:
         """Destroy the sandbox and close the record (an infra-failed rollout stays so).
 
@@ -58,8 +60,8 @@ class Closer:
         happened, for the trainer): a call or grade that comes later finds it failed with
         that cause, so the trainer discards it instead of scoring it. ``destroy=False``:
         the caller destroys the sandbox itself (the local stack's teardown, whose worker
-        is stopping)."""
-        rollout = await known(self.store, rollout_id)
+        is stopping). ``caller``: another tenant's rollout is unknown to it (a 404)."""
+        rollout = await known(self.store, rollout_id, caller)
         bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)
         leased = False
         if rollout.closed_at is None:

@@ -49,7 +49,7 @@ from orchestrator.rollouts.errors import (
     RejectedKind,
     RolloutVanished,
 )
-from orchestrator.rollouts.lookup import present, unknown
+from orchestrator.rollouts.lookup import owned, present, unknown
 from orchestrator.rollouts.models import new_record
 from orchestrator.rollouts.starts import Starter
 from orchestrator.sandbox.backend import SandboxHandle
@@ -59,6 +59,7 @@ from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import GradeInputs, Rollout, RolloutStore
 from orchestrator.state.replies import QueueTimeout
 from orchestrator.state.wire import InfraFault, RunTests, Tasks
+from orchestrator.tenants import OPERATOR, Principal
 
 log = get_logger(__name__)
 
@@ -93,10 +94,12 @@ class Grading:
         *,
         source: RolloutSource,
         sample: dict[str, Any] | None = None,
+        caller: Principal = OPERATOR,
     ) -> GradeReply:
         """Grade once; a retry (even a concurrent one) gets the score stored first. An
         infra-failed rollout is a 503. A rejected grade (422) stores nothing. ``sample`` is
-        the trainer's output as sent (Agent RFT's ``sample``), kept with the score."""
+        the trainer's output as sent (Agent RFT's ``sample``), kept with the score.
+        ``caller``: another tenant's rollout is unknown to it (a 404)."""
         rollout = await self.store.get(rollout_id)
         if rollout is None:
             if source != RolloutSource.AGENT_RFT or item is None:
@@ -126,11 +129,13 @@ class Grading:
                 grade_details=graded.details,
                 grade_inputs=_inputs(resolved, context),
                 outcome=Outcome.OK,
+                tenant=caller.tenant,
             )
             if await self.store.create(record):
                 _observe(resolved, graded.score)
                 return graded
             rollout = present(await self.store.get(rollout_id), rollout_id, "it was graded")
+        owned(rollout, rollout_id, caller)
         deadline = Deadline.for_source(self.settings, source)
         rollout = await self.starter.wait_ready(rollout, deadline)
         bind_sandbox(rollout.sandbox.sandbox_id if rollout.sandbox else None)

@@ -46,6 +46,7 @@ from orchestrator.state.wire import (
     SnapshotSandbox,
     Tasks,
 )
+from orchestrator.tenants import DEFAULT_TENANT, Principal
 from orchestrator.tools.command import COMMAND_TOOL, CommandOutput
 
 log = get_logger(__name__)
@@ -136,6 +137,7 @@ class Snapshots:
             template=template,
             taken=taken,
             kind=kind,
+            tenant=rollout.tenant,
             keep_until=time.time() + keep_s if keep_s is not None else None,
         )
         await self.registry.add(record)
@@ -170,7 +172,11 @@ class Snapshots:
     # -- a group's set-up ----------------------------------------------------------------
 
     async def for_group(
-        self, resolved: ResolvedEnvironment, item: dict[str, Any], source: RolloutSource
+        self,
+        resolved: ResolvedEnvironment,
+        item: dict[str, Any],
+        source: RolloutSource,
+        tenant: str = DEFAULT_TENANT,
     ) -> SnapshotRecord | None:
         """The snapshot a new rollout of ``item`` starts from: its group's set-up, run now
         when no rollout of the group has had it run (one set-up per group however many of
@@ -189,18 +195,24 @@ class Snapshots:
                 "snapshots: the Docker backend (docs/snapshots.md)",
                 code="invalid_item",
             )
-        # Once per (environment, codebase or commit, group): a row that names no codebase
-        # of its own takes it from the request.
-        key = f"{resolved.environment.digest}:{resolved.codebase or resolved.image}:{group}"
+        # Once per (tenant, environment, codebase or commit, group): a row that names no
+        # codebase of its own takes it from the request; tenants never share a set-up.
+        where = resolved.codebase or resolved.image
+        key = f"{tenant}:{resolved.environment.digest}:{where}:{group}"
         running = self._setting_up.get(key)
         if running is None:  # one waiter per group in this process, however many ask
-            running = asyncio.ensure_future(self._group_snapshot(key, resolved, item, step))
+            running = asyncio.ensure_future(self._group_snapshot(key, resolved, item, step, tenant))
             self._setting_up[key] = running
             running.add_done_callback(lambda _: self._setting_up.pop(key, None))
         return await asyncio.shield(running)
 
     async def _group_snapshot(
-        self, key: str, resolved: ResolvedEnvironment, item: dict[str, Any], step: SetupStep
+        self,
+        key: str,
+        resolved: ResolvedEnvironment,
+        item: dict[str, Any],
+        step: SetupStep,
+        tenant: str,
     ) -> SnapshotRecord:
         lease_s = step.timeout_s + self.settings.sandbox_create_timeout_s
         lease_s += self.settings.admission_wait_s + SNAPSHOT_TIMEOUT_S
@@ -223,7 +235,7 @@ class Snapshots:
             lease = self.keys.group_setup_lease(key)
             if await self.redis.set(lease, "1", nx=True, ex=int(lease_s) + 1):
                 try:
-                    return await self._set_up(key, resolved, item, step)
+                    return await self._set_up(key, resolved, item, step, tenant)
                 finally:
                     await self.redis.delete(lease)
             if time.monotonic() > deadline:
@@ -236,14 +248,24 @@ class Snapshots:
             delay = min(delay * 2, 0.5)
 
     async def _set_up(
-        self, key: str, resolved: ResolvedEnvironment, item: dict[str, Any], step: SetupStep
+        self,
+        key: str,
+        resolved: ResolvedEnvironment,
+        item: dict[str, Any],
+        step: SetupStep,
+        tenant: str,
     ) -> SnapshotRecord:
         """Run ``step`` in a sandbox of its own (a rollout of source ``setup``), snapshot it
         for the group, and close it."""
         rollout_id = f"setup-{uuid.uuid4().hex[:20]}"
         started = time.monotonic()
         await self.starter.start(
-            rollout_id, item, source=RolloutSource.SETUP, resolved=resolved, exclusive=True
+            rollout_id,
+            item,
+            source=RolloutSource.SETUP,
+            resolved=resolved,
+            exclusive=True,
+            caller=Principal(tenant),
         )
         try:
             timeout_s = min(step.timeout_s, self.settings.command_timeout_max_s)

@@ -27,7 +27,7 @@ from orchestrator.outcomes import Cause
 from orchestrator.rollouts.bounds import Deadline
 from orchestrator.rollouts.closes import Closer
 from orchestrator.rollouts.errors import InfraError, Rejected, RejectedKind, StillStarting
-from orchestrator.rollouts.lookup import present
+from orchestrator.rollouts.lookup import owned, present
 from orchestrator.rollouts.models import new_record, rollout_group
 from orchestrator.sandbox.agent.client import PROBE_MAX_S
 from orchestrator.sandbox.backend import CommitWorkspace, ProbeResult, SandboxHandle
@@ -50,12 +50,13 @@ from orchestrator.state.wire import (
     SandboxCreated,
     Tasks,
 )
+from orchestrator.tenants import OPERATOR, Principal
 
 log = get_logger(__name__)
 
 
 GroupSetupHook = Callable[
-    [ResolvedEnvironment, dict[str, Any], RolloutSource], Awaitable[SnapshotRecord | None]
+    [ResolvedEnvironment, dict[str, Any], RolloutSource, str], Awaitable[SnapshotRecord | None]
 ]
 
 
@@ -234,8 +235,10 @@ class Starter:
         reserve_s: float = 0.0,
         fields: dict[str, Any] | None = None,
         snapshot: SnapshotRecord | None = None,
+        caller: Principal = OPERATOR,
     ) -> Rollout:
-        """Return the rollout, creating it and its sandbox if it is new.
+        """Return the rollout, creating it and its sandbox if it is new (``caller``'s: an
+        id of another tenant's rollout is a 409 when ``exclusive``, else unknown, a 404).
 
         Concurrent first calls of one id create exactly one sandbox: one caller wins the
         record, the others wait for its sandbox. ``exclusive`` (the rollout API) makes an
@@ -251,17 +254,14 @@ class Starter:
             resolved = await self.aresolve(item, environment=environment, codebase=codebase)
         existing = await self.store.get(rollout_id)
         if existing is not None:
-            if exclusive:
-                raise Rejected(
-                    RejectedKind.CONFLICT, f"rollout {rollout_id} exists already", code="exists"
-                )
-            return await self.wait_ready(existing, deadline, reserve_s)
+            return await self._existing(existing, exclusive, deadline, reserve_s, caller)
         if snapshot is None and self.group_setup is not None:
             # The group's set-up goes on when this request is out of time (shielded in
             # the hook): the request's retry finds it done, or waits for it.
             try:
                 snapshot = await asyncio.wait_for(
-                    self.group_setup(resolved, item, source), deadline.left(reserve=reserve_s)
+                    self.group_setup(resolved, item, source, caller.tenant),
+                    deadline.left(reserve=reserve_s),
                 )
             except TimeoutError:
                 raise StillStarting(rollout_id) from None
@@ -271,11 +271,7 @@ class Starter:
         while not await self.store.take_start_lease(rollout_id, bound):
             current = await self.store.get(rollout_id)
             if current is not None:
-                if exclusive:
-                    raise Rejected(
-                        RejectedKind.CONFLICT, f"rollout {rollout_id} exists already", code="exists"
-                    )
-                return await self.wait_ready(current, deadline, reserve_s)
+                return await self._existing(current, exclusive, deadline, reserve_s, caller)
             await asyncio.sleep(0.02)  # (its starter failed: the lock is gone, we start it)
         try:
             # The starter before us may have finished: its record is there, the lock gone.
@@ -300,6 +296,7 @@ class Starter:
                 state=RolloutState.CREATING,
                 host=acquired.host if acquired else None,
                 snapshot=snapshot.snapshot_id if snapshot is not None else None,
+                tenant=caller.tenant,
                 **(fields or {}),
             )
             created = False
@@ -312,12 +309,8 @@ class Starter:
             if acquired is None or not created:
                 if acquired is not None:
                     await self._give_back(acquired, rollout_id)
-                if exclusive:
-                    raise Rejected(
-                        RejectedKind.CONFLICT, f"rollout {rollout_id} exists already", code="exists"
-                    )
                 current = present(await self.store.get(rollout_id), rollout_id, "it started")
-                return await self.wait_ready(current, deadline, reserve_s)
+                return await self._existing(current, exclusive, deadline, reserve_s, caller)
             if acquired.handle is None:  # the record names the host: it counts the slot now
                 await self.admission.settled(acquired.host, rollout_id)
         finally:
@@ -504,6 +497,26 @@ class Starter:
         at most: the task tops up every pool, a burst of claims needs one of it."""
         if await self.pools.refill_due():
             await self.queue.send(Tasks.REFILL_POOLS, Nothing(), host=None)
+
+    async def _existing(
+        self,
+        existing: Rollout,
+        exclusive: bool,
+        deadline: Deadline,
+        reserve_s: float,
+        caller: Principal,
+    ) -> Rollout:
+        """A start that found its id's record: a 409 for the rollout API (whoever's it
+        is: the same answer, so an id taken says nothing of whose), else the caller's
+        rollout once ready (another tenant's: unknown)."""
+        if exclusive:
+            raise Rejected(
+                RejectedKind.CONFLICT,
+                f"rollout {existing.rollout_id} exists already",
+                code="exists",
+            )
+        owned(existing, existing.rollout_id, caller)
+        return await self.wait_ready(existing, deadline, reserve_s)
 
     async def wait_ready(
         self, rollout: Rollout, deadline: Deadline | None = None, reserve_s: float = 0.0

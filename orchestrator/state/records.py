@@ -38,6 +38,7 @@ from orchestrator.state.resp import (
     BlockingPool,
 )
 from orchestrator.state.sentinel import is_sentinel
+from orchestrator.tenants import DEFAULT_TENANT
 
 RECENT_FAILURES_MAX = 100
 """Entries kept in the list of recent infrastructure failures."""
@@ -61,6 +62,9 @@ class Rollout(BaseModel):
 
     rollout_id: str
     source: RolloutSource = Field(description="Which API the rollout came through.")
+    tenant: str = Field(
+        DEFAULT_TENANT, description="Whose it is: only its tenant (or an admin) sees it."
+    )
     environment: str
     codebase: str | None = None
     image: str

@@ -15,6 +15,7 @@ from orchestrator.config import Runtime
 from orchestrator.sandbox.backend import CommitWorkspace, SnapshotTaken
 from orchestrator.state.connection import SyncRedis
 from orchestrator.state.keys import Keys
+from orchestrator.tenants import DEFAULT_TENANT, OPERATOR, Principal
 
 FORK_RECORD_MAX_S = 3600.0
 """A fork's own snapshot is forgotten as soon as its sandboxes are made; one still recorded
@@ -65,6 +66,7 @@ class SnapshotRecord(BaseModel):
     created_at: float = Field(default_factory=time.time)
     taken: SnapshotTaken
     kind: SnapshotKind = SnapshotKind.NAMED
+    tenant: str = Field(DEFAULT_TENANT, description="Its parent's tenant: only it sees it.")
     keep_until: float | None = Field(
         None, description="A group's: forgotten after this (a Unix time)."
     )
@@ -90,12 +92,13 @@ class SnapshotRegistry:
         raw = await self._redis.hget(self._keys.snapshots, snapshot_id)
         return None if raw is None else SnapshotRecord.model_validate_json(raw)
 
-    async def find(self, wanted: str) -> SnapshotRecord | None:
-        """The snapshot whose id is ``wanted``, else the newest named ``wanted``."""
+    async def find(self, wanted: str, caller: Principal = OPERATOR) -> SnapshotRecord | None:
+        """The snapshot whose id is ``wanted``, else the newest named ``wanted``, of those
+        ``caller`` sees."""
         found = await self.get(wanted) if wanted.startswith("snap-") else None
-        if found is not None:
+        if found is not None and caller.sees(found.tenant):
             return found
-        named = [r for r in await self.all() if r.name == wanted]
+        named = [r for r in await self.all() if r.name == wanted and caller.sees(r.tenant)]
         return max(named, key=lambda r: r.created_at) if named else None
 
     async def all(self) -> list[SnapshotRecord]:

@@ -11,6 +11,7 @@ from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.daemon_share import DaemonShare
 from orchestrator.state.models import RolloutState, TrajectoryStep
 from orchestrator.state.records import GradeInputs, InfraFailureEntry
+from orchestrator.tenants import DEFAULT_TENANT
 
 
 class HostView(BaseModel):
@@ -70,6 +71,7 @@ class RolloutSummary(BaseModel):
     rollout_id: str
     trace_id: str | None = Field(None, description="Agent RFT's trace id (its rollout id).")
     source: str
+    tenant: str = Field(DEFAULT_TENANT, description="Whose it is (docs/tenancy.md).")
     environment: str
     codebase: str | None = None
     state: RolloutState

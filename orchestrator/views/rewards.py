@@ -46,6 +46,7 @@ class RolloutFilter(BaseModel):
     environment: str | None = None
     outcome: Outcome | None = None
     graded: bool = Field(False, description="Only rollouts with a stored score.")
+    tenant: str | None = Field(None, description="Only this tenant's (docs/tenancy.md).")
 
     def admits(self, rollout: Rollout) -> bool:
         """Whether ``rollout`` is one of those asked for."""
@@ -56,6 +57,8 @@ class RolloutFilter(BaseModel):
         if self.environment is not None and rollout.environment != self.environment:
             return False
         if self.outcome is not None and rollout.outcome != self.outcome:
+            return False
+        if self.tenant is not None and rollout.tenant != self.tenant:
             return False
         return not self.graded or rollout.score is not None
 
@@ -120,6 +123,7 @@ SCHEMA = pa.schema(
         ("rollout_id", pa.string()),
         ("trace_id", pa.string()),
         ("source", pa.string()),
+        ("tenant", pa.string()),
         ("environment", pa.string()),
         ("codebase", pa.string()),
         ("state", pa.string()),
@@ -153,6 +157,7 @@ def export_row(rollout: Rollout, trajectory: list[TrajectoryStep]) -> dict[str, 
         "rollout_id": rollout.rollout_id,
         "trace_id": rollout.rollout_id if rollout.source == RolloutSource.AGENT_RFT else None,
         "source": rollout.source.value,
+        "tenant": rollout.tenant,
         "environment": rollout.environment,
         "codebase": rollout.codebase,
         "state": rollout.state.value,

@@ -23,6 +23,7 @@ def summarize(rollout: Rollout, calls: int, now: float) -> RolloutSummary:
         rollout_id=rollout.rollout_id,
         trace_id=rollout.rollout_id if rollout.source == RolloutSource.AGENT_RFT else None,
         source=rollout.source,
+        tenant=rollout.tenant,
         environment=rollout.environment,
         codebase=rollout.codebase,
         state=rollout.state,
@@ -46,8 +47,12 @@ async def summaries(store: RolloutStore, rollout_ids: list[str]) -> list[Rollout
     return [summarize(r, n, now) for r, n in zip(records, counts, strict=True) if r is not None]
 
 
-def _matches(summary: RolloutSummary, state: str | None, outcome: str | None) -> bool:
+def _matches(
+    summary: RolloutSummary, state: str | None, outcome: str | None, tenant: str | None
+) -> bool:
     if state is not None and summary.state != state:
+        return False
+    if tenant is not None and summary.tenant != tenant:
         return False
     return outcome is None or summary.outcome == outcome
 
@@ -59,10 +64,11 @@ async def list_rollouts(
     outcome: str | None = None,
     limit: int = 50,
     before: ListingCursor | None = None,
+    tenant: str | None = None,
 ) -> list[RolloutSummary]:
-    """The newest ``limit`` rollouts in ``state`` with ``outcome`` (None: any), older than
-    ``before`` (the cursor of the previous page's last one, :func:`cursor_of`), over the
-    whole history."""
+    """The newest ``limit`` rollouts in ``state`` with ``outcome`` of ``tenant`` (None:
+    any), older than ``before`` (the cursor of the previous page's last one,
+    :func:`cursor_of`), over the whole history."""
     found: dict[str, RolloutSummary] = {}
     cursor = before
     while len(found) < limit:
@@ -70,7 +76,7 @@ async def list_rollouts(
         if not page:
             break
         for summary in await summaries(store, [rollout_id for rollout_id, _ in page]):
-            if _matches(summary, state, outcome) and len(found) < limit:
+            if _matches(summary, state, outcome, tenant) and len(found) < limit:
                 found[summary.rollout_id] = summary
         last_id, last_time = page[-1]
         cursor = ListingCursor(created_at=last_time, rollout_id=last_id)
@@ -78,7 +84,7 @@ async def list_rollouts(
         # Live rollouts the index may not hold (made before it kept every rollout).
         live = [i for i in await store.live_ids() if i not in found]
         for summary in await summaries(store, live):
-            if _matches(summary, state, outcome):
+            if _matches(summary, state, outcome, tenant):
                 found[summary.rollout_id] = summary
     newest = sorted(found.values(), key=lambda s: (s.created_at, s.rollout_id), reverse=True)
     return newest[:limit]

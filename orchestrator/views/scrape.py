@@ -63,9 +63,13 @@ def parse(text: str, at: float) -> Scrape:
     return Scrape(at=at, samples=samples)
 
 
-def fetch(api_url: str, timeout_s: float = 5.0) -> Scrape:
-    """Scrape ``api_url``/metrics; httpx.HTTPError when it cannot be read."""
-    response = httpx.get(f"{api_url.rstrip('/')}/metrics", timeout=timeout_s, verify=tls())
+def fetch(api_url: str, timeout_s: float = 5.0, token: str | None = None) -> Scrape:
+    """Scrape ``api_url``/metrics (the API's port, with an operator's ``token``, or the
+    scraper's ``api_metrics_port``); httpx.HTTPError when it cannot be read."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    response = httpx.get(
+        f"{api_url.rstrip('/')}/metrics", timeout=timeout_s, verify=tls(), headers=headers
+    )
     response.raise_for_status()
     return parse(response.text, time.time())
 

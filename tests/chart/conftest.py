@@ -18,12 +18,23 @@ from typing import Any
 import pytest
 import yaml
 
+from orchestrator.tenants import digest
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "orchestrator"
 PRODUCTION = CHART / "values-production.yaml"
 RELEASE = "orch"
 NAMESPACE = "orchestrator"
 FULLNAME = "orch-orchestrator"
+# A tenants file as an operator writes it (its token's digest only), given inline.
+TENANTS_FILE = {
+    "tenants": {
+        "team-a": {
+            "tokens": [digest("team-a-" + "t" * 40)],
+            "quotas": {"sandboxes": 4, "calls_per_s": 50},
+        }
+    }
+}
 
 # Value sets rendered by the tests: the two values files and the switches that change
 # which objects exist.
@@ -63,12 +74,15 @@ SCENARIOS: dict[str, list[str]] = {
         "--set",
         "worker.metricsPort=0",
         "--set",
+        "api.metricsPort=0",
+        "--set",
         "networkPolicy.enabled=false",
         "--set",
         "sandboxes.createNamespace=false",
         "--set",
         "apiTokens.existingSecret=tokens",
     ],
+    "tenants": ["--set-json", f"tenants.file={json.dumps(TENANTS_FILE)}"],
     "sentinel-keda": [
         "--set",
         "redis.bundled.sentinel.enabled=true",

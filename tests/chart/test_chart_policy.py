@@ -7,8 +7,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.chart.conftest import FULLNAME, NAMESPACE, SCENARIOS, find, kinds, pod_specs
+from tests.chart.conftest import (
+    FULLNAME,
+    NAMESPACE,
+    PRODUCTION,
+    SCENARIOS,
+    Helm,
+    find,
+    kinds,
+    pod_specs,
+)
 
 pytestmark = pytest.mark.xdist_group("chart")
 
@@ -262,3 +272,89 @@ def test_reaper_metrics_port_is_served_and_scraped(rendered: Objects) -> None:
     policy = find(objects, "NetworkPolicy", f"{FULLNAME}-reaper")
     [ingress] = policy["spec"]["ingress"]
     assert ingress["ports"] == [{"protocol": "TCP", "port": 9110}]
+
+
+def api_services(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every Service whose selector picks the API's pods, by name."""
+    api = find(objects, "Deployment", f"{FULLNAME}-api")
+    labels = api["spec"]["template"]["metadata"]["labels"]
+    return {
+        o["metadata"]["name"]: o
+        for o in objects
+        if o["kind"] == "Service"
+        and o["spec"].get("selector")
+        and o["spec"]["selector"].items() <= labels.items()
+    }
+
+
+def test_api_metrics_port_is_scraped_apart_from_the_trainers_port(rendered: Objects) -> None:
+    """api.metricsPort: /metrics without a token on a port of the API container's own,
+    behind a headless Service of its own and never the API's Service (which may be a
+    LoadBalancer), scraped by the ServiceMonitor with no credential; the NetworkPolicy
+    lets networkPolicy.apiFrom in to 8000 and networkPolicy.metricsFrom to that port."""
+    objects = rendered["production"]
+    api = find(objects, "Deployment", f"{FULLNAME}-api")
+    [container] = api["spec"]["template"]["spec"]["containers"]
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 9111, "protocol": "TCP"},
+    ]
+    env = {v["name"]: v.get("value") for v in container["env"]}
+    assert env["ORCH_API_METRICS_PORT"] == "9111"
+    assert env["ORCH_API_METRICS_HOST"] == "0.0.0.0"
+    services = api_services(objects)
+    assert set(services) == {f"{FULLNAME}-api", f"{FULLNAME}-api-metrics"}
+    main = services[f"{FULLNAME}-api"]["spec"]
+    assert main["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+    scraped = services[f"{FULLNAME}-api-metrics"]
+    assert scraped["spec"]["clusterIP"] == "None"
+    assert scraped["spec"]["ports"] == [
+        {"name": "metrics", "port": 9111, "targetPort": "metrics", "protocol": "TCP"}
+    ]
+    monitor = find(objects, "ServiceMonitor", f"{FULLNAME}-api")
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "30s"}
+    ]
+    # It selects both Services; only the headless one has the port it names.
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    with_port = [
+        name
+        for name, service in services.items()
+        if selector.items() <= service["metadata"]["labels"].items()
+        and "metrics" in {p["name"] for p in service["spec"]["ports"]}
+    ]
+    assert with_port == [f"{FULLNAME}-api-metrics"]
+    peers = yaml.safe_load(PRODUCTION.read_text())["networkPolicy"]
+    policy = find(objects, "NetworkPolicy", f"{FULLNAME}-api")
+    assert policy["spec"]["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": 8000}], "from": peers["apiFrom"]},
+        {"ports": [{"protocol": "TCP", "port": 9111}], "from": peers["metricsFrom"]},
+    ]
+    # Empty lists (the defaults): each port from anyone.
+    open_policy = find(rendered["default"], "NetworkPolicy", f"{FULLNAME}-api")
+    assert open_policy["spec"]["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": 8000}]},
+        {"ports": [{"protocol": "TCP", "port": 9111}]},
+    ]
+
+
+def test_api_metrics_port_zero_leaves_only_the_api_port(helm: Helm) -> None:
+    """api.metricsPort: 0: no listener, container port, Service, ServiceMonitor or policy
+    rule for it; /metrics is then the operator's, on the API's port, and nothing scrapes
+    it (the workers' and the reaper's ServiceMonitors stay)."""
+    objects = helm.render("-f", str(PRODUCTION), "--set", "api.metricsPort=0")
+    api = find(objects, "Deployment", f"{FULLNAME}-api")
+    [container] = api["spec"]["template"]["spec"]["containers"]
+    assert [p["name"] for p in container["ports"]] == ["http"]
+    assert not {v["name"] for v in container["env"]} & {
+        "ORCH_API_METRICS_PORT",
+        "ORCH_API_METRICS_HOST",
+    }
+    assert set(api_services(objects)) == {f"{FULLNAME}-api"}
+    monitors = {o["metadata"]["name"] for o in objects if o["kind"] == "ServiceMonitor"}
+    assert monitors == {f"{FULLNAME}-worker", f"{FULLNAME}-reaper"}
+    peers = yaml.safe_load(PRODUCTION.read_text())["networkPolicy"]
+    policy = find(objects, "NetworkPolicy", f"{FULLNAME}-api")
+    assert policy["spec"]["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": 8000}], "from": peers["apiFrom"]}
+    ]

@@ -21,10 +21,21 @@ import kubernetes_validate.utils as kv_utils  # type: ignore[import-untyped]
 import pytest
 import yaml
 
-from orchestrator.api import agent_rft
+from orchestrator.api import agent_rft, health
 from orchestrator.config import Settings
 from orchestrator.images.codebases import codebase_image
-from tests.chart.conftest import CHART, FULLNAME, NAMESPACE, PRODUCTION, SCENARIOS, Helm, find
+from orchestrator.tenants import parse_tenants
+from tests.chart.conftest import (
+    CHART,
+    FULLNAME,
+    NAMESPACE,
+    PRODUCTION,
+    SCENARIOS,
+    TENANTS_FILE,
+    Helm,
+    find,
+    pod_specs,
+)
 from tests.chart.crd_schemas import BY_KIND, TRIGGER_REQUIRED
 
 pytestmark = pytest.mark.xdist_group("chart")
@@ -124,8 +135,21 @@ def test_keda_triggers_carry_their_required_parameters(
         (["--set", "autoscaling.mode=kubernetes"], "autoscaling"),
         (["--set", "deployment=Not_Valid"], "deployment"),
         (["--set", "worker.resources.limits=null"], "limits"),
+        (["--set", "api.metricsPort=65536"], "metricsPort"),
+        (["--set", "settings.tenants_file=/etc/t.yaml"], "tenants_file"),
+        (["--set", "tenants.files.a=b"], "files"),
     ],
-    ids=["typo", "unknown-setting", "derived-setting", "bad-enum", "bad-pattern", "no-limits"],
+    ids=[
+        "typo",
+        "unknown-setting",
+        "derived-setting",
+        "bad-enum",
+        "bad-pattern",
+        "no-limits",
+        "port-range",
+        "derived-tenants-file",
+        "tenants-typo",
+    ],
 )
 def test_values_schema_rejects(helm: Helm, values: list[str], mentions: str) -> None:
     for done in (helm.lint(*values), helm.template(*values)):
@@ -151,6 +175,11 @@ def test_values_schema_rejects(helm: Helm, values: list[str], mentions: str) -> 
             ["--set", "autoscaling.minReplicas=5", "--set", "autoscaling.maxReplicas=2"],
             "minReplicas",
         ),
+        (
+            ["--set", "tenants.existingSecret=mine", "--set", "tenants.file.tenants.a.admin=true"],
+            "tenants.existingSecret",
+        ),
+        (["--set", "api.metricsPort=8000"], "api.metricsPort"),
     ],
     ids=[
         "external-redis-no-url",
@@ -158,6 +187,8 @@ def test_values_schema_rejects(helm: Helm, values: list[str], mentions: str) -> 
         "tls-no-secret",
         "same-ns",
         "min>max",
+        "tenants-two-ways",
+        "metrics-on-api-port",
     ],
 )
 def test_inconsistent_values_fail_with_a_reason(
@@ -178,24 +209,40 @@ def test_schema_settings_are_real_settings() -> None:
     for name, rule in accepted.items():
         assert rule.get("type") == fields[name].get("type"), name
         assert rule.get("enum") == fields[name].get("enum"), name
-    derived = {"deployment", "redis_url", "api_tokens", "sandbox_backend", "k8s_namespace"}
+    derived = {
+        "deployment",
+        "redis_url",
+        "api_tokens",
+        "api_metrics_port",
+        "api_metrics_host",
+        "tenants_file",
+        "sandbox_backend",
+        "k8s_namespace",
+    }
     assert not derived & set(accepted)
 
 
-@pytest.mark.parametrize("scenario", ["default", "production"])
+@pytest.mark.parametrize("scenario", ["default", "production", "tenants"])
 def test_config_map_is_read_by_the_real_settings(
     rendered: dict[str, list[dict[str, Any]]], scenario: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The ConfigMap's ORCH_* variables are real settings and parse (JSON maps included)."""
+    """The ConfigMap's ORCH_* variables, and those the API container sets itself, are
+    real settings and parse (JSON maps included), as the API process sees them."""
     data = find(rendered[scenario], "ConfigMap", f"{FULLNAME}-config")["data"]
+    api = find(rendered[scenario], "Deployment", f"{FULLNAME}-api")
+    [container] = api["spec"]["template"]["spec"]["containers"]
+    own = {v["name"]: v["value"] for v in container["env"] if "value" in v}
     fields = set(Settings.model_fields)
-    unknown = {k for k in data if k.removeprefix("ORCH_").lower() not in fields}
+    unknown = {k for k in {**data, **own} if k.removeprefix("ORCH_").lower() not in fields}
     assert not unknown, f"not settings: {unknown}"
     for key in [k for k in os.environ if k.startswith("ORCH_")]:
         monkeypatch.delenv(key)
-    for key, value in data.items():
+    for key, value in {**data, **own}.items():
         monkeypatch.setenv(key, value)
     parsed = Settings()
+    # The scraper reaches the API's metrics listener from outside the pod.
+    assert (parsed.api_metrics_port, parsed.api_metrics_host) == (9111, "0.0.0.0")
+    assert (parsed.tenants_file is not None) == (scenario == "tenants")
     assert parsed.sandbox_backend == "kubernetes"
     assert parsed.k8s_runtime_classes["runsc"] == "gvisor"
     assert parsed.api_host == "0.0.0.0"
@@ -271,7 +318,9 @@ def test_monitoring_objects_are_off_by_default(
     default = {o["kind"] for o in rendered["default"]}
     assert not {"ServiceMonitor", "PrometheusRule", "ScaledObject"} & default
     production = [o for o in rendered["production"] if o["kind"] == "ServiceMonitor"]
-    assert {o["spec"]["endpoints"][0]["port"] for o in production} == {"http", "metrics"}
+    assert len(production) == 3
+    # The API's too: on its metrics port, which needs no token, not on its http port.
+    assert {o["spec"]["endpoints"][0]["port"] for o in production} == {"metrics"}
 
 
 def agent_rft_paths() -> set[str]:
@@ -291,6 +340,11 @@ def test_notes_print_the_tool_and_grader_urls_the_api_serves(helm: Helm) -> None
     # The token command reads the Secret and key the API's ORCH_API_TOKENS comes from.
     assert "get secret orchestrator-api-tokens" in public
     assert "{.data.api-tokens}" in public
+    # /readyz is open and says ready or not; the reasons are the operator's.
+    health_paths = {getattr(route, "path", "") for route in health.router.routes}
+    assert {"/readyz", "/v1/readiness"} <= health_paths
+    assert "curl -s http://127.0.0.1:8000/readyz" in inside
+    assert 'Bearer TOKEN" http://127.0.0.1:8000/v1/readiness' in inside
 
 
 def test_ingress_routes_only_the_trainer_endpoints(
@@ -363,3 +417,91 @@ def test_the_graders_secret_variables_reach_the_api_only_by_reference(helm: Helm
     assert refs == {f"{FULLNAME}-api": {"name": "judge-credentials", "key": "api-key"}}
     bad = helm.template("--set", "graderSecretEnv[0].name=not a name")
     assert bad.returncode != 0 and "graderSecretEnv" in bad.stderr
+
+
+def tenants_volume(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod's volume of the tenants file (a Secret's, holding it as tenants.yaml)."""
+    found = [
+        v
+        for v in pod.get("volumes", [])
+        if any(i["path"] == "tenants.yaml" for i in v.get("secret", {}).get("items", []))
+    ]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+def test_the_tenants_file_reaches_the_api_alone_as_a_directory_it_rereads(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """tenants.file: held by the chart's Secret, mounted into the API alone as a directory.
+    Not a subPath: the kubelet replaces a mounted Secret's files when the Secret changes
+    only for a whole volume, and the API reads the file again when it changes, so tokens
+    are added and revoked with no restart. ORCH_TENANTS_FILE names the file in that
+    directory, and the real loader reads what the Secret holds."""
+    objects = rendered["tenants"]
+    api = f"Deployment/{FULLNAME}-api"
+    pods = pod_specs(objects)
+    volume = tenants_volume(pods[api])
+    assert volume is not None
+    assert volume["secret"]["items"] == [{"key": "tenants.yaml", "path": "tenants.yaml"}]
+    [container] = pods[api]["containers"]
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert not {"subPath", "subPathExpr"} & set(mount), mount
+    assert mount["readOnly"] is True
+    env = {v["name"]: v for v in container["env"]}
+    assert env["ORCH_TENANTS_FILE"]["value"] == f"{mount['mountPath']}/tenants.yaml"
+    secret = find(objects, "Secret", volume["secret"]["secretName"])
+    text = secret["stringData"]["tenants.yaml"]
+    assert yaml.safe_load(text) == TENANTS_FILE
+    parsed = parse_tenants(text)
+    assert parsed.tenants["team-a"].tokens == TENANTS_FILE["tenants"]["team-a"]["tokens"]
+    assert parsed.tenants["team-a"].quotas.sandboxes == 4
+    # The worker, the reaper and every other pod: neither the file nor the variable.
+    for workload, pod in pods.items():
+        if workload == api:
+            continue
+        assert tenants_volume(pod) is None, workload
+        for each in pod["containers"] + pod.get("initContainers", []):
+            assert "ORCH_TENANTS_FILE" not in {v["name"] for v in each.get("env", [])}, workload
+    # Without a tenants file: no such volume or variable anywhere.
+    for pod in pod_specs(rendered["default"]).values():
+        assert tenants_volume(pod) is None
+        for each in pod["containers"]:
+            assert "ORCH_TENANTS_FILE" not in {v["name"] for v in each.get("env", [])}
+
+
+def test_a_tenants_secret_of_ones_own_is_mounted_the_same_way(helm: Helm) -> None:
+    objects = helm.render(
+        "--set", "tenants.existingSecret=team-tokens", "--set", "tenants.existingSecretKey=t.yaml"
+    )
+    pods = pod_specs(objects)
+    volume = tenants_volume(pods[f"Deployment/{FULLNAME}-api"])
+    assert volume is not None
+    assert volume["secret"] == {
+        "secretName": "team-tokens",
+        "items": [{"key": "t.yaml", "path": "tenants.yaml"}],
+    }
+    chart_secret = find(objects, "Secret", f"{FULLNAME}-secrets")
+    assert "t.yaml" not in chart_secret["stringData"]
+    assert [w for w, pod in pods.items() if tenants_volume(pod)] == [f"Deployment/{FULLNAME}-api"]
+
+
+def test_editing_the_tenants_file_rolls_no_pod(
+    helm: Helm, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    """Tokens added and revoked by `helm upgrade` change the Secret alone: the pod templates
+    (their config checksum included) are the same whatever the tenants file holds, so no
+    pod restarts; the mounted file changes under the running API."""
+    more = {"tenants": {**TENANTS_FILE["tenants"], "team-b": {"tokens": ["sha256:" + "cd" * 32]}}}
+    before = rendered["tenants"]
+    after = helm.render("--set-json", f"tenants.file={json.dumps(more)}")
+    for kind, name in [("Deployment", "api"), ("StatefulSet", "worker"), ("Deployment", "reaper")]:
+        old = find(before, kind, f"{FULLNAME}-{name}")["spec"]["template"]
+        new = find(after, kind, f"{FULLNAME}-{name}")["spec"]["template"]
+        assert old == new, name
+        # Nor is the checksum the tenants file's at all: the same as with none.
+        none = find(rendered["default"], kind, f"{FULLNAME}-{name}")["spec"]["template"]
+        checksum = "checksum/config"
+        assert new["metadata"]["annotations"][checksum] == none["metadata"]["annotations"][checksum]
+    changed = find(after, "Secret", f"{FULLNAME}-secrets")["stringData"]["tenants.yaml"]
+    assert set(parse_tenants(changed).tenants) == {"team-a", "team-b"}

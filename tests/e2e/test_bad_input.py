@@ -196,9 +196,17 @@ def test_auth_required(stack: Stack, planning_item: dict[str, Any], method: str,
         assert_no_rollout(client, stack.settings, trace)
 
 
-@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/metrics", "/openapi.json", "/docs"])
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/openapi.json", "/docs"])
 def test_open_endpoints_need_no_token(stack: Stack, path: str) -> None:
     assert httpx.get(stack.base_url + path, verify=tls()).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/v1/readiness"])
+def test_the_operators_endpoints_need_a_token(stack: Stack, path: str) -> None:
+    """The metrics and readiness's reasons are not for the internet (docs/tenancy.md)."""
+    assert httpx.get(stack.base_url + path, verify=tls()).status_code == 401
+    with stack.client() as client:
+        assert client.get(path).status_code == 200
 
 
 def test_unknown_environment_or_codebase_is_422(stack: Stack) -> None:

@@ -19,7 +19,7 @@ from orchestrator.state.models import TrajectoryStep
 from orchestrator.views.models import RolloutDetail, RolloutSummary, StatusSnapshot
 from orchestrator.views.scrape import call_stats, fetch
 from tests.e2e.helpers import cli, file_f1, function_call, new_trace
-from tests.stacks import Stack
+from tests.stacks import TOKEN, Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -114,13 +114,13 @@ def test_status_once_prints_one_readable_frame(stack: Stack, rollouts: Rollouts)
 
 
 def test_call_stats_count_a_call_between_two_scrapes(stack: Stack, rollouts: Rollouts) -> None:
-    before = fetch(stack.base_url)
+    before = fetch(stack.base_url, token=TOKEN)
     item = {"codebase": stack.codebase}
     trace = new_trace()
     with stack.client() as api:
         reply = _call(api, function_call(trace, item, "shell", {"command": "echo one"}))
         assert reply.status_code == 200, reply.text
-        after = fetch(stack.base_url)
+        after = fetch(stack.base_url, token=TOKEN)
         api.delete(f"/v1/rollouts/{trace}")
     stats = call_stats(stack.base_url, before, after)
     assert stats.calls == 1 and stats.by_outcome.get("ok") == 1

@@ -18,9 +18,12 @@ def test_healthz(stack: Stack) -> None:
 
 
 def test_readyz_sees_the_worker(stack: Stack) -> None:
+    """Open, ``/readyz`` says only whether; the operator's ``/v1/readiness`` says why."""
     response = httpx.get(f"{stack.base_url}/readyz", verify=tls())
     assert response.status_code == 200
-    body = response.json()
+    assert response.json() == {"ready": True}
+    with stack.client() as client:
+        body = client.get("/v1/readiness").json()
     assert body["ready"] is True
     checks = body["checks"]
     assert checks["redis"] is True
@@ -30,7 +33,8 @@ def test_readyz_sees_the_worker(stack: Stack) -> None:
 
 
 def test_metrics_are_prometheus_text(stack: Stack) -> None:
-    response = httpx.get(f"{stack.base_url}/metrics", verify=tls())
+    with stack.client() as client:
+        response = client.get("/metrics")
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     lines = response.text.splitlines()
@@ -59,6 +63,7 @@ def test_openapi_and_docs(stack: Stack) -> None:
         "/v1/rollouts/{rollout_id}/trajectory",
         "/healthz",
         "/readyz",
+        "/v1/readiness",
         "/metrics",
     ):
         assert path in paths, path
@@ -81,14 +86,15 @@ def test_metrics_move_when_calls_are_made(stack: Stack) -> None:
 
     item = {"codebase": stack.codebase, "gold_files": ["README.md"]}
     name = 'orchestrator_tool_calls_total{outcome="ok",tool="shell"}'
-    before = _sample(httpx.get(f"{stack.base_url}/metrics", verify=tls()).text, name)
+    with stack.client() as client:
+        before = _sample(client.get("/metrics").text, name)
     trace = new_trace()
     with stack.client() as client:
         for n in range(3):
             body = function_call(trace, item, "shell", {"command": "true"}, call_id=f"m{n}")
             assert client.post("/agent-rft/tools", json=body).status_code == 200
         client.delete(f"/v1/rollouts/{trace}")
-    text = httpx.get(f"{stack.base_url}/metrics", verify=tls()).text
+        text = client.get("/metrics").text
     assert _sample(text, name) == before + 3
     assert _sample(text, 'orchestrator_tool_call_seconds_count{phase="exec"}') >= 3
     assert _sample(text, "orchestrator_rollouts_started_total") >= 1

@@ -28,7 +28,7 @@ from orchestrator.state.keys import Keys
 from orchestrator.tls import tls
 from tests.e2e.conftest import REAPED
 from tests.e2e.helpers import function_call, new_trace, wait_for
-from tests.stacks import Stack, another_api
+from tests.stacks import TOKEN, Stack, another_api
 
 pytestmark = pytest.mark.xdist_group("e2e")
 
@@ -43,10 +43,16 @@ def parse(text: str) -> Samples:
     }
 
 
-def scrape(url: str) -> Samples:
-    response = httpx.get(f"{url}/metrics", timeout=30, verify=tls())
+def metrics_text(url: str) -> str:
+    """The API's /metrics, with the operator's token (docs/tenancy.md)."""
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    response = httpx.get(f"{url}/metrics", timeout=30, verify=tls(), headers=headers)
     assert response.status_code == 200, response.text
-    return parse(response.text)
+    return response.text
+
+
+def scrape(url: str) -> Samples:
+    return parse(metrics_text(url))
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -143,8 +149,8 @@ def test_http_errors_are_counted_by_route_template(stack: Stack) -> None:
         assert client.get(f"/no-such-path/{ghost}").status_code == 404
     with httpx.Client(base_url=stack.base_url, verify=tls()) as anonymous:
         assert anonymous.get(f"/v1/rollouts/{ghost}").status_code == 401
-    response = httpx.get(f"{stack.base_url}/metrics", timeout=30, verify=tls())
-    after = parse(response.text)
+    text = metrics_text(stack.base_url)
+    after = parse(text)
 
     name = "orchestrator_http_requests_total"
     one = "/v1/rollouts/{rollout_id}"
@@ -154,7 +160,7 @@ def test_http_errors_are_counted_by_route_template(stack: Stack) -> None:
     assert delta(before, after, name, route=tools, method="POST", status="422") == 1
     assert delta(before, after, name, route="unmatched", method="GET", status="404") == 1
     assert delta(before, after, "orchestrator_http_request_seconds_count", route=one) == 1
-    assert ghost not in response.text  # raw paths never become label values
+    assert ghost not in text  # raw paths never become label values
 
 
 # --- state gauges, read from Redis ----------------------------------------------------------

@@ -355,8 +355,8 @@ def test_a_whole_lifecycle_conforms(stack: Stack, deployment: Deployment) -> Non
             _unchanged(f"{method} {path}", expect, response.text, before, after)
         return None if path == "/metrics" else response.json()
 
-    for open_path in ("/healthz", "/readyz", "/metrics"):
-        call("GET", open_path, 200)
+    for path in ("/healthz", "/readyz", "/metrics", "/v1/readiness"):
+        call("GET", path, 200)
 
     row = {"codebase": stack.codebase, "gold_files": ["setup.py"]}
     created = call("POST", "/v1/rollouts", 201, body={"item": row})

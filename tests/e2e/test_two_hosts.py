@@ -18,7 +18,6 @@ import docker
 import pytest
 
 from orchestrator.config import Settings
-from orchestrator.tls import tls
 from tests.daemons import DockerDaemon, running
 from tests.stacks import Stack, deployment
 
@@ -82,11 +81,11 @@ def two_host_stack(settings: Settings, second_daemon: docker.DockerClient) -> It
 
 
 def _wait_for_hosts(stack: Stack, n: int) -> None:
-    import httpx
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        checks = httpx.get(f"{stack.base_url}/readyz", timeout=5, verify=tls()).json()["checks"]
+        with stack.client() as client:
+            checks = client.get("/v1/readiness", timeout=5).json()["checks"]
         if checks["workers"] >= n:
             return
         time.sleep(0.3)

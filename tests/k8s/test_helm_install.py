@@ -5,7 +5,8 @@ kube-proxy, the cluster DNS), the chart's images built on this machine
 (scripts/service-images.sh) and present on the node.
 
 Installed as the chart renders it (API, worker StatefulSet, reaper, Redis on a PVC, RBAC,
-NetworkPolicies, PDBs, the sandbox namespace), with small requests so that it fits one
+NetworkPolicies, PDBs, the sandbox namespace, a tenants file with one tenant, the API's
+metrics port behind its headless Service), with small requests so that it fits one
 2-core node beside its sandboxes. Two things differ from an install on a supported
 cluster, both because this one is 1.20: the chart's ``kubeVersion`` floor (1.30) is lifted
 in the test's copy of the chart, and the PDBs are served at ``policy/v1beta1`` (the chart
@@ -42,6 +43,7 @@ from lightkube.resources.apps_v1 import Deployment, StatefulSet
 from lightkube.resources.batch_v1 import Job
 from lightkube.resources.core_v1 import (
     ConfigMap,
+    Endpoints,
     PersistentVolume,
     PersistentVolumeClaim,
     Pod,
@@ -58,6 +60,7 @@ from orchestrator.config import Settings
 from orchestrator.environments.examples import REQUESTS_CODEBASE, ensure_requests_codebase
 from orchestrator.environments.loader import default_environments_text
 from orchestrator.state.pool_sizing import POOL_LABEL
+from orchestrator.tenants import digest
 from tests.e2e.helpers import file_f1, function_call, new_trace, wait_for
 from tests.k8s.control_plane import ControlPlane
 from tests.k8s.node import RealNode
@@ -73,6 +76,9 @@ NAMESPACE = "orch-system"
 SANDBOXES = "orch-sandboxes"
 FULLNAME = f"{RELEASE}-orchestrator"
 TOKEN = "helm-token-" + uuid.uuid4().hex[:12]
+# A tenant's (the tenants file holds its digest only): sees its own rollouts, not the
+# operator's.
+TENANT_TOKEN = "helm-tenant-" + uuid.uuid4().hex
 GOLD = ["src/requests/sessions.py", "src/requests/adapters.py"]
 # Every workload Ready: image start, Python imports, the worker's first heartbeat and its
 # readiness probe (every 15 s). Measured about 40 s here.
@@ -203,6 +209,17 @@ class Cluster:
         assert service.spec is not None and service.spec.ports
         return f"http://{service.spec.clusterIP}:{service.spec.ports[0].port}"
 
+    def api_scrape_urls(self) -> list[str]:
+        """The API's /metrics as the ServiceMonitor finds them: each address and port of
+        its headless metrics Service's Endpoints (pod addresses, routed to from this host)."""
+        found = self.admin.get(Endpoints, f"{FULLNAME}-api-metrics", namespace=NAMESPACE)
+        return [
+            f"http://{address.ip}:{port.port}/metrics"
+            for subset in found.subsets or []
+            for address in subset.addresses or []
+            for port in subset.ports or []
+        ]
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
@@ -231,6 +248,7 @@ def values(
     return {
         "deployment": settings.deployment,
         "apiTokens": {"tokens": [TOKEN]},
+        "tenants": {"file": {"tenants": {"team-a": {"tokens": [digest(TENANT_TOKEN)]}}}},
         "codebases": {REQUESTS_CODEBASE: requests_image},
         "environments": environments,
         "settings": {
@@ -362,6 +380,25 @@ def test_helm_install_a_trainers_rollouts_upgrade_and_uninstall(
             for trace, _ in scores:
                 record = client.get(f"/v1/rollouts/{trace}").json()
                 assert record["state"] in ("graded", "closed"), record
+            # The tenant's token, known to the API through the mounted tenants file: the
+            # operator's rollout does not exist for it.
+            operators = f"/v1/rollouts/{scores[0][0]}"
+            assert client.get(operators).status_code == 200
+            tenant = {"Authorization": f"Bearer {TENANT_TOKEN}"}
+            hidden = client.get(operators, headers=tenant)
+            assert hidden.status_code == 404, hidden.text
+            # /metrics on the API's Service is the operator's; the scraper's needs no token,
+            # on the metrics port, reached as Prometheus reaches it.
+            assert client.get("/metrics").status_code == 200
+            assert client.get("/metrics", headers=tenant).status_code == 404
+            anonymous = httpx.get(f"{cluster.api_url()}/metrics", timeout=30, trust_env=False)
+            assert anonymous.status_code == 401, anonymous.text
+            scrape_urls = cluster.api_scrape_urls()
+            assert scrape_urls
+            for url in scrape_urls:
+                scraped = httpx.get(url, timeout=30, trust_env=False)
+                assert scraped.status_code == 200, (url, scraped.text)
+                assert "orchestrator_rollouts_started_total" in scraped.text
 
         with RolloutClient(cluster.api_url(), TOKEN) as trainer:
             with trainer.rollout(

@@ -154,7 +154,7 @@ def test_readyz_reports_the_worker_schedulable_with_the_kubernetes_backends_heal
         output_of(client.post("/agent-rft/tools", json=body))
 
         def heartbeat() -> dict[str, Any]:
-            response = client.get("/readyz")
+            response = client.get("/v1/readiness")
             assert response.status_code == 200, response.text
             ready = response.json()
             assert ready["ready"] and ready["checks"]["redis"]
@@ -433,7 +433,7 @@ def test_an_api_server_outage_cordons_the_worker_and_its_rollout_calls_on(
     with stack.client() as client:
 
         def readyz() -> tuple[int, dict[str, Any]]:
-            response = client.get("/readyz")
+            response = client.get("/v1/readiness")
             return response.status_code, response.json()
 
         def schedulable() -> bool:

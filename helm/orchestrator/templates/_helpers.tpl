@@ -69,13 +69,18 @@ seccompProfile:
   type: RuntimeDefault
 {{- end -}}
 
-{{/* The chart's own Secret: generated API token and Redis URL/password. */}}
+{{/* The chart's own Secret: generated API token and Redis URL/password, and the tenants
+file given inline. */}}
 {{- define "orchestrator.secretName" -}}
 {{- printf "%s-secrets" (include "orchestrator.fullname" .) -}}
 {{- end -}}
 
 {{- define "orchestrator.apiTokensSecretName" -}}
 {{- default (include "orchestrator.secretName" .) .Values.apiTokens.existingSecret -}}
+{{- end -}}
+
+{{- define "orchestrator.tenantsSecretName" -}}
+{{- default (include "orchestrator.secretName" .) .Values.tenants.existingSecret -}}
 {{- end -}}
 
 {{- define "orchestrator.redisUrlSecretName" -}}
@@ -229,6 +234,12 @@ scaleDown:
 {{- end -}}
 {{- if and (eq .Values.autoscaling.mode "keda") (not .Values.autoscaling.keda.redis.enabled) (not .Values.autoscaling.keda.prometheus.serverAddress) -}}
 {{- fail "autoscaling.mode=keda needs a trigger: keda.redis.enabled or keda.prometheus.serverAddress" -}}
+{{- end -}}
+{{- if and .Values.tenants.file .Values.tenants.existingSecret -}}
+{{- fail "tenants.file and tenants.existingSecret: give the tenants file one way, not both" -}}
+{{- end -}}
+{{- if eq (int .Values.api.metricsPort) 8000 -}}
+{{- fail "api.metricsPort must differ from the API's own port, 8000" -}}
 {{- end -}}
 {{- if and .Values.ingress.tls.enabled (not .Values.ingress.tls.secretName) -}}
 {{- fail "ingress.tls.enabled needs ingress.tls.secretName" -}}
