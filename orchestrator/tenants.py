@@ -18,7 +18,7 @@ import hashlib
 import re
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -43,12 +43,24 @@ def digest(credential: str) -> str:
     return "sha256:" + hashlib.sha256(credential.encode()).hexdigest()
 
 
+class Quotas(BaseModel):
+    """A tenant's share of the deployment (docs/tenancy.md); None: no bound of its own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sandboxes: int | None = Field(None, ge=0, description="Sandboxes held at once.")
+    creations_per_s: float | None = Field(None, gt=0, description="Sandboxes made per second.")
+    calls_per_s: float | None = Field(None, gt=0, description="Tool calls per second.")
+
+
 @dataclass(frozen=True)
 class Principal:
-    """Who a request acts for: its tenant, and whether it may see every tenant's things."""
+    """Who a request acts for: its tenant, whether it may see every tenant's things, and
+    the tenant's quotas."""
 
     tenant: str
     admin: bool = False
+    quotas: Quotas = field(default_factory=Quotas)
 
     def sees(self, owner: str) -> bool:
         """Whether a thing of tenant ``owner`` exists for this caller (else: a 404)."""
@@ -57,16 +69,6 @@ class Principal:
 
 OPERATOR = Principal(DEFAULT_TENANT, admin=True)
 """The deployment's own code acting for itself (the reaper, a set-up step, the CLI)."""
-
-
-class Quotas(BaseModel):
-    """A tenant's share of the deployment (docs/tenancy.md); None: no bound of its own."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    sandboxes: int | None = Field(None, ge=0, description="Sandboxes held at once.")
-    creations_per_s: float | None = Field(None, gt=0, description="Sandboxes made per second.")
-    calls_per_s: float | None = Field(None, gt=0, description="Tool calls per second.")
 
 
 class TenantConfig(BaseModel):
@@ -167,7 +169,7 @@ class Directory:
         by_secret = {digest(grader_url_secret): OPERATOR} if grader_url_secret else {}
         quotas: dict[str, Quotas] = {DEFAULT_TENANT: Quotas()}
         for name, tenant in (file.tenants if file else {}).items():
-            principal = Principal(name, admin=tenant.admin)
+            principal = Principal(name, admin=tenant.admin, quotas=tenant.quotas)
             for kept in tenant.tokens:
                 if kept in by_token:
                     raise TenantsError(f"tenant {name!r}: a token of ORCH_API_TOKENS too")

@@ -16,6 +16,7 @@ from orchestrator.tenants import (
     DEFAULT_TENANT,
     OPERATOR,
     Principal,
+    Quotas,
     Tenants,
     TenantsError,
     digest,
@@ -43,7 +44,7 @@ def test_tokens_are_looked_up_by_digest(tmp_path: Path) -> None:
     path = tmp_path / "tenants.yaml"
     _write(path, {"team-a": {"tokens": [digest(A_TOKEN)], "quotas": {"sandboxes": 4}}})
     tenants = Tenants(["plain-operator-token", digest("hashed-operator-token")], "", path)
-    assert tenants.by_token(A_TOKEN) == Principal("team-a")
+    assert tenants.by_token(A_TOKEN) == Principal("team-a", quotas=Quotas(sandboxes=4))
     assert tenants.by_token("plain-operator-token") == OPERATOR
     assert tenants.by_token("hashed-operator-token") == OPERATOR
     assert tenants.by_token(digest(A_TOKEN)) is None  # the digest is no token

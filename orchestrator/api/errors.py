@@ -18,6 +18,7 @@ from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.errors import GraderFailed, InfraError, Rejected, RejectedKind
 from orchestrator.state.admission import AtCapacity
 from orchestrator.state.errors import StateError
+from orchestrator.state.quotas import OverQuota
 
 RETRY_AFTER_S = "1"
 
@@ -127,12 +128,12 @@ def install(app: FastAPI) -> None:
     async def _at_capacity(request: Request, exc: AtCapacity) -> JSONResponse:
         # Agent RFT reads any 4xx as the agent's answer: capacity must be a 5xx there (it
         # retries, then discards the rollout); the rollout API's clients get a 429.
+        # A tenant at its quota (docs/tenancy.md) is answered the same way, named apart.
         headers = {"Retry-After": str(exc.retry_after_s)}
+        code = "over_quota" if isinstance(exc, OverQuota) else "at_capacity"
         if request.url.path.startswith("/agent-rft"):
-            return error_response(
-                503, Outcome.INFRA_ERROR, "at_capacity", exc.message, headers=headers
-            )
-        return error_response(429, Outcome.REJECTED, "at_capacity", exc.message, headers=headers)
+            return error_response(503, Outcome.INFRA_ERROR, code, exc.message, headers=headers)
+        return error_response(429, Outcome.REJECTED, code, exc.message, headers=headers)
 
     @app.exception_handler(StateError)
     async def _state_store(request: Request, exc: StateError) -> JSONResponse:

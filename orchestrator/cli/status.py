@@ -26,6 +26,7 @@ from orchestrator.config import Settings, get_settings
 from orchestrator.environments.loader import EnvironmentRegistry, load_environments
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.snapshot import StateReader
+from orchestrator.tenants import DEFAULT_TENANT
 from orchestrator.views.format import age, console, ms, size
 from orchestrator.views.models import CallStats, HostView, StatusSnapshot
 from orchestrator.views.scrape import Scrape, call_stats, fetch
@@ -169,6 +170,9 @@ def _queues(snapshot: StatusSnapshot) -> RenderableType:
             f"{admission.waiting} rollouts waiting for one",
             style="yellow" if admission.waiting else "",
         )
+        if len(admission.tenants) > 1 or set(admission.tenants) - {DEFAULT_TENANT}:
+            held = ", ".join(f"{t} {n}" for t, n in admission.tenants.items())
+            line.append(f"\nsandboxes by tenant: {held}")
     table = Table(title="queues", title_justify="left")
     table.add_column("queue", overflow="fold")
     table.add_column("waiting messages")

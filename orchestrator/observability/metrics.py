@@ -155,6 +155,12 @@ RECYCLE_WAITS = Histogram(
     ["result"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120),
 )
+QUOTA_REFUSED = Counter(
+    "orchestrator_quota_refused_total",
+    "Requests refused because a tenant was at one of its quotas (docs/tenancy.md), by "
+    "tenant and quota: sandboxes, creations_per_s, calls_per_s.",
+    ["tenant", "quota"],
+)
 ADMISSION_REJECTED = Counter(
     "orchestrator_admission_rejected_total",
     "New rollouts refused for capacity, by reason: at_capacity (waited admission_wait_s), "

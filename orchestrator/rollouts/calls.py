@@ -166,6 +166,7 @@ class ToolCalls:
         )
         if check.early is not None:
             return check.early
+        await self.starter.quotas.call(caller)
         if known is None:
             reserve = check.command_timeout_s + call_overhead_s(settings)
             if existing is None:  # a new rollout (Agent RFT)

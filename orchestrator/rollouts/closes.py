@@ -20,6 +20,7 @@ from orchestrator.rollouts.recycling import RecyclePolicy
 from orchestrator.state.admission import Admission
 from orchestrator.state.models import RolloutState
 from orchestrator.state.pools import PoolClaims
+from orchestrator.state.quotas import TenantQuotas
 from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import QueueTimeout, WorkerClient
 from orchestrator.state.wire import DestroySandbox, Tasks
@@ -32,11 +33,18 @@ CLOSE_LEASE_S = 40.0
 
 
 class Closer:
-    def __init__(self, store: RolloutStore, queue: WorkerClient, admission: Admission) -> None:
+    def __init__(
+        self,
+        store: RolloutStore,
+        queue: WorkerClient,
+        admission: Admission,
+        quotas: TenantQuotas,
+    ) -> None:
         self.store = store
         self.queue = queue
         self.keys = store.keys
         self.admission = admission
+        self.quotas = quotas
         # Set by RolloutService once the environments can be resolved: which sandboxes go
         # back to a pool instead of being destroyed (rollouts/recycling.py).
         self.recycling: RecyclePolicy | None = None
@@ -109,6 +117,8 @@ class Closer:
                 await self.admission.release(rollout.sandbox.host)
             if rollout.pool_hit and rollout.closed_at is None and self.pools is not None:
                 await self.pools.returned(rollout.environment, rollout.codebase)
+            if rollout.closed_at is None:
+                await self.quotas.leave(rollout.tenant, rollout_id)
             state = (
                 rollout.state if rollout.state == RolloutState.INFRA_FAILED else RolloutState.CLOSED
             )

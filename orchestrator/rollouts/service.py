@@ -31,6 +31,7 @@ from orchestrator.rollouts.snapshots import Snapshots
 from orchestrator.rollouts.starts import Starter
 from orchestrator.state.admission import Admission
 from orchestrator.state.pools import PoolClaims
+from orchestrator.state.quotas import TenantQuotas
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.replies import WorkerClient
 
@@ -51,8 +52,9 @@ class RolloutService:
         self.dispatcher = CallDispatcher(settings, store, queue)
         self.admission = Admission(settings, store.redis)
         self.pools = PoolClaims(settings, store.redis)
+        self.quotas = TenantQuotas(store)
         # The close comes first: every other part may fail a rollout or refuse a failed one.
-        self.closer = Closer(store, queue, self.admission)
+        self.closer = Closer(store, queue, self.admission, self.quotas)
         self.starter = Starter(
             settings, store, environments, queue, self.admission, self.pools, self.closer
         )

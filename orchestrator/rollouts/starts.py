@@ -89,6 +89,7 @@ class Starter:
         self.admission = admission
         self.pools = pools
         self.closer = closer
+        self.quotas = closer.quotas
         self.repos = RepoRegistry(store.redis, store.keys)
         self._checking: dict[tuple[str, str], asyncio.Future[CommitChecked]] = {}
         # A new rollout's group's set-up, when its environment has one (set by the
@@ -277,17 +278,22 @@ class Starter:
             # The starter before us may have finished: its record is there, the lock gone.
             acquired = None
             if await self.store.get(rollout_id) is None:
-                # The sandbox's place first (a warm sandbox, or a host's slot for a cold
-                # one), the record after: a rollout refused at capacity leaves nothing
-                # behind, and its retry starts afresh.
-                acquired = await self.acquire(
-                    rollout_id,
-                    resolved,
-                    deadline,
-                    reserve_s,
-                    group=rollout_group(source, item),
-                    only_host=snapshot.host if snapshot is not None else None,
-                )
+                # The tenant's quota first, then the sandbox's place (a warm sandbox, or a
+                # host's slot for a cold one), the record after: a rollout refused at
+                # either leaves nothing behind, and its retry starts afresh.
+                await self.quotas.enter(caller, rollout_id)
+                try:
+                    acquired = await self.acquire(
+                        rollout_id,
+                        resolved,
+                        deadline,
+                        reserve_s,
+                        group=rollout_group(source, item),
+                        only_host=snapshot.host if snapshot is not None else None,
+                    )
+                finally:
+                    if acquired is None:
+                        await self.quotas.leave(caller.tenant, rollout_id)
             record = new_record(
                 rollout_id,
                 source,
@@ -305,10 +311,12 @@ class Starter:
                     created = await self.store.create(record)
                 except BaseException:  # Redis failed us: the slot must not stay taken
                     await self._give_back(acquired, rollout_id)
+                    await self.quotas.leave(caller.tenant, rollout_id)
                     raise
             if acquired is None or not created:
                 if acquired is not None:
                     await self._give_back(acquired, rollout_id)
+                    await self.quotas.leave(caller.tenant, rollout_id)
                 current = present(await self.store.get(rollout_id), rollout_id, "it started")
                 return await self._existing(current, exclusive, deadline, reserve_s, caller)
             if acquired.handle is None:  # the record names the host: it counts the slot now

@@ -149,6 +149,12 @@ def gauges(state: DeploymentState) -> list[Metric]:
             state.admission_waiting,
         ),
         _labelled(
+            "orchestrator_tenant_sandboxes",
+            "Sandboxes each tenant's rollouts hold or are making (docs/tenancy.md).",
+            ["tenant"],
+            {(tenant,): held for tenant, held in state.tenant_sandboxes.items()},
+        ),
+        _labelled(
             "orchestrator_capacity_slots",
             "Sandbox slots of the live hosts: used (taken) and total (their capacity).",
             ["state"],

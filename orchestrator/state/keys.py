@@ -252,6 +252,20 @@ class Keys:
         """String: held by the one API process setting a group up."""
         return f"{self.prefix}group-setup-lease:{key}"
 
+    def tenant_sandboxes(self, tenant: str) -> str:
+        """Sorted set: the rollouts of ``tenant`` holding (or making) a sandbox, scored by
+        when each took it (state/quotas.py)."""
+        return f"{self.prefix}tenant:{tenant}:sandboxes"
+
+    def tenant_bucket(self, tenant: str, kind: str) -> str:
+        """Hash: ``tenant``'s token bucket of ``kind`` (creations, calls): tokens, at."""
+        return f"{self.prefix}tenant:{tenant}:bucket:{kind}"
+
+    @cached_property
+    def tenants_seen(self) -> str:
+        """Set: every tenant that has held a sandbox (the state gauges list them)."""
+        return f"{self.prefix}tenants"
+
     def repo_commits(self, name: str) -> str:
         """Hash: commit -> its set-up image ('' none), for each commit of repository
         ``name`` a host has found in it (no host need be asked again)."""

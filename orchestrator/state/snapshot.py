@@ -114,6 +114,10 @@ class DeploymentState(BaseModel):
         "shared queue, then each known host's.",
     )
     admission_waiting: int = Field(0, description="New rollouts waiting for a slot.")
+    tenant_sandboxes: dict[str, int] = Field(
+        default_factory=dict,
+        description="Sandboxes each tenant's rollouts hold or are making (state/quotas.py).",
+    )
     reaper_last_pass: float | None = Field(
         None, description="When beat's reaper last finished a pass; None: never seen."
     )
@@ -182,7 +186,9 @@ class StateReader:
         first.hgetall(keys.load)
         first.hgetall(keys.pool_demand)
         first.get(keys.reaper_pass)
-        members, loads, demand, reaper_pass = first.execute()
+        first.smembers(keys.tenants_seen)
+        members, loads, demand, reaper_pass, seen = first.execute()
+        tenants = sorted(str(t) for t in seen)
         slots = {str(h): int(n) for h, n in loads.items()}
         hosts = sorted({str(h) for h in members} | set(slots))
         pools = self._configured_pools(parse_demand(demand))
@@ -199,6 +205,8 @@ class StateReader:
         for pool in pools:
             pipe.lrange(keys.pool(pool.pool, "ready"), 0, -1)
             pipe.get(keys.pool(pool.pool, "pending"))
+        for tenant in tenants:
+            pipe.zcard(keys.tenant_sandboxes(tenant))
         replies = iter(pipe.execute())
         raw_beats: list[str | None] = next(replies) if hosts else []
         waiting = int(next(replies))
@@ -207,6 +215,7 @@ class StateReader:
         for pool in pools:
             pool.ready = [SandboxHandle.model_validate_json(raw) for raw in next(replies)]
             pool.creating = max(0, int(next(replies) or 0))
+        held = {tenant: int(next(replies)) for tenant in tenants}
         return DeploymentState(
             deployment=self.settings.deployment,
             taken_at=now,
@@ -219,6 +228,7 @@ class StateReader:
             queues=depths,
             admission_waiting=waiting,
             reaper_last_pass=float(reaper_pass) if reaper_pass else None,
+            tenant_sandboxes=held,
         )
 
     def _host(self, host: str, raw_beat: str | None, slots: int) -> HostState:

@@ -63,6 +63,9 @@ class AdmissionView(BaseModel):
     waiting: int
     slots_used: int
     slots_total: int
+    tenants: dict[str, int] = Field(
+        default_factory=dict, description="Sandboxes held per tenant (docs/tenancy.md)."
+    )
 
 
 class RolloutSummary(BaseModel):

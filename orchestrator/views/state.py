@@ -63,6 +63,7 @@ def status_of(state: DeploymentState) -> StatusSnapshot:
             waiting=state.admission_waiting,
             slots_used=state.slots_used,
             slots_total=state.slots_total,
+            tenants=state.tenant_sandboxes,
         ),
     )
     pools = [

@@ -11,17 +11,20 @@ metrics listener touch no other test.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import secrets
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import redis
 import yaml
 from e2b import Sandbox
 from e2b.exceptions import NotFoundException
@@ -30,6 +33,7 @@ from starlette.routing import Route
 from orchestrator.api.app import ROUTERS, create_app
 from orchestrator.api.auth import e2b_sandbox
 from orchestrator.local import free_port
+from orchestrator.state.keys import Keys
 from orchestrator.tenants import digest
 from orchestrator.tls import tls
 from tests.e2e.helpers import function_call, new_trace, orchestrator
@@ -39,6 +43,9 @@ pytestmark = pytest.mark.xdist_group("side")
 
 WINDOW_S = 3.0
 MAX_FAILURES = 8
+QUOTA = 4
+"""Sandboxes each bursting tenant may hold (test_two_tenants_bursts_neither_starves)."""
+ROUNDS = 3
 
 
 @dataclass
@@ -46,24 +53,28 @@ class Tenant:
     name: str
     token: str
     grader_secret: str
+    quotas: dict[str, Any] = field(default_factory=dict)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}", "X-API-KEY": self.token}
 
 
-def _tenant(name: str) -> Tenant:
-    return Tenant(name, secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+def _tenant(name: str, **quotas: Any) -> Tenant:
+    return Tenant(name, secrets.token_urlsafe(32), secrets.token_urlsafe(32), quotas)
 
 
-def write_tenants(path: Path, *tenants: Tenant, extra: dict[str, Any] | None = None) -> None:
+def write_tenants(path: Path, *tenants: Tenant) -> None:
     """The tenants file, as an operator writes it: digests only. Replaced in one step (a
     reader never sees half a file), as a Kubernetes Secret's volume does."""
     body = {
         "tenants": {
-            t.name: {"tokens": [digest(t.token)], "grader_secrets": [digest(t.grader_secret)]}
+            t.name: {
+                "tokens": [digest(t.token)],
+                "grader_secrets": [digest(t.grader_secret)],
+                "quotas": t.quotas,
+            }
             for t in tenants
         }
-        | (extra or {})
     }
     staged = path.with_suffix(".new")
     staged.write_text(yaml.safe_dump(body))
@@ -76,6 +87,16 @@ class Tenancy:
     tenants_file: Path
     a: Tenant
     b: Tenant
+    limited: list[Tenant]
+    """Tenants with quotas (test_quotas_*)."""
+
+    def write(self, *more: Tenant) -> None:
+        """The module's tenants file, with ``more`` tenants."""
+        write_tenants(self.tenants_file, self.a, self.b, *self.limited, *more)
+
+    def tenant(self, name: str) -> Tenant:
+        (found,) = [t for t in self.limited if t.name == name]
+        return found
 
     @property
     def url(self) -> str:
@@ -100,8 +121,14 @@ class Tenancy:
 def tenancy(side: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tenancy]:
     root = tmp_path_factory.mktemp("tenancy")
     a, b = _tenant("team-a"), _tenant("team-b")
+    limited = [
+        _tenant("burst-a", sandboxes=QUOTA),
+        _tenant("burst-b", sandboxes=QUOTA),
+        _tenant("slow-maker", creations_per_s=2),
+        _tenant("slow-caller", calls_per_s=2),
+    ]
     tenants_file = root / "tenants.yaml"
-    write_tenants(tenants_file, a, b)
+    write_tenants(tenants_file, a, b, *limited)
     with another_api(
         side,
         root,
@@ -112,7 +139,7 @@ def tenancy(side: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
         auth_failures_window_s=WINDOW_S,
         api_metrics_port=free_port(),
     ) as api:
-        yield Tenancy(api, tenants_file, a, b)
+        yield Tenancy(api, tenants_file, a, b, limited)
 
 
 @dataclass
@@ -405,17 +432,17 @@ def test_tokens_are_added_and_revoked_without_a_restart(tenancy: Tenancy) -> Non
 
     assert answers(c) == 401
     try:
-        write_tenants(tenancy.tenants_file, tenancy.a, tenancy.b, c)
+        tenancy.write(c)
         _until(lambda: answers(c) == 200)
         # A file that does not parse keeps the last good one: nobody is locked out.
         tenancy.tenants_file.write_text("tenants: {team-c: {tokens: [not-a-digest]}}\n")
         time.sleep(2.5)
         assert answers(c) == 200 and answers(tenancy.a) == 200
-        write_tenants(tenancy.tenants_file, tenancy.a, tenancy.b)
+        tenancy.write()
         _until(lambda: answers(c) == 401)
         assert answers(tenancy.a) == 200
     finally:
-        write_tenants(tenancy.tenants_file, tenancy.a, tenancy.b)
+        tenancy.write()
     assert tenancy.api.procs["api"].pid == pid and tenancy.api.procs["api"].poll() is None
     log = (tenancy.api.logs / "api.log").read_text()
     assert "audit.credential_added" in log and "audit.credential_revoked" in log
@@ -456,3 +483,148 @@ def test_the_operators_views_filter_by_tenant(
     exported = [json.loads(line) for line in out.read_text().splitlines()]
     assert {r["tenant"] for r in exported} <= {"team-b"}
     assert owned.rollout not in {r["rollout_id"] for r in exported}
+
+
+@dataclass
+class Burst:
+    """One tenant's burst of rollout creations: each one's answer and how long it took."""
+
+    tenant: str
+    statuses: list[int]
+    seconds: list[float]
+    created: list[str]
+    refusals: list[httpx.Response]
+
+    def percentile(self, q: float) -> float:
+        ok = sorted(s for s, code in zip(self.seconds, self.statuses, strict=True) if code == 201)
+        return ok[min(len(ok) - 1, math.ceil(q * len(ok)) - 1)] * 1000 if ok else math.nan
+
+
+async def _burst(tenancy: Tenancy, tenant: Tenant, item: dict[str, Any], n: int) -> Burst:
+    async with httpx.AsyncClient(
+        base_url=tenancy.url, headers=tenant.headers(), timeout=120, verify=tls()
+    ) as client:
+
+        async def one() -> tuple[httpx.Response, float]:
+            started = time.perf_counter()
+            response = await client.post("/v1/rollouts", json={"item": item})
+            return response, time.perf_counter() - started
+
+        answers = await asyncio.gather(*(one() for _ in range(n)))
+    return Burst(
+        tenant=tenant.name,
+        statuses=[r.status_code for r, _ in answers],
+        seconds=[s for _, s in answers],
+        created=[r.json()["rollout_id"] for r, _ in answers if r.status_code == 201],
+        refusals=[r for r, _ in answers if r.status_code != 201],
+    )
+
+
+def _end(tenancy: Tenancy, tenant: Tenant, bursts: list[Burst]) -> None:
+    with tenancy.client(tenant) as client:
+        for burst in bursts:
+            for rollout_id in burst.created:
+                assert client.delete(f"/v1/rollouts/{rollout_id}").status_code == 200
+
+
+def test_two_tenants_bursts_neither_starves(tenancy: Tenancy, side: Stack) -> None:
+    """Tenant A bursts three times its quota of sandboxes while tenant B bursts its own: A
+    holds its quota and no more, its excess refused at once (429, Retry-After), and B
+    gets every sandbox it asked for, as when it bursts alone. Each one's acquisition
+    times (request to 201) are printed, alone and together, over ROUNDS rounds each
+    (docs/tenancy.md)."""
+    a, b = tenancy.tenant("burst-a"), tenancy.tenant("burst-b")
+    item = {"codebase": side.codebase, "gold_files": ["README.md"]}
+    warm = asyncio.run(_burst(tenancy, b, item, QUOTA))  # not measured: first sandboxes
+    _end(tenancy, b, [warm])
+    # What an API process that died between a close and its quota's release leaves: a
+    # member whose rollout ended. It is found and forgotten when B reaches its quota.
+    held = Keys.of(side.settings.deployment).tenant_sandboxes(b.name)
+    with redis.Redis.from_url(side.settings.redis_url) as client:
+        client.zadd(held, {warm.created[0]: time.time()})
+    phases: dict[tuple[str, str], list[Burst]] = {}
+    for _ in range(ROUNDS):
+        for tenant in (a, b):
+            alone = asyncio.run(_burst(tenancy, tenant, item, QUOTA))
+            _end(tenancy, tenant, [alone])
+            assert alone.statuses == [201] * QUOTA, [r.text for r in alone.refusals]
+            phases.setdefault((tenant.name, "alone"), []).append(alone)
+
+        async def together() -> tuple[Burst, Burst]:
+            return await asyncio.gather(
+                _burst(tenancy, a, item, 3 * QUOTA), _burst(tenancy, b, item, QUOTA)
+            )
+
+        burst_a, burst_b = asyncio.run(together())
+        try:
+            assert burst_b.statuses == [201] * QUOTA, [r.text for r in burst_b.refusals]
+            assert sorted(burst_a.statuses) == [201] * QUOTA + [429] * (2 * QUOTA)
+            for refused in burst_a.refusals:
+                assert refused.json()["error"]["code"] == "over_quota"
+                assert int(refused.headers["Retry-After"]) >= 1
+            port = tenancy.api.settings.api_metrics_port
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+            for tenant in (a, b):
+                held = f'orchestrator_tenant_sandboxes{{tenant="{tenant.name}"}}'
+                assert f"{held} {float(QUOTA)}" in text
+        finally:
+            _end(tenancy, a, [burst_a])
+            _end(tenancy, b, [burst_b])
+        phases.setdefault((a.name, "together"), []).append(burst_a)
+        phases.setdefault((b.name, "together"), []).append(burst_b)
+    counter = f'orchestrator_quota_refused_total{{quota="sandboxes",tenant="{a.name}"}}'
+    port = tenancy.api.settings.api_metrics_port
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    assert f"{counter} {float(2 * QUOTA * ROUNDS)}" in text
+    print(f"\nacquisition, request to 201, ms (quota {QUOTA} sandboxes each, {ROUNDS} rounds):")
+    print(f"{'tenant':10} {'phase':9} {'asked':>5} {'got':>4} {'p50':>8} {'p99':>8}")
+    for (name, phase), bursts in phases.items():
+        pooled = Burst(
+            name,
+            [c for one in bursts for c in one.statuses],
+            [t for one in bursts for t in one.seconds],
+            [i for one in bursts for i in one.created],
+            [],
+        )
+        print(
+            f"{name:10} {phase:9} {len(pooled.statuses):>5} {len(pooled.created):>4} "
+            f"{pooled.percentile(0.5):8.0f} {pooled.percentile(0.99):8.0f}"
+        )
+
+
+def test_quotas_of_creations_and_calls_per_second(tenancy: Tenancy, side: Stack) -> None:
+    """Past a tenant's rate, a creation is a 429 and an Agent RFT call a 503 (the platform
+    retries it), each with Retry-After; a call refused changed nothing and its retry runs."""
+    item = {"codebase": side.codebase, "gold_files": ["README.md"]}
+    maker = tenancy.tenant("slow-maker")
+    burst = asyncio.run(_burst(tenancy, maker, item, 6))
+    try:
+        assert burst.statuses.count(201) == 2, burst.statuses
+        assert burst.statuses.count(429) == 4
+        assert all(r.json()["error"]["code"] == "over_quota" for r in burst.refusals)
+    finally:
+        _end(tenancy, maker, [burst])
+    caller = tenancy.tenant("slow-caller")
+    trace = new_trace()
+    with tenancy.client(caller) as client:
+        answers = [
+            client.post(
+                "/agent-rft/tools",
+                json=function_call(trace, item, "shell", {"command": "echo hi"}, call_id=f"c{n}"),
+            )
+            for n in range(6)
+        ]
+        codes = [r.status_code for r in answers]
+        assert codes[:2] == [200, 200] and 503 in codes[2:], codes
+        throttled = next(r for r in answers if r.status_code == 503)
+        assert throttled.json()["error"]["code"] == "over_quota"
+        retry_s = int(throttled.headers["Retry-After"])
+        steps = client.get(f"/v1/rollouts/{trace}/trajectory").json()["steps"]
+        assert len(steps) == codes.count(200)
+        time.sleep(retry_s)
+        again = client.post(
+            "/agent-rft/tools",
+            json=function_call(trace, item, "shell", {"command": "echo hi"}, call_id="again"),
+        )
+        assert again.status_code == 200, again.text
+        client.delete(f"/v1/rollouts/{trace}")
