@@ -18,6 +18,7 @@ import hashlib
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,6 +192,8 @@ class Tenants:
         self._checked = time.monotonic()
         self.directory = self._read()  # the first read fails the start when it is wrong
         self.last_error: str | None = None
+        self.on_change: Callable[[list[Change]], None] | None = None
+        """Told what each new reading changed (the API records it in the audit log)."""
 
     def _read(self) -> Directory:
         if self.path is None:
@@ -222,7 +225,8 @@ class Tenants:
                 try:
                     before, self.directory = self.directory, self._read()
                     self.last_error = None
-                    _audit_change(before, self.directory)
+                    if self.on_change is not None:
+                        self.on_change(changes(before, self.directory))
                 except TenantsError as exc:
                     self.last_error = str(exc)
                     log.error("tenants.reload_refused", error=self.last_error)
@@ -253,36 +257,35 @@ def credential_id(kept: str) -> str:
     return kept.removeprefix("sha256:")[:12]
 
 
-def _audit_change(before: Directory, after: Directory) -> None:
-    """The audit log's lines for a change of the tenants file: who can now call, and who
-    no longer can (docs/tenancy.md)."""
+Change = tuple[str, dict[str, object]]
+"""A change of the tenants file, as the audit log records it: its event's name
+(state/audit.AuditEvent) and what changed."""
+
+
+def changes(before: Directory, after: Directory) -> list[Change]:
+    """What a new reading of the tenants file changed: who can now call, and who no
+    longer can. Credentials are named by :func:`credential_id` only."""
+    found: list[Change] = []
     for kind, old, new in (
         ("token", before.by_token, after.by_token),
         ("grader_secret", before.by_grader_secret, after.by_grader_secret),
     ):
-        for kept in new.keys() - old.keys():
-            log.info(
-                "audit.credential_added",
-                kind=kind,
-                tenant=new[kept].tenant,
-                credential=credential_id(kept),
-                admin=new[kept].admin,
+        for kept in sorted(new.keys() - old.keys()):
+            who = {"tenant": new[kept].tenant, "admin": new[kept].admin}
+            found.append(
+                ("credential_added", {"kind": kind, **who, "credential": credential_id(kept)})
             )
-        for kept in old.keys() - new.keys():
-            log.info(
-                "audit.credential_revoked",
-                kind=kind,
-                tenant=old[kept].tenant,
-                credential=credential_id(kept),
+        for kept in sorted(old.keys() - new.keys()):
+            who = {"tenant": old[kept].tenant}
+            found.append(
+                ("credential_revoked", {"kind": kind, **who, "credential": credential_id(kept)})
             )
-    for name in after.quotas.keys() - before.quotas.keys():
-        log.info("audit.tenant_added", tenant=name)
-    for name in before.quotas.keys() - after.quotas.keys():
-        log.info("audit.tenant_removed", tenant=name)
-    for name in after.quotas.keys() & before.quotas.keys():
+    for name in sorted(after.quotas.keys() - before.quotas.keys()):
+        found.append(("tenant_added", {"tenant": name}))
+    for name in sorted(before.quotas.keys() - after.quotas.keys()):
+        found.append(("tenant_removed", {"tenant": name}))
+    for name in sorted(after.quotas.keys() & before.quotas.keys()):
         if after.quotas[name] != before.quotas[name]:
-            log.info(
-                "audit.quotas_changed",
-                tenant=name,
-                quotas=after.quotas[name].model_dump(exclude_none=True),
-            )
+            quotas = after.quotas[name].model_dump(exclude_none=True)
+            found.append(("quotas_changed", {"tenant": name, "quotas": quotas}))
+    return found

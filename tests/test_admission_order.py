@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -44,6 +45,29 @@ async def _queued(admission: Admission, count: int) -> None:
         await asyncio.sleep(0.01)
 
 
+async def _seat_one_by_one(
+    admission: Admission,
+    unit: Settings,
+    arrivals: list[Coroutine[Any, Any, None]],
+    seated: list[str],
+) -> None:
+    """Start each of ``arrivals`` (a waiter for a slot) once the one before it waits, a
+    little apart (distinct deadlines: the arrival order is clear); then free one slot at
+    a time, each only once a waiter was seated in the one before."""
+    waiters = []
+    for n, arrival in enumerate(arrivals):
+        waiters.append(asyncio.create_task(arrival))
+        await _queued(admission, n + 1)
+        await asyncio.sleep(0.01)
+    for count in range(1, len(arrivals) + 1):
+        await admission.release(unit.host_id)
+        deadline = time.monotonic() + 10
+        while len(seated) < count:
+            assert time.monotonic() < deadline, seated
+            await asyncio.sleep(0.01)
+    await asyncio.gather(*waiters)
+
+
 def test_a_group_s_waiters_are_seated_together(unit: Settings) -> None:
     """Waiters of items a and b arrive interleaved (a1, b1, a2, b2, none): a2 is seated
     right after a1, ahead of b1 who came before it; a waiter of no group keeps its
@@ -62,19 +86,8 @@ def test_a_group_s_waiters_are_seated_together(unit: Settings) -> None:
         try:
             assert await admission.try_take("ro_running") == unit.host_id
             arrivals = (("a1", "a"), ("b1", "b"), ("a2", "a"), ("b2", "b"), ("none", None))
-            waiters = []
-            for n, (holder, group) in enumerate(arrivals):
-                waiters.append(asyncio.create_task(start(holder, group)))
-                await _queued(admission, n + 1)
-                await asyncio.sleep(0.01)  # distinct deadlines: arrival order is clear
-            expected = ["a1", "a2", "b1", "b2", "none"]
-            for count in range(1, len(expected) + 1):
-                await admission.release(unit.host_id)
-                deadline = time.monotonic() + 10
-                while len(seated) < count:
-                    assert time.monotonic() < deadline, seated
-                    await asyncio.sleep(0.01)
-            await asyncio.gather(*waiters)
+            waiters = [start(holder, group) for holder, group in arrivals]
+            await _seat_one_by_one(admission, unit, waiters, seated)
             # a1 and a2 share a score (their order between them is the member's): a group.
             assert set(seated[:2]) == {"a1", "a2"} and set(seated[2:4]) == {"b1", "b2"}
             assert seated[4] == "none", seated
@@ -146,5 +159,42 @@ def test_only_free_slots_beyond_the_waiters_go_to_others(unit: Settings) -> None
         finally:
             await client.aclose()
             sync.close()
+
+    asyncio.run(scenario())
+
+
+def test_tenants_are_seated_by_their_fair_share(unit: Settings) -> None:
+    """Tenant A holds three sandboxes of the host's four and three of its rollouts wait;
+    tenant B, holding none, comes later with two. As slots come free, B's two are seated
+    first (it holds fewer), then A's in the order they came: one tenant's burst cannot
+    hold every slot. A waiter has entered its tenant's held set before it waits, as a
+    start does (state/quotas.py)."""
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(unit.redis_url, decode_responses=True)
+        admission = Admission(unit, client)
+        keys = Keys.of(unit.deployment)
+        await _one_host(client, unit, capacity=4)
+        seated: list[str] = []
+
+        async def start(holder: str, tenant: str) -> None:
+            await client.zadd(keys.tenant_sandboxes(tenant), {holder: time.time()})
+            await admission.take(holder, wait_s=20, tenant=tenant)
+            seated.append(holder)
+
+        try:
+            for n in range(3):
+                await client.zadd(keys.tenant_sandboxes("a"), {f"a-held{n}": time.time()})
+                assert await admission.try_take(f"a-held{n}", tenant="a") == unit.host_id
+            assert await admission.try_take("b-other", tenant="default") == unit.host_id
+            arrivals = (("a1", "a"), ("a2", "a"), ("a3", "a"), ("b1", "b"), ("b2", "b"))
+            waiters = [start(holder, tenant) for holder, tenant in arrivals]
+            await _seat_one_by_one(admission, unit, waiters, seated)
+            assert seated == ["b1", "b2", "a1", "a2", "a3"]
+            assert await client.scard(keys.waiting_tenants) in (0, 1, 2)
+            for tenant in ("a", "b"):
+                assert await client.zcard(keys.tenant_waiting(tenant)) == 0
+        finally:
+            await client.aclose()
 
     asyncio.run(scenario())

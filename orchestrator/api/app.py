@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from orchestrator import __version__
 from orchestrator.api import agent_rft, errors, health, rollouts
+from orchestrator.api.audit import AuditRecorder
 from orchestrator.api.auth import (
     PRINCIPAL,
     AuthFailures,
@@ -32,6 +33,7 @@ from orchestrator.observability.logging import configure_logging, get_logger
 from orchestrator.outcomes import Outcome
 from orchestrator.rollouts.bounds import check_agent_rft_bound
 from orchestrator.rollouts.service import RolloutService
+from orchestrator.state.audit import AuditLog
 from orchestrator.state.broker import make_celery
 from orchestrator.state.collector import StateCollector
 from orchestrator.state.records import RolloutStore
@@ -203,6 +205,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         store = RolloutStore.connect(settings)
         queue = WorkerClient(settings, make_celery(settings), store)
         rollouts = RolloutService(settings, store, environments, queue)
+        audit = AuditRecorder(AuditLog(store.redis, store.keys), tenants)
         app.state.orchestrator = AppState(
             settings=settings,
             store=store,
@@ -210,7 +213,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             service=rollouts,
             e2b=E2BSandboxes(rollouts),
             tenants=tenants,
+            audit=audit,
         )
+        await audit.environments(environments)
         # The deployment's state gauges, read from Redis at each scrape of /metrics.
         app.state.metrics_state = StateCollector(settings, environments)
         # uvicorn runs its loop with debug off whatever PYTHONASYNCIODEBUG says.
@@ -228,6 +233,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 yield
         finally:
             app.state.metrics_state.close()
+            await audit.close()
             await store.close()
 
     app = FastAPI(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
+from orchestrator.api.audit import AuditRecorder
 from orchestrator.config import Settings
 from orchestrator.e2b.sandboxes import E2BSandboxes
 from orchestrator.rollouts.service import RolloutService
@@ -22,11 +23,17 @@ class AppState:
     service: RolloutService
     e2b: E2BSandboxes
     tenants: Tenants
+    audit: AuditRecorder
 
 
 def state(request: Request) -> AppState:
     app_state: AppState = request.app.state.orchestrator
     return app_state
+
+
+async def audit_recorder(request: Request) -> AuditRecorder:
+    """The process's audit recorder, as a dependency (async: no thread hop)."""
+    return state(request).audit
 
 
 async def service(request: Request) -> RolloutService:

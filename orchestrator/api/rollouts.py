@@ -8,8 +8,9 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Response
 
 from orchestrator.api.agent_rft import ERRORS
+from orchestrator.api.audit import AuditRecorder
 from orchestrator.api.auth import Caller, require_token
-from orchestrator.api.deps import service
+from orchestrator.api.deps import audit_recorder, service
 from orchestrator.api.models import (
     ROLLOUT_ID,
     CreateRollout,
@@ -109,10 +110,17 @@ async def get_trajectory(rollout_id: RolloutId, svc: Svc, caller: Caller) -> Tra
 
 
 @router.delete("/{rollout_id}", responses=RESPONSES)
-async def delete_rollout(rollout_id: RolloutId, svc: Svc, caller: Caller) -> RolloutView:
+async def delete_rollout(
+    rollout_id: RolloutId,
+    svc: Svc,
+    caller: Caller,
+    audit: Annotated[AuditRecorder, Depends(audit_recorder)],
+) -> RolloutView:
     """End the rollout now: its sandbox is destroyed (or, recycled, reset for another
-    rollout); the record stays readable."""
+    rollout); the record stays readable. An admin's end of another tenant's rollout is
+    in the audit log."""
     rollout = await svc.close(rollout_id, "deleted", caller=caller)
+    await audit.rollout_ended(caller, rollout, "DELETE /v1/rollouts/{rollout_id}")
     return view(rollout, await svc.store.call_count(rollout_id))
 
 

@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rft-config": ("orchestrator.cli.rft_config", "rft_config"),
     "preflight": ("orchestrator.cli.preflight", "preflight"),
     "tenants": ("orchestrator.cli.tenants", "app"),
+    "audit": ("orchestrator.cli.audit", "audit"),
     "config": ("orchestrator.cli.config_docs", "app"),
 }
 

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from orchestrator.cli import audit
 from orchestrator.config import get_settings
 from orchestrator.images.base import ImageBuildError
 from orchestrator.images.catalog import catalog_line
@@ -19,6 +20,7 @@ from orchestrator.images.codebases import (
     remove_codebase,
 )
 from orchestrator.sandbox.backend import BackendUnavailable
+from orchestrator.state.audit import AuditEvent
 
 app = typer.Typer(help="Manage codebases (images with a tree at /workspace).", no_args_is_help=True)
 
@@ -47,6 +49,14 @@ def add(
         raise _fail(exc) from exc
     commit = f" at {info.commit[:12]}" if info.commit else ""
     typer.echo(f"codebase {info.name}{commit}: {info.image} ({info.image_id[7:19]})")
+    audit.record(
+        get_settings(),
+        AuditEvent.CODEBASE_ADDED,
+        codebase=info.name,
+        image_id=info.image_id,
+        commit=info.commit,
+        replaced=replace,
+    )
 
 
 def _size(n: int) -> str:
@@ -95,6 +105,7 @@ def rm(name: Annotated[str, typer.Argument(help="Codebase name.")]) -> None:
     except _ERRORS as exc:
         raise _fail(exc) from exc
     typer.echo(f"removed codebase {name}")
+    audit.record(get_settings(), AuditEvent.CODEBASE_REMOVED, codebase=name)
 
 
 @app.command("publish")
@@ -119,3 +130,4 @@ def publish(
     except _ERRORS as exc:
         raise _fail(exc) from exc
     typer.echo(catalog_line(name, ref))
+    audit.record(settings, AuditEvent.CODEBASE_PUBLISHED, codebase=name, image=ref)

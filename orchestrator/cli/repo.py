@@ -16,10 +16,12 @@ import typer
 from pydantic import ValidationError
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from orchestrator.cli import audit
 from orchestrator.config import Settings, get_settings
 from orchestrator.environments.loader import row_commit
 from orchestrator.sandbox.backend import RepoSetup
 from orchestrator.sandbox.repos import HostRepos, RepoError, check_source
+from orchestrator.state.audit import AuditEvent
 from orchestrator.state.broker import celery_app
 from orchestrator.state.records import RolloutStore
 from orchestrator.state.replies import QueueTimeout, WorkerClient
@@ -107,6 +109,14 @@ def add(
         f"repository {name}: {checked} ({commits} commits, HEAD {head[:12]}; fetched in "
         f"{time.monotonic() - started:.1f} s)"
     )
+    audit.record(
+        settings,
+        AuditEvent.REPOSITORY_ADDED,
+        repository=name,
+        source=checked,
+        head=head,
+        replaced=replace,
+    )
 
 
 @app.command("ls")
@@ -124,9 +134,11 @@ def ls(json_: Annotated[bool, typer.Option("--json", help="Print JSON.")] = Fals
 def rm(name: Annotated[str, typer.Argument(help="A registered repository.")]) -> None:
     """Forget a repository (rollouts already on it go on; its layers stay on the hosts
     until the disk budget evicts them)."""
-    if not _with_registry(get_settings(), lambda r: r.remove(name)):
+    settings = get_settings()
+    if not _with_registry(settings, lambda r: r.remove(name)):
         raise _fail(f"no repository {name!r} is registered")
     typer.echo(f"repository {name} removed")
+    audit.record(settings, AuditEvent.REPOSITORY_REMOVED, repository=name)
 
 
 # --- dataset prepare -------------------------------------------------------------------------

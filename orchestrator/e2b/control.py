@@ -15,8 +15,9 @@ from urllib.parse import parse_qsl
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
+from orchestrator.api.audit import AuditRecorder
 from orchestrator.api.auth import PRINCIPAL
-from orchestrator.api.deps import state
+from orchestrator.api.deps import audit_recorder, state
 from orchestrator.e2b.models import (
     ConnectBody,
     ForkBody,
@@ -137,10 +138,18 @@ async def get_sandbox(sandbox_id: str, svc: Sandboxes, caller: Caller) -> JSONRe
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
-async def kill_sandbox(sandbox_id: str, svc: Sandboxes, caller: Caller) -> Response:
-    """``sandbox.kill()``: 204, or 404 when there is no such live sandbox."""
-    if not await svc.kill(sandbox_id, caller):
+async def kill_sandbox(
+    sandbox_id: str,
+    svc: Sandboxes,
+    caller: Caller,
+    audit: Annotated[AuditRecorder, Depends(audit_recorder)],
+) -> Response:
+    """``sandbox.kill()``: 204, or 404 when there is no such live sandbox. An admin's kill
+    of another tenant's sandbox is in the audit log."""
+    killed = await svc.kill(sandbox_id, caller)
+    if killed is None:
         return error_response(E2BError(404, f"sandbox {sandbox_id} not found"))
+    await audit.rollout_ended(caller, killed, "DELETE /sandboxes/{sandbox_id}")
     return Response(status_code=204)
 
 

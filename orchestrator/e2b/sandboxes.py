@@ -400,21 +400,21 @@ class E2BSandboxes:
         page = found[:limit]
         return page, (after + limit if len(found) > limit else None)
 
-    async def kill(self, sandbox_id: str, caller: Principal) -> bool:
-        """Kill it (destroy its sandbox, close its rollout; a failed one too); False when
-        there is none (or it is another tenant's)."""
+    async def kill(self, sandbox_id: str, caller: Principal) -> Rollout | None:
+        """Kill it (destroy its sandbox, close its rollout; a failed one too): its record,
+        closed; None when there is none (or it is another tenant's)."""
         paused_as = None
         try:
             rollout, _ = await self.alive(sandbox_id, caller)
             paused_as = rollout.paused_as
         except SandboxGone:
-            return False
+            return None
         except InfraError:
             pass  # failed, not gone: its sandbox (what is left of it) goes now
-        await self.service.close(sandbox_id, "killed by its E2B client", caller=caller)
+        closed = await self.service.close(sandbox_id, "killed by its E2B client", caller=caller)
         if paused_as is not None:
             await self.service.snapshots.drop(paused_as)
-        return True
+        return closed
 
     async def metrics(self, sandbox_id: str, caller: Principal) -> list[MetricOut]:
         """``get_metrics``: what it uses now, measured by its host (a paused one: none)."""

@@ -13,10 +13,13 @@ reaper) and :func:`bind_sandbox` once the sandbox is known.
 from __future__ import annotations
 
 import functools
+import getpass
 import logging
 import os
+import socket
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -180,3 +183,25 @@ def in_rollout_context(
             return await method(self, rollout_id, *args, **kwargs)
 
     return wrapper
+
+
+AUDIT_LOGGER = "orchestrator.audit"
+"""The audit log's logger: a deployment ships its lines (``audit.*`` events) apart by
+this name (docs/tenancy.md, "Audit log")."""
+
+
+def audit(event: str, *, actor: str, **fields: Any) -> None:
+    """One line of the audit log: ``audit.<event>``, who did it (``actor``: a tenant, an
+    operating-system user at a host, or the process itself) and when, and what changed.
+    Never a credential: a digest's first digits name one (tenants.credential_id)."""
+    get_logger(AUDIT_LOGGER).info(f"audit.{event}", actor=actor, at=time.time(), **fields)
+
+
+def local_actor() -> str:
+    """The operating-system user running this command, at this host: the actor of a CLI
+    command's audit line."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"

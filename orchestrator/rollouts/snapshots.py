@@ -380,7 +380,13 @@ class Snapshots:
             )
         resolved = self.starter.environment_of(rollout)
         acquired = await self.starter.acquire(
-            rollout.rollout_id, resolved, Deadline(None), 0.0, only_host=record.host, new=False
+            rollout.rollout_id,
+            resolved,
+            Deadline(None),
+            0.0,
+            only_host=record.host,
+            new=False,
+            tenant=rollout.tenant,
         )
         assert acquired is not None and acquired.handle is None
         making = await self.starter.store.update(

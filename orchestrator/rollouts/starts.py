@@ -50,7 +50,7 @@ from orchestrator.state.wire import (
     SandboxCreated,
     Tasks,
 )
-from orchestrator.tenants import OPERATOR, Principal
+from orchestrator.tenants import DEFAULT_TENANT, OPERATOR, Principal
 
 log = get_logger(__name__)
 
@@ -290,6 +290,7 @@ class Starter:
                         reserve_s,
                         group=rollout_group(source, item),
                         only_host=snapshot.host if snapshot is not None else None,
+                        tenant=caller.tenant,
                     )
                 finally:
                     if acquired is None:
@@ -343,13 +344,15 @@ class Starter:
         group: str | None = None,
         only_host: str | None = None,
         new: bool = True,
+        tenant: str = DEFAULT_TENANT,
     ) -> Acquired | None:
         """A warm sandbox from the rollout's pool (probed first), else a host slot for a
         cold one, waiting within the admission bound (and the request's deadline, less
         ``reserve_s``), seated with its ``group``. None: the rollout appeared meanwhile (a
         concurrent first call made it). ``only_host``: a cold one on that host (a
         snapshot's: no pool holds its sandboxes). ``new`` False: for a rollout that exists
-        (a paused one resuming), which waits for its slot however its record reads."""
+        (a paused one resuming), which waits for its slot however its record reads.
+        ``tenant``: whose fair share of the hosts it waits in (state/admission.py)."""
         started = time.monotonic()
         recycle_wait_s = deadline.cap(self.settings.pool_recycle_wait_s, reserve=reserve_s)
         for _ in range(3 if only_host is None else 0):
@@ -382,6 +385,7 @@ class Starter:
             wait_s=wait_s,
             group=group,
             only_host=only_host,
+            tenant=tenant,
         )
         return Acquired(host=host, handle=None, started=started) if host else None
 

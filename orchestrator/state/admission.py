@@ -6,8 +6,10 @@ one Lua step that picks the least loaded schedulable host still under its capaci
 burst of hundreds of rollouts in one second cannot overcommit a host between two
 heartbeats. Past capacity, a new rollout waits in a bounded queue (at most
 ``admission_queue_max`` waiting, each at most ``admission_wait_s``), seated first come
-first served (in the order of their deadlines, which for one kind of request is the order
-they came in: neither a new arrival nor a pool's refill takes a slot one of them wants),
+first served within its tenant (in the order of their deadlines, which for one kind of
+request is the order they came in: neither a new arrival nor a pool's refill takes a slot
+one of them wants) and across tenants by their fair share (a tenant holding fewer
+sandboxes is seated first: one tenant's burst cannot hold every slot),
 then is refused with
 :class:`AtCapacity`: 503 + Retry-After for Agent RFT (the trainer retries, then
 discards), 429 + Retry-After for the rollout API.
@@ -29,25 +31,71 @@ from orchestrator.config import Settings
 from orchestrator.observability import metrics
 from orchestrator.state.heartbeat import Heartbeats
 from orchestrator.state.keys import Keys
+from orchestrator.tenants import DEFAULT_TENANT
 
 # Takes a slot on the least loaded host under its capacity and counts it in transit for its
 # holder, in one step: until the record of the new rollout, or the pool's ready list, counts
 # it, the reaper's recount (which reads those) must not give the slot away. (Taken first
 # and marked after, a recount in between once admitted one rollout too many to a full
-# host.) First come first served: a taker gets a slot only while more are free than
-# rollouts wait ahead of it in the admission queue (all of them, for a taker not in it: a
-# new arrival, or a pool's refill, never takes a slot from a rollout that waits). KEYS: load
-# hash, slots in transit, admission queue. ARGV: transit member's tag, until when to count
-# it, the taker's place in the queue ('' when not in it), now, then host, capacity, host,
+# host.) A taker gets a slot only while more are free than rollouts wait ahead of it in the
+# admission queue (all of them, for a taker not in it: a new arrival, or a pool's refill,
+# never takes a slot from a rollout that waits).
+#
+# Who is ahead of a waiter is its tenant's fair share (docs/tenancy.md): the waiters are
+# seated in the order of their tenant's virtual time, the sandboxes the tenant holds plus
+# its waiters before this one, so a tenant holding few is seated before one holding many;
+# a tie goes to the one that came first. Within one tenant that is first come first served,
+# a GRPO group's together (their scores are equal); with one tenant it is the queue's order.
+# Each tenant's count is read by name: its held set (state/quotas.py, which its waiters
+# have entered already) and its waiting set, both under the prefix given.
+#
+# KEYS: load hash, slots in transit, admission queue, the waiting tenants. ARGV: transit
+# member's tag, until when to count it, the taker's place in the queue ('' when not in it),
+# now, the taker's tenant ('' none), the tenants' key prefix, then host, capacity, host,
 # capacity, ... in the order to prefer on a tie. Returns the host whose slot was taken, or
 # false.
 TAKE_SLOT = """
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[4])
+local function waiting_of(u) return ARGV[6] .. u .. ':waiting' end
+local function fair_ahead(rank)
+  local tenant = ARGV[5]
+  local mine = redis.call('ZRANK', waiting_of(tenant), ARGV[3])
+  if not mine then return rank end
+  local counts = {}
+  for _, u in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+    redis.call('ZREMRANGEBYSCORE', waiting_of(u), '-inf', ARGV[4])
+    local n = redis.call('ZCARD', waiting_of(u))
+    if n == 0 then
+      redis.call('SREM', KEYS[4], u)
+    else
+      local held = redis.call('ZCARD', ARGV[6] .. u .. ':sandboxes') - n
+      counts[u] = {n, math.max(0, held)}
+    end
+  end
+  if not counts[tenant] then return rank end
+  local time = counts[tenant][2] + mine
+  local ahead = mine
+  for u, count in pairs(counts) do
+    if u ~= tenant then
+      local before = math.min(count[1], math.max(0, time - count[2]))
+      ahead = ahead + before
+      if before < count[1] and count[2] + before == time then
+        local tie = redis.call('ZRANGE', waiting_of(u), before, before)[1]
+        local tie_rank = redis.call('ZRANK', KEYS[3], tie)
+        if tie_rank and tie_rank < rank then ahead = ahead + 1 end
+      end
+    end
+  end
+  return ahead
+end
 local ahead = false
-if ARGV[3] ~= '' then ahead = redis.call('ZRANK', KEYS[3], ARGV[3]) end
+if ARGV[3] ~= '' then
+  local rank = redis.call('ZRANK', KEYS[3], ARGV[3])
+  if rank and ARGV[5] ~= '' then ahead = fair_ahead(rank) else ahead = rank end
+end
 if not ahead then ahead = redis.call('ZCARD', KEYS[3]) end
 local best, best_load, free = nil, nil, 0
-for i = 5, #ARGV, 2 do
+for i = 7, #ARGV, 2 do
   local load = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
   local capacity = tonumber(ARGV[i + 1])
   if load < capacity then
@@ -61,12 +109,14 @@ redis.call('ZADD', KEYS[2], ARGV[2], best .. '|' .. ARGV[1])
 return best
 """
 
-# KEYS: waiting set, waiting groups. ARGV: now, deadline, waiter id, queue bound, group
-# ('' for none), group window. Returns 1 when the waiter is in the queue; the set's scores
-# are deadlines, so a crashed waiter ages out. A waiter of a group whose first waiter came
-# within the window takes that one's score: its place, next to its group (a GRPO group is
-# seated together). Its entry so ages out earlier than its own deadline by at most the
-# window, which the deadline's grace covers (Admission.take).
+# KEYS: waiting set, waiting groups, the waiter's tenant's waiting set, the waiting
+# tenants. ARGV: now, deadline, waiter id, queue bound, group ('' for none), group window,
+# tenant. Returns 1 when the waiter is in the queue; the set's scores are deadlines, so a
+# crashed waiter ages out. A waiter of a group whose first waiter came within the window
+# takes that one's score: its place, next to its group (a GRPO group is seated together).
+# Its entry so ages out earlier than its own deadline by at most the window, which the
+# deadline's grace covers (Admission.take). It enters its tenant's waiting set too, with
+# the same score (TAKE_SLOT's fair share).
 _ENTER = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[1])
@@ -81,6 +131,8 @@ if ARGV[5] ~= '' then
   end
 end
 redis.call('ZADD', KEYS[1], score, ARGV[3])
+redis.call('ZADD', KEYS[3], score, ARGV[3])
+redis.call('SADD', KEYS[4], ARGV[7])
 return 1
 """
 
@@ -129,7 +181,11 @@ class Admission:
         self._enter = self.redis.register_script(_ENTER)
 
     async def try_take(
-        self, holder: str, waiter: str = "", only_host: str | None = None
+        self,
+        holder: str,
+        waiter: str = "",
+        only_host: str | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> str | None:
         """A slot on a schedulable host now (``only_host``, when given: a sandbox made from
         a snapshot that host keeps), or None; counted in transit for ``holder`` until
@@ -150,8 +206,16 @@ class Admission:
             return None
         now = time.time()
         host = await self._take(
-            keys=[self.keys.load, self.keys.transit, self.keys.waiting],
-            args=[_holder_tag(holder), now + TRANSIT_MAX_S, waiter, now, *pairs],
+            keys=[self.keys.load, self.keys.transit, self.keys.waiting, self.keys.waiting_tenants],
+            args=[
+                _holder_tag(holder),
+                now + TRANSIT_MAX_S,
+                waiter,
+                now,
+                tenant,
+                self.keys.tenant_prefix,
+                *pairs,
+            ],
         )
         return str(host) if host else None
 
@@ -163,15 +227,17 @@ class Admission:
         wait_s: float | None = None,
         group: str | None = None,
         only_host: str | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> str:
         """A slot for ``holder`` (see :meth:`try_take`), waiting in the bounded queue if
         every host is full, for at most ``wait_s`` (default and upper bound:
-        ``admission_wait_s``), seated first come first served except that the waiters of
-        one ``group`` (a GRPO group: rollouts of one dataset item) are seated together.
+        ``admission_wait_s``), seated first come first served within its ``tenant``, the
+        waiters of one ``group`` (a GRPO group: rollouts of one dataset item) together, and
+        across tenants by their fair share (a tenant holding fewer sandboxes first).
         ``give_up`` is asked while waiting (another request created the rollout
         meanwhile): then :class:`AtCapacity` is not raised, ``""`` is returned.
         ``only_host``: a slot of that host only (:meth:`try_take`)."""
-        host = await self.try_take(holder, only_host=only_host)
+        host = await self.try_take(holder, only_host=only_host, tenant=tenant)
         if host is not None:
             return host
         limit = self.settings.admission_wait_s
@@ -179,8 +245,9 @@ class Admission:
         waiting = self.keys.waiting
         waiter = uuid.uuid4().hex
         now = time.time()
+        mine = self.keys.tenant_waiting(tenant)
         entered = await self._enter(
-            keys=[waiting, self.keys.waiting_groups],
+            keys=[waiting, self.keys.waiting_groups, mine, self.keys.waiting_tenants],
             args=[
                 now,
                 now + wait_s + QUEUE_GRACE_S,
@@ -188,6 +255,7 @@ class Admission:
                 self.settings.admission_queue_max,
                 group or "",
                 QUEUE_GRACE_S,
+                tenant,
             ],
         )
         if not entered:
@@ -204,13 +272,16 @@ class Admission:
                 # unused until the head asks again.
                 await asyncio.sleep(delay * random.uniform(0.5, 1.5))  # noqa: S311 - jitter
                 delay = min(delay * 1.5, 0.25)
-                host = await self.try_take(holder, waiter, only_host)
+                host = await self.try_take(holder, waiter, only_host, tenant)
                 if host is not None:
                     return host
                 if give_up is not None and await give_up():
                     return ""
         finally:
-            await self.redis.zrem(waiting, waiter)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.zrem(waiting, waiter)
+                pipe.zrem(mine, waiter)
+                await pipe.execute()
         metrics.ADMISSION_REJECTED.labels("at_capacity").inc()
         raise AtCapacity(
             f"every host stayed at capacity for {wait_s:.0f} s", retry_after_s=self._retry_after()

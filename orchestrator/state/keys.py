@@ -261,10 +261,37 @@ class Keys:
         """Hash: ``tenant``'s token bucket of ``kind`` (creations, calls): tokens, at."""
         return f"{self.prefix}tenant:{tenant}:bucket:{kind}"
 
+    def tenant_waiting(self, tenant: str) -> str:
+        """Sorted set: ``tenant``'s rollouts waiting for a slot, scored as in ``waiting``
+        (state/admission.py: its fair share)."""
+        return f"{self.prefix}tenant:{tenant}:waiting"
+
+    @cached_property
+    def tenant_prefix(self) -> str:
+        """What a tenant's keys start with (admission's script reads each waiting tenant's
+        held and waiting sets by name)."""
+        return f"{self.prefix}tenant:"
+
+    @cached_property
+    def waiting_tenants(self) -> str:
+        """Set: the tenants that may have rollouts waiting for a slot."""
+        return f"{self.prefix}waiting-tenants"
+
     @cached_property
     def tenants_seen(self) -> str:
         """Set: every tenant that has held a sandbox (the state gauges list them)."""
         return f"{self.prefix}tenants"
+
+    @cached_property
+    def audit(self) -> str:
+        """Stream: the audit log, what changed the deployment, who and when (state/audit.py),
+        capped at AUDIT_KEEP entries."""
+        return f"{self.prefix}audit"
+
+    def audit_once(self, digest: str) -> str:
+        """String: held by the one process that records a change every process saw (each
+        API process reads the tenants file again by itself)."""
+        return f"{self.prefix}audit-once:{digest}"
 
     def repo_commits(self, name: str) -> str:
         """Hash: commit -> its set-up image ('' none), for each commit of repository

@@ -246,9 +246,10 @@ class PoolFiller:
         host, capacity = self.settings.host_id, self.settings.host_max_sandboxes
         now = time.time()
         # Not in the admission queue: a refill never takes a slot a waiting rollout wants.
+        # Not in the queue, no tenant: a refill never takes a slot a rollout waits for.
         taken = self._take_slot(
-            keys=[self.keys.load, self.keys.transit, self.keys.waiting],
-            args=[tag, now + TRANSIT_MAX_S, "", now, host, capacity],
+            keys=[self.keys.load, self.keys.transit, self.keys.waiting, self.keys.waiting_tenants],
+            args=[tag, now + TRANSIT_MAX_S, "", now, "", self.keys.tenant_prefix, host, capacity],
         )
         return transit_member(host, tag) if taken else None
 

@@ -12,9 +12,11 @@ metrics listener touch no other test.
 from __future__ import annotations
 
 import asyncio
+import getpass
 import json
 import math
 import secrets
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -628,3 +630,56 @@ def test_quotas_of_creations_and_calls_per_second(tenancy: Tenancy, side: Stack)
         )
         assert again.status_code == 200, again.text
         client.delete(f"/v1/rollouts/{trace}")
+
+
+def _audit(side: Stack, *args: str) -> list[dict[str, Any]]:
+    listed = orchestrator(side, "audit", "--json", "--since", "1h", *args)
+    assert listed.returncode == 0, listed.stderr
+    entries: list[dict[str, Any]] = json.loads(listed.stdout)
+    return entries
+
+
+def test_the_audit_log_says_who_changed_what(tenancy: Tenancy, side: Stack, tmp_path: Path) -> None:
+    """The tenants file's changes (once, though every API process reads the file), the
+    environments the deployment serves (once for two API processes on the same ones), an
+    admin's end of another tenant's rollout (a tenant's end of its own is routine), and a
+    codebase added and removed from the CLI, by its user: all in ``orchestrator audit``."""
+    d = _tenant("team-d")
+    tenancy.write(d)
+    try:
+        with tenancy.client(d) as client:
+            _until(lambda: client.get("/v2/sandboxes").status_code == 200)
+    finally:
+        tenancy.write()
+    added = {
+        e["details"]["kind"]: e
+        for e in _audit(side, "--event", "credential_added")
+        if e["details"]["tenant"] == "team-d"
+    }
+    assert set(added) == {"token", "grader_secret"}
+    assert added["token"]["actor"] == "tenants-file"
+    assert added["token"]["details"]["credential"] == digest(d.token).removeprefix("sha256:")[:12]
+    assert len(_audit(side, "--event", "environments_changed")) == 1
+
+    item = {"codebase": side.codebase, "gold_files": ["README.md"]}
+    with tenancy.client(tenancy.a) as a, tenancy.client(None) as admin:
+        own = a.post("/v1/rollouts", json={"item": item}).json()["rollout_id"]
+        assert a.delete(f"/v1/rollouts/{own}").status_code == 200
+        forced = a.post("/v1/rollouts", json={"item": item}).json()["rollout_id"]
+        assert admin.delete(f"/v1/rollouts/{forced}").status_code == 200
+    ended = {e["details"]["rollout_id"]: e for e in _audit(side, "--event", "rollout_ended")}
+    assert own not in ended
+    assert ended[forced]["actor"] == "default" and ended[forced]["details"]["tenant"] == "team-a"
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "README.md").write_text("audited\n")
+    name = f"audit-{uuid.uuid4().hex[:8]}"
+    for args in (("codebase", "add", name, str(tree)), ("codebase", "rm", name)):
+        done = orchestrator(side, *args)
+        assert done.returncode == 0, done.stderr
+    entries = [e for e in _audit(side) if e["details"].get("codebase") == name]
+    assert [e["event"] for e in entries] == ["codebase_added", "codebase_removed"]
+    assert {e["actor"] for e in entries} == {f"{getpass.getuser()}@{socket.gethostname()}"}
+    text = orchestrator(side, "audit", "--since", "1h").stdout
+    assert d.token not in text and tenancy.a.token not in text
