@@ -40,6 +40,9 @@ class Cause(StrEnum):
     SNAPSHOT_UNAVAILABLE = "snapshot_unavailable"
     """The host that keeps a snapshot is gone, or lost it: no sandbox can be made from it."""
     TOOL_CALL_FAILED = "tool_call_failed"
+    TOOL_SERVICE_FAILED = "tool_service_failed"
+    """An HTTP tool's service answered 5xx, timed out or refused the connection (or a
+    secret its headers name could not be read): the operator's service, never the agent."""
     WORKER_STOPPED = "worker_stopped"
     """The worker stopped (shutdown, scale-down) before a running call finished."""
     SANDBOX_DEAD = "sandbox_dead"

@@ -462,6 +462,29 @@ BAD_CONFIGS: list[tuple[str, str, str]] = [
         "e2b.root_user: Input should be 'refuse' or 'alias'",
     ),
     (
+        "an HTTP tool's secret the environment does not name",
+        MINIMAL.replace(
+            "tools: [shell]",
+            "tools: [{name: s, description: d, url: 'http://x/s', "
+            "parameters: {type: object}, headers: {k: '{secret:missing}'}}]",
+        ),
+        "tool 's' uses secrets the environment does not name: missing",
+    ),
+    (
+        "a secret read from two places",
+        MINIMAL.replace("tools:", "secrets: {k: {file: /f, env: K}}\n    tools:"),
+        "a secret is read from exactly one of: file, env",
+    ),
+    (
+        "an HTTP tool with a URL that is not http",
+        MINIMAL.replace(
+            "tools: [shell]",
+            "tools: [{name: s, description: d, url: 'file:///etc/passwd', "
+            "parameters: {type: object}}]",
+        ),
+        "url: String should match pattern",
+    ),
+    (
         "limit below minimum",
         MINIMAL.replace("tools:", "limits: {memory_mb: 8}\n    tools:"),
         "limits.memory_mb: Input should be greater than or equal to 64",

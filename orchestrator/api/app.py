@@ -234,6 +234,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             app.state.metrics_state.close()
             await audit.close()
+            await rollouts.calls.aclose()
             await store.close()
 
     app = FastAPI(

@@ -23,7 +23,9 @@ from orchestrator.environments.models import (
     EnvironmentConfig,
     EnvironmentLimits,
     GraderConfig,
+    HttpToolConfig,
     PromptTemplate,
+    SecretSource,
     SetupStep,
 )
 from orchestrator.sandbox.backend import ScratchDir
@@ -211,6 +213,20 @@ def configuration_markdown() -> str:
             "tool: one fixed program whose argv placeholders take the model's arguments.",
             CustomToolConfig,
             "tools[].",
+        ),
+        model_section(
+            "HTTP tools",
+            "An entry of `tools:` with a `url` is an HTTP tool: its call goes to the "
+            "operator's own service, outside the sandbox (docs/tenancy.md).",
+            HttpToolConfig,
+            "tools[].",
+        ),
+        model_section(
+            "Secrets",
+            "An entry of `secrets:` of an environment (`secrets.<NAME>`): where the secret "
+            "is read, each time a tool uses it.",
+            SecretSource,
+            "secrets.<NAME>.",
         ),
         model_section(
             "Tenants",

@@ -32,6 +32,7 @@ from orchestrator.config import Settings
 from orchestrator.environments.models import (
     WORKSPACE,
     CustomToolConfig,
+    HttpToolConfig,
     Placeholder,
     parse_template,
 )
@@ -39,6 +40,7 @@ from orchestrator.sandbox.backend import ExecOp, OpResult
 from orchestrator.tools.base import (
     JSON_TYPE_NAMES,
     MAX_LISTED_ERRORS,
+    ArgsT,
     InvalidArguments,
     Tool,
     ToolResult,
@@ -104,12 +106,11 @@ def _type_phrase(schema: Any) -> str:
     return str(kind) if kind else "value"
 
 
-class CommandTool(Tool[CommandArgs]):
-    """A custom tool: runs its configured argv with the call's arguments filled in."""
+class SchemaTool(Tool[ArgsT]):
+    """A configured tool whose arguments a JSON Schema (its ``parameters``) validates: a
+    custom tool (:class:`CommandTool`) or an HTTP tool (environments/http_tool.py)."""
 
-    args_model = CommandArgs
-
-    def __init__(self, config: CustomToolConfig) -> None:
+    def __init__(self, config: CustomToolConfig | HttpToolConfig) -> None:
         """Build the tool from a validated definition (its schema was checked then)."""
         self.config = config
         # The base class declares name/description/usage as class variables because the
@@ -120,7 +121,6 @@ class CommandTool(Tool[CommandArgs]):
         setattr(self, "usage", self._usage())  # noqa: B010
         self._schema = self._enforced_schema(config.parameters)
         self._validator: Validator = validator_for(self._schema)(self._schema)
-        self._templates = [parse_template(element) for element in config.argv]
         props = self._schema.get("properties", {})
         self._properties: dict[str, Any] = props if isinstance(props, dict) else {}
         required = self._schema.get("required", [])
@@ -145,8 +145,8 @@ class CommandTool(Tool[CommandArgs]):
 
     # -- parsing ------------------------------------------------------------------------------
 
-    def parse(self, arguments: dict[str, Any] | str | None, settings: Settings) -> CommandArgs:
-        """Validate the arguments against the tool's schema and render the argv.
+    def validated(self, arguments: dict[str, Any] | str | None) -> dict[str, Any]:
+        """The arguments, validated against the tool's schema.
 
         Raises :class:`InvalidArguments` with one line per problem, naming the field. A null
         for an optional argument means "not given" (strict function calling sends null for
@@ -168,7 +168,7 @@ class CommandTool(Tool[CommandArgs]):
             if len(lines) > MAX_LISTED_ERRORS:
                 shown.append(f"... and {len(lines) - MAX_LISTED_ERRORS} more")
             raise InvalidArguments(self._condense(shown))
-        return CommandArgs(values=data, argv=self.render_argv(data))
+        return data
 
     def _condense(self, problems: Sequence[str]) -> str:
         body = "\n".join(f"- {p}" for p in problems)
@@ -207,6 +207,47 @@ class CommandTool(Tool[CommandArgs]):
         if len(message) > MAX_ERROR_CHARS:
             message = message[: MAX_ERROR_CHARS - 3] + "..."
         return [f"{loc}: {message}"]
+
+    # -- schema ---------------------------------------------------------------------------------
+
+    def parameters_schema(self, settings: Settings, *, strict: bool = False) -> dict[str, Any]:
+        """The arguments' JSON Schema as configured (unknown arguments refused unless the
+        author allowed them). With ``strict``, OpenAI's strict shape for a flat object:
+        every property required, optional ones nullable (null means "not given")."""
+        if not strict:
+            return copy.deepcopy(self._schema)
+        wrapped: dict[str, Any] = {"properties": {}, "required": sorted(self._required)}
+        for name, prop in self._properties.items():
+            prop = copy.deepcopy(prop) if isinstance(prop, dict) else {}
+            if name not in self._required:
+                # clean_schema reads pydantic's shape for optional fields: anyOf [T, null].
+                description = prop.pop("description", None)
+                prop = {"anyOf": [prop, {"type": "null"}]}
+                if description is not None:
+                    prop["description"] = description
+            wrapped["properties"][name] = prop
+        schema = clean_schema(wrapped, strict=True)
+        for name, prop in self._properties.items():
+            # Strict mode keeps array item schemas; clean_schema's keyword list predates arrays.
+            if isinstance(prop, dict) and "items" in prop:
+                schema["properties"][name]["items"] = copy.deepcopy(prop["items"])
+        return schema
+
+
+class CommandTool(SchemaTool[CommandArgs]):
+    """A custom tool: runs its configured argv with the call's arguments filled in."""
+
+    args_model = CommandArgs
+    config: CustomToolConfig
+
+    def __init__(self, config: CustomToolConfig) -> None:
+        super().__init__(config)
+        self._templates = [parse_template(element) for element in config.argv]
+
+    def parse(self, arguments: dict[str, Any] | str | None, settings: Settings) -> CommandArgs:
+        """Validate the arguments (:meth:`validated`) and render the argv."""
+        data = self.validated(arguments)
+        return CommandArgs(values=data, argv=self.render_argv(data))
 
     def _value(self, values: dict[str, Any], param: str) -> Any:
         if param in values:
@@ -302,28 +343,3 @@ class CommandTool(Tool[CommandArgs]):
             settings,
             timeout=(self.name, "Try narrower arguments."),
         )
-
-    # -- schema ---------------------------------------------------------------------------------
-
-    def parameters_schema(self, settings: Settings, *, strict: bool = False) -> dict[str, Any]:
-        """The arguments' JSON Schema as configured (unknown arguments refused unless the
-        author allowed them). With ``strict``, OpenAI's strict shape for a flat object:
-        every property required, optional ones nullable (null means "not given")."""
-        if not strict:
-            return copy.deepcopy(self._schema)
-        wrapped: dict[str, Any] = {"properties": {}, "required": sorted(self._required)}
-        for name, prop in self._properties.items():
-            prop = copy.deepcopy(prop) if isinstance(prop, dict) else {}
-            if name not in self._required:
-                # clean_schema reads pydantic's shape for optional fields: anyOf [T, null].
-                description = prop.pop("description", None)
-                prop = {"anyOf": [prop, {"type": "null"}]}
-                if description is not None:
-                    prop["description"] = description
-            wrapped["properties"][name] = prop
-        schema = clean_schema(wrapped, strict=True)
-        for name, prop in self._properties.items():
-            # Strict mode keeps array item schemas; clean_schema's keyword list predates arrays.
-            if isinstance(prop, dict) and "items" in prop:
-                schema["properties"][name]["items"] = copy.deepcopy(prop["items"])
-        return schema

@@ -41,7 +41,8 @@ from pydantic_core import ErrorDetails
 
 from orchestrator.config import Settings, get_settings
 from orchestrator.environments.custom_tool import CommandTool
-from orchestrator.environments.models import EnvironmentConfig, EnvironmentsFile
+from orchestrator.environments.http_tool import HttpTool
+from orchestrator.environments.models import EnvironmentConfig, EnvironmentsFile, HttpToolConfig
 from orchestrator.images.codebases import (
     InvalidCodebaseName,
     UnknownCodebase,
@@ -548,7 +549,13 @@ def _row_codebase(item: Mapping[str, Any]) -> str | None:
 def _build_tools(env: EnvironmentConfig) -> Mapping[str, Tool[Any]]:
     tools: dict[str, Tool[Any]] = {}
     for entry in env.tools:
-        tool = get_tool(entry) if isinstance(entry, str) else CommandTool(entry)
+        tool: Tool[Any]
+        if isinstance(entry, str):
+            tool = get_tool(entry)
+        elif isinstance(entry, HttpToolConfig):
+            tool = HttpTool(entry, env.secrets)
+        else:
+            tool = CommandTool(entry)
         tools[tool.name] = tool
     # Read-only: every rollout of the environment shares these objects.
     return MappingProxyType(tools)

@@ -105,7 +105,59 @@ def parse_template(element: str) -> list[str | Placeholder]:
     return parts
 
 
-class CustomToolConfig(BaseModel):
+def check_parameters(value: dict[str, Any]) -> dict[str, Any]:
+    """A tool's ``parameters``: a valid JSON Schema of an object whose properties are
+    identifiers."""
+    validator_cls = validator_for(value)
+    try:
+        validator_cls.check_schema(value)
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+        raise ValueError(f"not a valid JSON Schema at {where}: {exc.message}") from None
+    if value.get("type") != "object":
+        raise ValueError('must be an object schema ("type": "object"): arguments are a JSON object')
+    properties = value.get("properties", {})
+    if not isinstance(properties, dict):
+        raise ValueError("properties must be a mapping")
+    for name in properties:
+        if not PARAM_NAME_RE.fullmatch(name):
+            raise ValueError(
+                f"property {name!r}: parameter names must be identifiers "
+                "(letters, digits, '_', not starting with a digit)"
+            )
+    return value
+
+
+class ConfiguredTool(BaseModel):
+    """What every configured tool has: the name the model calls, what it is told the tool
+    does, and the JSON Schema its arguments are validated against."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=TOOL_NAME_PATTERN, description="Tool name the model calls.")
+    description: str = Field(
+        min_length=1, max_length=4096, description="What the tool does, shown to the model."
+    )
+    parameters: dict[str, Any] = Field(
+        description="JSON Schema of the arguments: an object schema. Properties without "
+        "additionalProperties set refuse unknown arguments."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_builtin(cls, value: str) -> str:
+        # A configured tool named like a built-in would make `tools: [shell]` ambiguous.
+        if value in TOOLS:
+            raise ValueError(f"{value!r} is a built-in tool's name; choose another name")
+        return value
+
+    @field_validator("parameters")
+    @classmethod
+    def _valid_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_parameters(value)
+
+
+class CustomToolConfig(ConfiguredTool):
     """A tool that runs one fixed program, arguments placed into its argv.
 
     ``argv`` elements are templates: an element that is exactly ``{param}`` becomes the
@@ -123,16 +175,6 @@ class CustomToolConfig(BaseModel):
     is read as data, not as an option.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(pattern=TOOL_NAME_PATTERN, description="Tool name the model calls.")
-    description: str = Field(
-        min_length=1, max_length=4096, description="What the tool does, shown to the model."
-    )
-    parameters: dict[str, Any] = Field(
-        description="JSON Schema of the arguments: an object schema. Properties without "
-        "additionalProperties set refuse unknown arguments."
-    )
     argv: list[str] = Field(
         min_length=1,
         max_length=MAX_ARGV_ELEMENTS,
@@ -144,38 +186,6 @@ class CustomToolConfig(BaseModel):
     cwd: str | None = Field(
         None, description="Working directory; relative paths are under /workspace."
     )
-
-    @field_validator("name")
-    @classmethod
-    def _not_a_builtin(cls, value: str) -> str:
-        # A custom tool named like a built-in would make `tools: [shell]` ambiguous to read.
-        if value in TOOLS:
-            raise ValueError(f"{value!r} is a built-in tool's name; choose another name")
-        return value
-
-    @field_validator("parameters")
-    @classmethod
-    def _valid_schema(cls, value: dict[str, Any]) -> dict[str, Any]:
-        validator_cls = validator_for(value)
-        try:
-            validator_cls.check_schema(value)
-        except SchemaError as exc:
-            where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
-            raise ValueError(f"not a valid JSON Schema at {where}: {exc.message}") from None
-        if value.get("type") != "object":
-            raise ValueError(
-                'must be an object schema ("type": "object"): arguments are a JSON object'
-            )
-        properties = value.get("properties", {})
-        if not isinstance(properties, dict):
-            raise ValueError("properties must be a mapping")
-        for name in properties:
-            if not PARAM_NAME_RE.fullmatch(name):
-                raise ValueError(
-                    f"property {name!r}: parameter names must be identifiers "
-                    "(letters, digits, '_', not starting with a digit)"
-                )
-        return value
 
     @field_validator("argv")
     @classmethod
@@ -233,10 +243,48 @@ class CustomToolConfig(BaseModel):
         }
 
 
+SECRET_REF = re.compile(r"\{secret:([A-Za-z_][A-Za-z0-9_]{0,63})\}")
+"""``{secret:NAME}`` in an HTTP tool's header: the environment's secret NAME."""
+
+
+class HttpToolConfig(ConfiguredTool):
+    """A tool that forwards the call to the operator's own HTTP service, outside the
+    sandbox (docs/tenancy.md, "HTTP tools"): the validated arguments are POSTed as a JSON
+    object to ``url``. A 2xx answer's body is the model's output (cut to
+    ``max_response_bytes``, then to the output budget); a 4xx about what the agent asked
+    (400, 404, 422, ...) is its mistake, shown to it and scored; any other answer (401,
+    403, 429, a 5xx), a timeout or a connection error is ours: the rollout fails (503,
+    never scored), with the status and the time taken as evidence."""
+
+    url: str = Field(
+        pattern=r"^https?://[^\s]+$", description="Where the call goes: http:// or https://."
+    )
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="Request headers; `{secret:NAME}` in a value is the environment's "
+        "secret NAME, which no trajectory, log, export or error ever shows.",
+    )
+    timeout_s: float = Field(
+        10.0, gt=0, le=300, allow_inf_nan=False, description="The whole request's bound."
+    )
+    max_response_bytes: int = Field(
+        64 * 1024, ge=256, le=16 << 20, description="Bytes of the answer read at most."
+    )
+
+    def secrets_named(self) -> set[str]:
+        """The environment secrets its headers use."""
+        return {m.group(1) for v in self.headers.values() for m in SECRET_REF.finditer(v)}
+
+
 def _tool_kind(value: Any) -> str:
-    # A plain string names a built-in; a mapping defines a custom tool. Tagging by shape
-    # gives one clear error per entry instead of one per union member.
-    return "builtin" if isinstance(value, str) else "custom"
+    # A plain string names a built-in; a mapping defines a custom tool (argv) or an HTTP
+    # tool (url). Tagging by shape gives one clear error per entry instead of one per
+    # union member.
+    if isinstance(value, str):
+        return "builtin"
+    if isinstance(value, HttpToolConfig) or (isinstance(value, dict) and "url" in value):
+        return "http"
+    return "custom"
 
 
 def _builtin_name(value: str) -> str:
@@ -250,10 +298,29 @@ def _builtin_name(value: str) -> str:
 
 ToolEntry = Annotated[
     Annotated[str, AfterValidator(_builtin_name), Tag("builtin")]
-    | Annotated[CustomToolConfig, Tag("custom")],
+    | Annotated[CustomToolConfig, Tag("custom")]
+    | Annotated[HttpToolConfig, Tag("http")],
     Discriminator(_tool_kind),
 ]
-"""One entry of ``tools``: a built-in tool's name or a custom tool definition."""
+"""One entry of ``tools``: a built-in tool's name, a custom tool or an HTTP tool."""
+
+
+class SecretSource(BaseModel):
+    """Where one of an environment's secrets is read, each time it is used (a rotated
+    Kubernetes Secret's file is picked up): a file, or a variable of the API process."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    file: str | None = Field(None, min_length=1, description="A file holding it (trimmed).")
+    env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="An environment variable."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SecretSource:
+        if (self.file is None) == (self.env is None):
+            raise ValueError("a secret is read from exactly one of: file, env")
+        return self
 
 
 class EnvironmentLimits(BaseModel):
@@ -437,6 +504,12 @@ class EnvironmentConfig(BaseModel):
     tools: list[ToolEntry] = Field(
         min_length=1, description="Built-in tool names, or tool definitions (see below)."
     )
+    secrets: dict[str, SecretSource] = Field(
+        default_factory=dict,
+        description="Named secrets its HTTP tools' headers use ({secret:NAME}), read from a "
+        "file (a mounted Kubernetes Secret) or the API's environment each time they are "
+        "used; never in a trajectory, log, export or error (docs/tenancy.md).",
+    )
     tool_call_budget: int | None = Field(
         None, ge=1, description="Tool calls allowed per rollout; None: unlimited."
     )
@@ -555,6 +628,14 @@ class EnvironmentConfig(BaseModel):
                 "an environment with a setup step keeps no pool (pool_size, "
                 "expected_concurrency): its sandboxes are made from each group's snapshot"
             )
+        for entry in self.tools:
+            if isinstance(entry, HttpToolConfig):
+                missing = entry.secrets_named() - set(self.secrets)
+                if missing:
+                    raise ValueError(
+                        f"tool {entry.name!r} uses secrets the environment does not name: "
+                        f"{', '.join(sorted(missing))} (add them under secrets:)"
+                    )
         return self
 
     @property

@@ -17,13 +17,15 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 from pydantic import BaseModel
 
 from orchestrator.config import Settings
+from orchestrator.environments.http_tool import HttpArgs, HttpTool, ServiceFailed
 from orchestrator.environments.loader import ResolvedEnvironment
 from orchestrator.observability import metrics
 from orchestrator.observability.logging import bind_sandbox, in_rollout_context
-from orchestrator.outcomes import Outcome
+from orchestrator.outcomes import Cause, Outcome
 from orchestrator.rollouts.bounds import (
     Deadline,
     agent_rft_settings,
@@ -49,6 +51,7 @@ from orchestrator.state.records import Rollout, RolloutStore
 from orchestrator.state.replies import WorkerClient
 from orchestrator.state.wire import InfraFault, OpDone, RunOp, SandboxKilled
 from orchestrator.tenants import OPERATOR, Principal
+from orchestrator.tls import tls
 from orchestrator.tools.base import (
     InvalidArguments,
     Tool,
@@ -114,6 +117,7 @@ class ToolCalls:
         self.closer = closer
         self._agent_rft_settings = agent_rft_settings(settings)
         self._active = ActiveRollouts()
+        self._http_client: httpx.AsyncClient | None = None
 
     @in_rollout_context
     async def call_tool(
@@ -236,9 +240,64 @@ class ToolCalls:
             metrics.TOOL_CALLS.labels(tool_name, Outcome.INFRA_ERROR).inc()
             raise
 
+    async def _call_outside(self, call: PendingCall, tool: HttpTool) -> CallReply:
+        """A call of a tool that runs outside the sandbox (an HTTP tool), run by this
+        process: begun, counted against the budget and stored like any other (a retry
+        gets the stored reply; one racing its original waits for it). The service's
+        failure is ours: the rollout fails with its evidence, never scored."""
+        rollout_id, call_id = call.rollout.rollout_id, call.call_id
+        lock_ttl = call_bound_s(call.settings) + 60
+        budget = call.resolved.environment.tool_call_budget
+        delay = 0.02
+        while True:
+            start = await self.store.calls.begin(
+                rollout_id, call_id, lock_ttl_s=lock_ttl, reply_to=""
+            )
+            if start.status == CallStartStatus.STORED:
+                assert start.stored is not None
+                return CallReply.model_validate(start.stored)
+            if start.status == CallStartStatus.ENDED:
+                raise await self._ended(rollout_id)
+            if start.status == CallStartStatus.RUN:
+                break
+            if call.deadline.remaining() <= 0:  # its first attempt still runs
+                raise CallPending(rollout_id)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+        result: ToolResult | None = None
+        try:
+            if budget is not None and start.seq > budget:
+                result = self._over_budget(call)
+            else:
+                assert isinstance(call.parsed, HttpArgs)
+                result = await tool.request(self._http(), call.parsed, call.tool_settings)
+        except ServiceFailed as exc:
+            await self.store.calls.end(rollout_id, call_id, start.token, reply=None, step=None)
+            raise await self.closer.fail(
+                rollout_id, Cause.TOOL_SERVICE_FAILED, exc.message, exc.evidence
+            ) from None
+        finally:
+            if result is None:  # cancelled, or ours failed: out of flight, lock released
+                await self.store.calls.end(rollout_id, call_id, start.token, reply=None, step=None)
+        return await self._settle(call, start.seq, start.token, result)
+
+    def _http(self) -> httpx.AsyncClient:
+        """This process's client of HTTP tools' services (one pool of connections; on the
+        process's one TLS context, orchestrator/tls.py)."""
+        if self._http_client is None:
+            self._http_client = httpx.AsyncClient(verify=tls(), follow_redirects=False)
+        return self._http_client
+
+    async def aclose(self) -> None:
+        """Close the HTTP tools' client, if one was made."""
+        if self._http_client is not None:
+            await self._http_client.aclose()
+
     async def _call_once(self, call: PendingCall) -> CallReply:
         """Run the call once, or give back what its other attempt did (a retry racing
         its original, or one whose first waiter died: the result is on its ticket)."""
+        if isinstance(call.tool, HttpTool):
+            return await self._call_outside(call, call.tool)
         rollout, rollout_id, call_id = call.rollout, call.rollout.rollout_id, call.call_id
         bound = call_bound_s(call.settings)
         lock_ttl = bound + 60

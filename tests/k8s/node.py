@@ -497,11 +497,18 @@ class RealNode:
 
     def _of_gone_pods(self) -> list[Any]:
         # Containers first: the kubelet makes them only for pods the API server had, so one
-        # whose pod a later listing lacks is a deleted pod's (not a pod made meanwhile).
+        # whose pod a later listing lacks is a deleted pod's (not a pod made meanwhile). A
+        # pod being deleted counts as gone: a delete with grace 0 leaves it listed, with a
+        # deletion timestamp, until its kubelet has stopped it (seen: settled at once, its
+        # pause container still there, under load).
         containers = self.containers()
         with contextlib.closing(self.plane.client()) as admin:
             # A lazy listing: read before the client closes.
-            live = {p.metadata.uid for p in admin.list(Pod, namespace=ALL_NS) if p.metadata}
+            live = {
+                p.metadata.uid
+                for p in admin.list(Pod, namespace=ALL_NS)
+                if p.metadata and p.metadata.deletionTimestamp is None
+            }
         return [c for c in containers if c.labels.get(POD_UID_LABEL, "") not in live]
 
     def container(self, pod_name: str, name: str) -> Any:
