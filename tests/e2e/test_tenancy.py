@@ -599,10 +599,12 @@ def test_quotas_of_creations_and_calls_per_second(tenancy: Tenancy, side: Stack)
     retries it), each with Retry-After; a call refused changed nothing and its retry runs."""
     item = {"codebase": side.codebase, "gold_files": ["README.md"]}
     maker = tenancy.tenant("slow-maker")
-    burst = asyncio.run(_burst(tenancy, maker, item, 6))
+    burst = asyncio.run(_burst(tenancy, maker, item, 12))
     try:
-        assert burst.statuses.count(201) == 2, burst.statuses
-        assert burst.statuses.count(429) == 4
+        # A second's worth (2) at once, then 2/s: a burst spread over more time by a slow
+        # machine gets more, and all twelve only if it took over five seconds.
+        made = burst.statuses.count(201)
+        assert 2 <= made < 12 and burst.statuses.count(429) == 12 - made, burst.statuses
         assert all(r.json()["error"]["code"] == "over_quota" for r in burst.refusals)
     finally:
         _end(tenancy, maker, [burst])
@@ -614,7 +616,7 @@ def test_quotas_of_creations_and_calls_per_second(tenancy: Tenancy, side: Stack)
                 "/agent-rft/tools",
                 json=function_call(trace, item, "shell", {"command": "echo hi"}, call_id=f"c{n}"),
             )
-            for n in range(6)
+            for n in range(10)
         ]
         codes = [r.status_code for r in answers]
         assert codes[:2] == [200, 200] and 503 in codes[2:], codes
