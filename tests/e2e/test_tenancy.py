@@ -43,8 +43,10 @@ from tests.stacks import TOKEN, Stack, another_api
 
 pytestmark = pytest.mark.xdist_group("side")
 
-WINDOW_S = 3.0
-MAX_FAILURES = 8
+WINDOW_S = 5.0
+MAX_FAILURES = 50
+"""Above the failures the module's other tests make on purpose within one window (a
+revocation polled for, the operator's routes refused), repeated back to back."""
 QUOTA = 4
 """Sandboxes each bursting tenant may hold (test_two_tenants_bursts_neither_starves)."""
 ROUNDS = 3
@@ -529,6 +531,15 @@ def _end(tenancy: Tenancy, tenant: Tenant, bursts: list[Burst]) -> None:
                 assert client.delete(f"/v1/rollouts/{rollout_id}").status_code == 200
 
 
+def _refused(tenancy: Tenancy, tenant: Tenant) -> float:
+    """``tenant``'s sandboxes refused so far, by the API's counter (its metrics port)."""
+    port = tenancy.api.settings.api_metrics_port
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    name = f'orchestrator_quota_refused_total{{quota="sandboxes",tenant="{tenant.name}"}} '
+    found = [float(line.removeprefix(name)) for line in text.splitlines() if line.startswith(name)]
+    return found[0] if found else 0.0
+
+
 def test_two_tenants_bursts_neither_starves(tenancy: Tenancy, side: Stack) -> None:
     """Tenant A bursts three times its quota of sandboxes while tenant B bursts its own: A
     holds its quota and no more, its excess refused at once (429, Retry-After), and B
@@ -537,6 +548,7 @@ def test_two_tenants_bursts_neither_starves(tenancy: Tenancy, side: Stack) -> No
     (docs/tenancy.md)."""
     a, b = tenancy.tenant("burst-a"), tenancy.tenant("burst-b")
     item = {"codebase": side.codebase, "gold_files": ["README.md"]}
+    refused_before = _refused(tenancy, a)
     warm = asyncio.run(_burst(tenancy, b, item, QUOTA))  # not measured: first sandboxes
     _end(tenancy, b, [warm])
     # What an API process that died between a close and its quota's release leaves: a
@@ -574,10 +586,7 @@ def test_two_tenants_bursts_neither_starves(tenancy: Tenancy, side: Stack) -> No
             _end(tenancy, b, [burst_b])
         phases.setdefault((a.name, "together"), []).append(burst_a)
         phases.setdefault((b.name, "together"), []).append(burst_b)
-    counter = f'orchestrator_quota_refused_total{{quota="sandboxes",tenant="{a.name}"}}'
-    port = tenancy.api.settings.api_metrics_port
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
-    assert f"{counter} {float(2 * QUOTA * ROUNDS)}" in text
+    assert _refused(tenancy, a) - refused_before == 2 * QUOTA * ROUNDS
     print(f"\nacquisition, request to 201, ms (quota {QUOTA} sandboxes each, {ROUNDS} rounds):")
     print(f"{'tenant':10} {'phase':9} {'asked':>5} {'got':>4} {'p50':>8} {'p99':>8}")
     for (name, phase), bursts in phases.items():
