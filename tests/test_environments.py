@@ -476,6 +476,11 @@ BAD_CONFIGS: list[tuple[str, str, str]] = [
         "a secret is read from exactly one of: file, env",
     ),
     (
+        "a sandbox secret the environment does not name",
+        MINIMAL.replace("tools:", "sandbox_secrets: {TOKEN: missing}\n    tools:"),
+        "sandbox_secrets.TOKEN: no secret 'missing'",
+    ),
+    (
         "an HTTP tool with a URL that is not http",
         MINIMAL.replace(
             "tools: [shell]",

@@ -25,10 +25,10 @@ from orchestrator.environments.models import (
     GraderConfig,
     HttpToolConfig,
     PromptTemplate,
-    SecretSource,
     SetupStep,
 )
 from orchestrator.sandbox.backend import ScratchDir
+from orchestrator.secrets import SecretSource
 from orchestrator.tenants import Quotas, TenantConfig
 
 app = typer.Typer(help="The deployment's configuration.", no_args_is_help=True)

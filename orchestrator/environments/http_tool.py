@@ -22,9 +22,7 @@ their values appear in no trajectory, log line, export or error message.
 from __future__ import annotations
 
 import json
-import os
 import time
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -33,9 +31,10 @@ from pydantic import BaseModel, ConfigDict
 
 from orchestrator.config import Settings
 from orchestrator.environments.custom_tool import SchemaTool
-from orchestrator.environments.models import SECRET_REF, HttpToolConfig, SecretSource
+from orchestrator.environments.models import SECRET_REF, HttpToolConfig
 from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.backend import ExecOp, OpResult, ReadOp
+from orchestrator.secrets import SecretSource, SecretUnreadable, read_secret
 from orchestrator.tools.base import ToolResult, agent_error
 from orchestrator.tools.shaping import fit
 
@@ -156,22 +155,12 @@ class HttpTool(SchemaTool[HttpArgs]):
         return SECRET_REF.sub(lambda m: self._secret(m.group(1)), value)
 
     def _secret(self, name: str) -> str:
-        source = self.secrets[name]
         try:
-            if source.file is not None:
-                return Path(source.file).read_text().strip()
-            found = os.environ.get(source.env or "")
-        except OSError as exc:
+            return read_secret(name, self.secrets[name])
+        except SecretUnreadable as exc:
             raise SecretUnavailable(
-                f"secret {name!r} of tool {self.name!r} could not be read ({type(exc).__name__})",
-                {"tool": self.name, "secret": name},
+                f"{exc} for tool {self.name!r}", {"tool": self.name, "secret": name}
             ) from None
-        if not found:
-            raise SecretUnavailable(
-                f"secret {name!r} of tool {self.name!r} is not set",
-                {"tool": self.name, "secret": name},
-            )
-        return found
 
     def _failed(self, what: str, started: float, status: int | None = None) -> ServiceFailed:
         elapsed = round((time.monotonic() - started) * 1000, 1)

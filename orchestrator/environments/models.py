@@ -43,6 +43,7 @@ from pydantic import (
 from orchestrator.config import Runtime, Settings
 from orchestrator.images.codebases import validate_name
 from orchestrator.sandbox.backend import SandboxLimits, ScratchDirs
+from orchestrator.secrets import SecretSource
 from orchestrator.tools.registry import TOOLS
 
 TOOL_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -243,6 +244,7 @@ class CustomToolConfig(ConfiguredTool):
         }
 
 
+ENV_VAR_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 SECRET_REF = re.compile(r"\{secret:([A-Za-z_][A-Za-z0-9_]{0,63})\}")
 """``{secret:NAME}`` in an HTTP tool's header: the environment's secret NAME."""
 
@@ -303,24 +305,6 @@ ToolEntry = Annotated[
     Discriminator(_tool_kind),
 ]
 """One entry of ``tools``: a built-in tool's name, a custom tool or an HTTP tool."""
-
-
-class SecretSource(BaseModel):
-    """Where one of an environment's secrets is read, each time it is used (a rotated
-    Kubernetes Secret's file is picked up): a file, or a variable of the API process."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    file: str | None = Field(None, min_length=1, description="A file holding it (trimmed).")
-    env: str | None = Field(
-        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="An environment variable."
-    )
-
-    @model_validator(mode="after")
-    def _one_source(self) -> SecretSource:
-        if (self.file is None) == (self.env is None):
-            raise ValueError("a secret is read from exactly one of: file, env")
-        return self
 
 
 class EnvironmentLimits(BaseModel):
@@ -510,6 +494,13 @@ class EnvironmentConfig(BaseModel):
         "file (a mounted Kubernetes Secret) or the API's environment each time they are "
         "used; never in a trajectory, log, export or error (docs/tenancy.md).",
     )
+    sandbox_secrets: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables of the sandbox's tool commands, each an entry of "
+        "secrets by name ({VAR: NAME}). The worker reads the value when a command runs and "
+        "takes it out of the command's output ([secret VAR]); never in a trajectory, log, "
+        "export or error (docs/tenancy.md).",
+    )
     tool_call_budget: int | None = Field(
         None, ge=1, description="Tool calls allowed per rollout; None: unlimited."
     )
@@ -628,6 +619,13 @@ class EnvironmentConfig(BaseModel):
                 "an environment with a setup step keeps no pool (pool_size, "
                 "expected_concurrency): its sandboxes are made from each group's snapshot"
             )
+        for var, name in self.sandbox_secrets.items():
+            if not ENV_VAR_RE.fullmatch(var):
+                raise ValueError(f"sandbox_secrets: {var!r} is not an environment variable name")
+            if name not in self.secrets:
+                raise ValueError(
+                    f"sandbox_secrets.{var}: no secret {name!r} (add it under secrets:)"
+                )
         for entry in self.tools:
             if isinstance(entry, HttpToolConfig):
                 missing = entry.secrets_named() - set(self.secrets)

@@ -36,12 +36,14 @@ from orchestrator.sandbox.backend import (
     FileRefused,
     InputClosed,
     ProbeResult,
+    ReadOp,
     SandboxError,
     SandboxHandle,
     SandboxSpec,
     SnapshotRefused,
 )
 from orchestrator.sandbox.repos import RepoError
+from orchestrator.secrets import SecretUnreadable, read_secret, redact
 from orchestrator.state import broker
 from orchestrator.state.calls import DUPLICATE_DELIVERY, TicketState
 from orchestrator.state.pool_sizing import POOL_LABEL, PoolTarget, same_spec, targets
@@ -269,10 +271,44 @@ _PROBE_AFTER = {"timeout", "memory", "pids", "disk"}
 def _run_claimed(call: RunOp) -> ExecRan | FileRead | FileRefused | SandboxKilled | InfraFault:
     host = worker.current()
     try:
+        values = {name: read_secret(name, source) for name, source in call.op.secrets.items()}
+    except SecretUnreadable as exc:  # the deployment's configuration: ours, named only
+        return InfraFault(error=str(exc), evidence={"secret": exc.name})
+    op = call.op
+    if values and isinstance(op, ExecOp):
+        op = op.model_copy(update={"env": {**(op.env or {}), **values}})
+    ran = _run_checked(call, op, host)
+    return _redacted(ran, values) if values else ran
+
+
+def _redacted(
+    ran: ExecRan | FileRead | FileRefused | SandboxKilled | InfraFault, values: dict[str, str]
+) -> ExecRan | FileRead | FileRefused | SandboxKilled | InfraFault:
+    """What an operation gave back, each secret's value taken out (docs/tenancy.md): done
+    here, so no value reaches Redis, the API, a trajectory or a log."""
+    if isinstance(ran, ExecRan):
+        result = ran.result
+        streams = {
+            name: stream.model_copy(
+                update={"head": redact(stream.head, values), "tail": redact(stream.tail, values)}
+            )
+            for name, stream in (("stdout", result.stdout), ("stderr", result.stderr))
+        }
+        return ExecRan(result=result.model_copy(update=streams))
+    if isinstance(ran, FileRead):
+        text = redact(ran.result.text, values)
+        return FileRead(result=ran.result.model_copy(update={"text": text}))
+    return ran
+
+
+def _run_checked(
+    call: RunOp, op: ExecOp | ReadOp, host: worker.Host
+) -> ExecRan | FileRead | FileRefused | SandboxKilled | InfraFault:
+    try:
         sink = None
-        if call.stream_key is not None and isinstance(call.op, ExecOp):
+        if call.stream_key is not None and isinstance(op, ExecOp):
             sink = OutputSink(host.redis, call.stream_key)
-        ran = host.backend.run_op(call.handle, call.op, sink)
+        ran = host.backend.run_op(call.handle, op, sink)
     except SandboxError as exc:
         probe = _probe(call.handle)
         if probe.agent_caused:

@@ -382,6 +382,13 @@ class ToolCalls:
         operation, decided here, which the worker runs without knowing the tool."""
         rollout = call.rollout
         assert rollout.sandbox is not None
+        op = call.tool.operation(call.parsed, call.tool_settings)
+        environment = call.resolved.environment
+        if environment.sandbox_secrets and call.stream_key is None:
+            # Where each is read, never its value (the worker reads it where it runs). A
+            # client's command, its output streamed as printed, is given none.
+            where = {v: environment.secrets[n] for v, n in environment.sandbox_secrets.items()}
+            op = op.model_copy(update={"secrets": where})
         return RunOp(
             rollout_id=rollout.rollout_id,
             trace_id=rollout.rollout_id,
@@ -389,7 +396,7 @@ class ToolCalls:
             ticket=self.keys.ticket(rollout.rollout_id, call.call_id),
             attempt=attempt,
             handle=rollout.sandbox,
-            op=call.tool.operation(call.parsed, call.tool_settings),
+            op=op,
             stream_key=call.stream_key,
             enqueued_at=time.time(),
         )

@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from orchestrator.config import Runtime, Settings
 from orchestrator.sandbox.daemon_share import DaemonShare
+from orchestrator.secrets import SecretSource
 
 
 class SandboxLimits(BaseModel):
@@ -516,6 +517,11 @@ class ExecOp(BaseModel):
     exec_id: str | None = None
     stdin: bool = False
     pty: tuple[int, int] | None = None
+    secrets: dict[str, SecretSource] = Field(
+        default_factory=dict,
+        description="Variables of the command read by the worker where it runs, never "
+        "carried here ({VAR: where}); their values are taken out of the output.",
+    )
 
 
 class ReadOp(BaseModel):
@@ -526,6 +532,9 @@ class ReadOp(BaseModel):
     start_line: int = Field(1, ge=1)
     end_line: int | None = None
     max_bytes: int = Field(gt=0)
+    secrets: dict[str, SecretSource] = Field(
+        default_factory=dict, description="Values taken out of what is read ({NAME: where})."
+    )
 
 
 SandboxOp = Annotated[ExecOp | ReadOp, Field(discriminator="kind")]

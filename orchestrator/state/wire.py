@@ -53,11 +53,13 @@ class TaskName(StrEnum):
     DROP_SNAPSHOT = "orchestrator.drop_snapshot"
 
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """This release's wire, in every heartbeat (state/heartbeat.Heartbeat.wire): a call is sent
 only to a worker that speaks it (an earlier one's heartbeat has none), so an upgrade that
 mixes releases answers a call never run (a 503 to retry) rather than losing it. Raise it
-when a task's request changes so that a worker of the earlier release cannot run it."""
+when a task's request changes so that a worker of the earlier release cannot run it.
+3: an operation may name secrets its worker reads (an earlier worker would run the command
+without them, and the agent would be scored on our omission)."""
 
 
 class Request(BaseModel):

@@ -150,6 +150,7 @@ def tools_stack(
                 "name": "searching",
                 "tools": [
                     "shell",
+                    "read_file",
                     _tool(
                         "search", url, headers=keyed, timeout_s=TIMEOUT_S, max_response_bytes=4096
                     ),
@@ -157,6 +158,7 @@ def tools_stack(
                     _tool("nowhere", f"http://127.0.0.1:{free_port()}/search", headers=keyed),
                 ],
                 "secrets": {"search_key": {"file": str(key_file)}},
+                "sandbox_secrets": {"SEARCH_KEY": "search_key"},
                 "grader": {"name": "file_f1"},
             },
             finqa,
@@ -260,16 +262,43 @@ def test_the_services_failure_is_ours_and_never_scored(
         client.delete(f"/v1/rollouts/{trace}")
 
 
+def test_the_sandbox_s_commands_have_the_secret_and_its_output_never_shows_it(
+    tools_stack: Stack, service: Service
+) -> None:
+    """``sandbox_secrets``: the command has the variable (its length proves it), and
+    wherever the agent sends the value (stdout, stderr, a file it reads back) the model is
+    given ``[secret SEARCH_KEY]`` instead."""
+    trace = new_trace()
+    with tools_stack.client() as client:
+
+        def shell(command: str, call_id: str) -> str:
+            answer = _call(client, trace, tools_stack, "shell", {"command": command}, call_id)
+            assert answer.status_code == 200, answer.text
+            output: str = answer.json()["output"]
+            return output
+
+        assert f"length {len(service.key)}" in shell('echo "length ${#SEARCH_KEY}"', "c1")
+        shown = shell('echo "out $SEARCH_KEY"; echo "err $SEARCH_KEY" >&2', "c2")
+        assert "out [secret SEARCH_KEY]" in shown and "err [secret SEARCH_KEY]" in shown
+        shell('echo "$SEARCH_KEY" > /workspace/kept.txt', "c3")
+        read = _call(client, trace, tools_stack, "read_file", {"path": "kept.txt"}, "c4")
+        assert "[secret SEARCH_KEY]" in read.json()["output"]
+        steps = client.get(f"/v1/rollouts/{trace}/trajectory").text
+        assert service.key not in steps and "[secret SEARCH_KEY]" in steps
+        client.delete(f"/v1/rollouts/{trace}")
+
+
 def test_the_secret_is_on_no_surface(tools_stack: Stack, service: Service, tmp_path: Path) -> None:
     """Every surface a secret could leak through, after calls that succeeded, were
-    refused and failed: the replies, trajectories, records, the export, every process's
-    log. The service did receive it."""
+    refused and failed, and commands that printed it: the replies, trajectories, records,
+    the export, every process's log. The service did receive it."""
     seen: list[str] = []
     with tools_stack.client() as client:
         for query in ("sessions", "nothing", "boom"):
             trace = new_trace()
+            printed = _call(client, trace, tools_stack, "shell", {"command": "env"}, "c0")
             answer = _call(client, trace, tools_stack, "search", {"query": query}, "c1")
-            seen += [answer.text, client.get(f"/v1/rollouts/{trace}").text]
+            seen += [printed.text, answer.text, client.get(f"/v1/rollouts/{trace}").text]
             seen.append(client.get(f"/v1/rollouts/{trace}/trajectory").text)
             client.delete(f"/v1/rollouts/{trace}")
     out = tmp_path / "export.jsonl"
