@@ -192,6 +192,7 @@ class Tenants:
         self._checked = time.monotonic()
         self.directory = self._read()  # the first read fails the start when it is wrong
         self.last_error: str | None = None
+        self._refused_mtime_ns: int | None = -1  # none refused yet (None: a missing file)
         self.on_change: Callable[[list[Change]], None] | None = None
         """Told what each new reading changed (the API records it in the audit log)."""
 
@@ -218,10 +219,12 @@ class Tenants:
                 return self.directory
             self._checked = now
             try:
-                changed = self.path.stat().st_mtime_ns != self.directory.mtime_ns
+                mtime_ns: int | None = self.path.stat().st_mtime_ns
             except OSError:
-                changed = True
-            if changed:
+                mtime_ns = None
+            # A file refused once is not read again (nor logged again) until it changes.
+            if mtime_ns not in (self.directory.mtime_ns, self._refused_mtime_ns):
+                self._refused_mtime_ns = -1
                 try:
                     before, self.directory = self.directory, self._read()
                     self.last_error = None
@@ -229,6 +232,7 @@ class Tenants:
                         self.on_change(changes(before, self.directory))
                 except TenantsError as exc:
                     self.last_error = str(exc)
+                    self._refused_mtime_ns = mtime_ns
                     log.error("tenants.reload_refused", error=self.last_error)
         return self.directory
 

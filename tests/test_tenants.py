@@ -15,6 +15,7 @@ from orchestrator.api.auth import AuthFailures, Open, authenticate
 from orchestrator.tenants import (
     DEFAULT_TENANT,
     OPERATOR,
+    Directory,
     Principal,
     Quotas,
     Tenants,
@@ -85,6 +86,18 @@ def test_a_changed_file_is_read_again_and_a_broken_one_keeps_the_last(tmp_path: 
     tenants._checked -= 2
     assert tenants.by_token(B_TOKEN) == Principal("team-b")
     assert tenants.last_error is not None and "ORCH_TENANTS_FILE" in tenants.last_error
+    # The same broken file is not read (nor logged) again every second.
+    reads = 0
+    read = tenants._read
+
+    def counted() -> Directory:
+        nonlocal reads
+        reads += 1
+        return read()
+
+    tenants._read = counted  # type: ignore[method-assign]
+    tenants._checked -= 2
+    assert tenants.by_token(B_TOKEN) == Principal("team-b") and reads == 0
     _write(path, {"team-a": {"tokens": [digest(A_TOKEN)]}})
     os.utime(path, (time.time() + 3, time.time() + 3))
     tenants._checked -= 2

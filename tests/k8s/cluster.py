@@ -154,9 +154,16 @@ class RealCluster:
             if pod_name is None or c.labels.get(POD_NAME_LABEL) == pod_name
         ]
 
-    def settle(self, timeout_s: float = 60.0) -> None:
-        """Until nothing of the pods gone from the API server is left on the node."""
+    def settle(self, *pod_names: str, timeout_s: float = 60.0) -> None:
+        """Until nothing of the pods gone from the API server is left on the node, nor of
+        ``pod_names`` (deleted by the test: a kubelet that missed the deletion while its
+        watch was down, after an API server restart, stops them only on its next relist)."""
         self.node.wait_settled(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while left := [o for name in pod_names for o in self.docker_objects(name)]:
+            assert time.monotonic() < deadline, f"left after settling: {left}"
+            time.sleep(0.2)
+            self.node.wait_settled(timeout_s)
 
     # -- faults ----------------------------------------------------------------------------
 

@@ -472,7 +472,7 @@ class RealNode:
         left alone."""
         removed: list[str] = []
         uids: set[str] = set()
-        for container in self._of_gone_pods():
+        for container in self._of_gone_pods(terminating=False):
             if container.status == "running":
                 continue
             with contextlib.suppress(docker.errors.NotFound, docker.errors.APIError):
@@ -489,25 +489,26 @@ class RealNode:
         deadline = time.monotonic() + timeout_s
         while True:
             self.settle()
-            left = [c.name for c in self._of_gone_pods()]
+            left = [c.name for c in self._of_gone_pods(terminating=True)]
             if not left:
                 return
             assert time.monotonic() < deadline, f"left after settling: {left}"
             time.sleep(0.2)
 
-    def _of_gone_pods(self) -> list[Any]:
+    def _of_gone_pods(self, *, terminating: bool) -> list[Any]:
+        """Containers of pods no longer in the API server; with ``terminating``, of pods
+        being deleted too (a delete with grace 0 leaves the pod listed, with a deletion
+        timestamp, until its kubelet has stopped it: waiting must see those, and removing
+        must leave them to the kubelet)."""
         # Containers first: the kubelet makes them only for pods the API server had, so one
-        # whose pod a later listing lacks is a deleted pod's (not a pod made meanwhile). A
-        # pod being deleted counts as gone: a delete with grace 0 leaves it listed, with a
-        # deletion timestamp, until its kubelet has stopped it (seen: settled at once, its
-        # pause container still there, under load).
+        # whose pod a later listing lacks is a deleted pod's (not a pod made meanwhile).
         containers = self.containers()
         with contextlib.closing(self.plane.client()) as admin:
             # A lazy listing: read before the client closes.
             live = {
                 p.metadata.uid
                 for p in admin.list(Pod, namespace=ALL_NS)
-                if p.metadata and p.metadata.deletionTimestamp is None
+                if p.metadata and not (terminating and p.metadata.deletionTimestamp is not None)
             }
         return [c for c in containers if c.labels.get(POD_UID_LABEL, "") not in live]
 

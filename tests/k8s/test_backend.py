@@ -108,7 +108,7 @@ def make(k8s: KubernetesBackend, cluster: RealCluster, base_image: str) -> Itera
     yield create
     for handle in made:
         k8s.destroy(handle)
-    cluster.settle()
+    cluster.settle(*(handle.native_id for handle in made))
     for handle in made:
         assert cluster.docker_objects(handle.native_id) == []
 
@@ -299,7 +299,7 @@ def test_list_owned_reads_back_every_label_and_destroy_is_idempotent(
     assert first.sandbox_id not in {h.sandbox_id for h in k8s.list_owned()}
     assert cluster.read("pods", first.native_id) is None
     assert cluster.read("secrets", first.native_id) is None
-    cluster.settle()
+    cluster.settle(first.native_id)
     assert cluster.docker_objects(first.native_id) == []
     gone = k8s.probe(first)
     assert (gone.alive, gone.state) == (False, "missing")
@@ -549,7 +549,7 @@ def test_a_create_whose_api_server_stays_away_past_its_deadline_is_backend_unava
             cluster.plane.start_apiserver()
     (left,) = [h for h in impatient.list_owned() if h.rollout_id == "k8s-api-away"]
     impatient.destroy(left)
-    cluster.settle()
+    cluster.settle(left.native_id)
     assert cluster.docker_objects(left.native_id) == []
 
 

@@ -140,7 +140,7 @@ def test_an_agent_rft_rollout_runs_in_a_pod_and_the_pod_goes_with_it(k8s_stack: 
         # The grace after grading is 2 s here: then the reaper closes it and the pod goes.
         wait_for(lambda: pod_is_gone(stack, name), timeout_s=60, what="the graded rollout's pod")
         assert client.get(f"/v1/rollouts/{trace}").json()["state"] == "closed"
-    stack.cluster.settle()
+    stack.cluster.settle(name)
     assert stack.cluster.docker_objects(name) == []
 
 
@@ -243,7 +243,7 @@ def test_an_orphan_pod_is_swept_and_a_pool_pod_still_starting_is_not(
     # The pass that swept the orphan listed the older pool pod too.
     assert stack.cluster.read("pods", starting.native_id) is not None
     stack.k8s.destroy(starting)
-    stack.cluster.settle()
+    stack.cluster.settle(orphan.native_id)
     assert stack.cluster.docker_objects(orphan.native_id) == []
 
 
@@ -504,7 +504,7 @@ def test_an_api_server_outage_cordons_the_worker_and_its_rollout_calls_on(
         # deleted through the API server that is back.
         wait_for(lambda: pod_is_gone(stack, name), timeout_s=60, what="the graded rollout's pod")
         assert client.get(f"/v1/rollouts/{trace}").json()["state"] == "closed"
-    stack.cluster.settle()
+    stack.cluster.settle(name)
     assert stack.cluster.docker_objects(name) == []
 
 
