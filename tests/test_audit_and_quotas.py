@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 
 from orchestrator.config import Settings
+from orchestrator.state import quotas as quotas_module
 from orchestrator.state.audit import AuditEntry, AuditEvent, AuditLog
 from orchestrator.state.quotas import OverQuota, TenantQuotas
 from orchestrator.state.records import RolloutStore
@@ -125,3 +127,27 @@ def test_a_rate_quota_lets_a_seconds_worth_through_then_the_rate(unit: Settings)
     # one second's worth.
     assert 2 <= later <= 4
     assert free == 50
+
+
+def test_a_creations_rate_of_one_is_told_apart_from_the_sandboxes_quota(
+    unit: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At 1/s, two creations in the same instant leave a wait of exactly one second: it
+    must read as the rate's refusal, never as the sandboxes quota's (whose answer is also
+    a 1). The quotas' clock is held still to make that instant."""
+    caller = Principal("c", quotas=Quotas(creations_per_s=1))
+    monkeypatch.setattr(quotas_module, "time", SimpleNamespace(time=lambda: 1_000_000.0))
+
+    async def main() -> OverQuota:
+        store = RolloutStore.connect(unit, role="test")
+        quotas = TenantQuotas(store)
+        try:
+            await quotas.enter(caller, "ro_first")
+            with pytest.raises(OverQuota) as refused:
+                await quotas.enter(caller, "ro_second")
+            return refused.value
+        finally:
+            await store.close()
+
+    refused = asyncio.run(main())
+    assert refused.quota == "creations_per_s" and refused.retry_after_s == 1

@@ -34,19 +34,20 @@ local function take(key, rate, now)
   local tokens = tonumber(state[1] or rate)
   local at = tonumber(state[2] or now)
   tokens = math.min(rate, tokens + (now - at) * rate)
-  if tokens < 1 then return tostring((1 - tokens) / rate) end
+  if tokens < 1 then return 'wait:' .. tostring((1 - tokens) / rate) end
   redis.call('HSET', key, 'tokens', tokens - 1, 'at', now)
   redis.call('EXPIRE', key, 60)
   return 0
 end
 """
-"""A token bucket's take, in Lua: 0 when a token was taken, else the seconds until one is
-there (a string: Lua's numbers are cut to integers on their way out)."""
+"""A token bucket's take, in Lua: 0 when a token was taken, else ``wait:<seconds>`` until
+one is there (a string: Lua's numbers are cut to integers on their way out, and a bare
+"1" would read as another answer)."""
 
 # KEYS: the tenant's held set, its creations bucket, the tenants seen. ARGV: now, rollout
 # id, sandboxes quota (-1: none), creations per second (-1: none), a member older than this
 # (Unix time) is forgotten, the tenant. Returns 0 when entered (or already in), 1 when at
-# the sandboxes quota, else the bucket's wait.
+# the sandboxes quota, else the bucket's ``wait:<seconds>``.
 _ENTER = (
     _BUCKET
     + """
@@ -121,7 +122,7 @@ class TenantQuotas:
             "creations_per_s",
             f"tenant {caller.tenant!r} makes sandboxes faster than its quota of "
             f"{quotas.creations_per_s}/s",
-            retry_after_s=max(1, math.ceil(float(found))),
+            retry_after_s=_retry_after(found),
         )
 
     async def leave(self, tenant: str, rollout_id: str) -> None:
@@ -135,7 +136,8 @@ class TenantQuotas:
         if rate is None:
             return
         key = self.keys.tenant_bucket(caller.tenant, "calls")
-        found = str(await self._take(keys=[key], args=[time.time(), rate]))
+        taken = await self._take(keys=[key], args=[time.time(), rate])
+        found = _text(taken) if isinstance(taken, (bytes, str)) else str(taken)
         if found == "0":
             return
         self._refused(caller.tenant, "calls_per_s")
@@ -143,7 +145,7 @@ class TenantQuotas:
             caller.tenant,
             "calls_per_s",
             f"tenant {caller.tenant!r} calls tools faster than its quota of {rate}/s",
-            retry_after_s=max(1, math.ceil(float(found))),
+            retry_after_s=_retry_after(found),
         )
 
     async def held(self, tenant: str) -> int:
@@ -189,6 +191,11 @@ class TenantQuotas:
     @staticmethod
     def _refused(tenant: str, quota: str) -> None:
         metrics.QUOTA_REFUSED.labels(tenant, quota).inc()
+
+
+def _retry_after(wait: str) -> int:
+    """Whole seconds to wait, at least one, from a bucket's ``wait:<seconds>``."""
+    return max(1, math.ceil(float(wait.removeprefix("wait:"))))
 
 
 def _text(value: bytes | str) -> str:
