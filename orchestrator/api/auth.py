@@ -109,10 +109,16 @@ class AuthFailures:
             self._seen.popitem(last=False)
 
 
+def authenticated(request: Request) -> Principal | None:
+    """The caller the guard put in the request's scope; None: none (an open path)."""
+    found = request.scope.get("state", {}).get(PRINCIPAL)
+    return found if isinstance(found, Principal) else None
+
+
 def caller(request: Request) -> Principal:
     """The caller the guard authenticated (a route's dependency: async-free, a dict read)."""
-    found = request.scope.get("state", {}).get(PRINCIPAL)
-    if not isinstance(found, Principal):
+    found = authenticated(request)
+    if found is None:
         raise HTTPException(
             401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"}
         )
@@ -132,7 +138,7 @@ async def require_admin(request: Request) -> None:
 
 async def require_secret(request: Request) -> None:
     """The secret grader route's own check (the guard's too): a 404 without a caller."""
-    if not isinstance(request.scope.get("state", {}).get(PRINCIPAL), Principal):
+    if authenticated(request) is None:
         raise HTTPException(404, "Not Found")
 
 

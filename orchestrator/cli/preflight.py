@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from orchestrator.cli.serve import operator_token
 from orchestrator.cli.status import default_api_url
 from orchestrator.client import RolloutClient
 from orchestrator.client.row_checks import check_rows
@@ -104,7 +105,7 @@ def _row_checks(dataset: Path, base_url: str | None, parallel: int) -> bool:
         for number, text in enumerate(dataset.read_text(encoding="utf-8").splitlines(), start=1)
         if text.strip()
     ]
-    token = settings.tokens[0] if settings.tokens else None
+    token = operator_token(settings)
     columns = (
         TextColumn("checking rows"),
         BarColumn(),

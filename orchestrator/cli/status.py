@@ -36,11 +36,16 @@ FAILURES_SHOWN = 10
 
 
 def default_api_url(settings: Settings) -> str:
-    """Where this deployment's API metrics are read: the scraper's port when it has one,
-    else the API's own (host and port)."""
+    """The API this deployment serves (its own host and port)."""
+    return f"http://{settings.api_host}:{settings.api_port}"
+
+
+def default_metrics_url(settings: Settings) -> str:
+    """Where this deployment's API metrics are read: the scraper's own port when it has
+    one (no token wanted), else the API's (with the operator's token)."""
     if settings.api_metrics_port:
         return f"http://{settings.api_metrics_host}:{settings.api_metrics_port}"
-    return f"http://{settings.api_host}:{settings.api_port}"
+    return default_api_url(settings)
 
 
 async def _read(settings: Settings, registry: EnvironmentRegistry) -> StatusSnapshot:
@@ -61,11 +66,16 @@ def _scrape(api_url: str, token: str | None) -> tuple[Scrape | None, str | None]
 
 
 def take_snapshot(
-    settings: Settings, registry: EnvironmentRegistry, api_url: str, before: Scrape | None
+    settings: Settings,
+    registry: EnvironmentRegistry,
+    api_url: str,
+    before: Scrape | None,
+    token: str | None = None,
 ) -> tuple[StatusSnapshot, Scrape | None]:
-    """One frame: Redis state, and the calls since ``before`` (the previous scrape)."""
+    """One frame: Redis state, and the calls since ``before`` (the previous scrape, with
+    the operator's ``token`` when there is one: the scraper's port ignores it)."""
     snapshot = asyncio.run(_read(settings, registry))
-    after, error = _scrape(api_url, None if settings.api_metrics_port else operator_token(settings))
+    after, error = _scrape(api_url, token)
     if after is None:
         snapshot.calls = CallStats(api_url=api_url, error=error)
     else:
@@ -242,25 +252,26 @@ def status(
     """Hosts, sandboxes, queues, tool-call rate and latency, and recent infra failures,
     refreshed every --interval seconds (Ctrl-C exits)."""
     settings = get_settings()
-    url = api_url or default_api_url(settings)
+    url = api_url or default_metrics_url(settings)
+    token = operator_token(settings)
     registry = load_environments(settings)
     out = console()
     if once or json_:
         # Rates need a window: two scrapes --interval apart.
-        _, before = take_snapshot(settings, registry, url, None)
+        _, before = take_snapshot(settings, registry, url, None, token)
         time.sleep(interval)
-        snapshot, _ = take_snapshot(settings, registry, url, before)
+        snapshot, _ = take_snapshot(settings, registry, url, before, token)
         if json_:
             typer.echo(snapshot.model_dump_json(indent=2))
         else:
             out.print(render(snapshot))
         return
-    snapshot, before = take_snapshot(settings, registry, url, None)
+    snapshot, before = take_snapshot(settings, registry, url, None, token)
     try:
         with Live(render(snapshot), console=out, auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
-                snapshot, after = take_snapshot(settings, registry, url, before)
+                snapshot, after = take_snapshot(settings, registry, url, before, token)
                 before = after or before
                 live.update(render(snapshot), refresh=True)
     except KeyboardInterrupt:

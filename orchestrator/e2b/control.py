@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from orchestrator.api.audit import AuditRecorder
-from orchestrator.api.auth import PRINCIPAL
+from orchestrator.api.auth import authenticated
 from orchestrator.api.deps import audit_recorder, state
 from orchestrator.e2b.models import (
     ConnectBody,
@@ -52,8 +52,8 @@ def error_response(exc: E2BError) -> JSONResponse:
 async def api_key_caller(request: Request) -> Principal:
     """Who the SDK's ``X-API-KEY`` acts for: a token of a tenant (docs/tenancy.md). The
     guard authenticated it before the body was read; this is the route's dependency."""
-    found = request.scope.get("state", {}).get(PRINCIPAL)
-    if not isinstance(found, Principal):
+    found = authenticated(request)
+    if found is None:
         raise E2BError(401, "missing or wrong X-API-KEY")
     return found
 

@@ -72,7 +72,6 @@ class HttpTool(SchemaTool[HttpArgs]):
 
     args_model = HttpArgs
     config: HttpToolConfig
-    outside_sandbox = True
 
     def __init__(self, config: HttpToolConfig, secrets: dict[str, SecretSource]) -> None:
         super().__init__(config)

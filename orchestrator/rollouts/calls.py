@@ -235,6 +235,7 @@ class ToolCalls:
                 item=item,
                 source=source,
                 stream_key=stream_key,
+                caller=caller,
             )
         except InfraError:
             metrics.TOOL_CALLS.labels(tool_name, Outcome.INFRA_ERROR).inc()
@@ -265,6 +266,7 @@ class ToolCalls:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.25)
         result: ToolResult | None = None
+        failed: ServiceFailed | None = None
         try:
             if budget is not None and start.seq > budget:
                 result = self._over_budget(call)
@@ -272,13 +274,15 @@ class ToolCalls:
                 assert isinstance(call.parsed, HttpArgs)
                 result = await tool.request(self._http(), call.parsed, call.tool_settings)
         except ServiceFailed as exc:
-            await self.store.calls.end(rollout_id, call_id, start.token, reply=None, step=None)
-            raise await self.closer.fail(
-                rollout_id, Cause.TOOL_SERVICE_FAILED, exc.message, exc.evidence
-            ) from None
+            failed = exc
         finally:
-            if result is None:  # cancelled, or ours failed: out of flight, lock released
+            if result is None:  # ours failed, or cancelled: out of flight, lock released
                 await self.store.calls.end(rollout_id, call_id, start.token, reply=None, step=None)
+        if failed is not None:
+            raise await self.closer.fail(
+                rollout_id, Cause.TOOL_SERVICE_FAILED, failed.message, failed.evidence
+            )
+        assert result is not None
         return await self._settle(call, start.seq, start.token, result)
 
     def _http(self) -> httpx.AsyncClient:
