@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import socket
 from functools import lru_cache
@@ -309,6 +310,24 @@ class Settings(BaseSettings):
         "(docs/datasets.md).",
     )
 
+    egress_dns_servers: str = Field(
+        "",
+        description="Comma-separated DNS servers (address, or address#port) that resolve the "
+        "names an egress policy allows; empty: the sandbox host's /etc/resolv.conf "
+        "(docs/egress.md).",
+    )
+    egress_subnets: str = Field(
+        "10.231.0.0/16",
+        description="Addresses of egress networks: each policy in use on a host takes a /22 "
+        "of it (1,021 sandboxes). Must not overlap the host's other networks.",
+    )
+    egress_network_idle_s: int = Field(
+        600,
+        ge=0,
+        description="An egress network no sandbox used for this long is removed (its bridge, "
+        "rules and DNS server); the next sandbox of its policy makes it again (~0.2 s).",
+    )
+
     sandbox_backend: Literal["docker", "kubernetes"] = Field(
         "docker",
         description="Where sandboxes run: containers on this host's dockerd, or pods on a "
@@ -452,6 +471,17 @@ class Settings(BaseSettings):
         """Per-sandbox socket directories of this deployment (deployments may share a
         state_dir; each sweeps only its own)."""
         return self.state_dir / "run" / self.deployment
+
+    @field_validator("egress_subnets")
+    @classmethod
+    def _egress_subnets_valid(cls, value: str) -> str:
+        try:
+            pool = ipaddress.IPv4Network(value.strip())
+        except ValueError as exc:
+            raise ValueError(f"an IPv4 network such as 10.231.0.0/16: {exc}") from None
+        if pool.prefixlen > 22:
+            raise ValueError("at least a /22: each egress network takes one")
+        return str(pool)
 
     @field_validator("grader_url_secret")
     @classmethod

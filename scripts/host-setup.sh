@@ -32,7 +32,10 @@ install_packages() {
   [ -x /usr/lib/cni/ptp ] || missing+=(containernetworking-plugins)
   # Its cluster DNS (dnsmasq, no daemon of its own: the test starts it), and socat, which
   # dockershim's port-forward runs in a pod's network namespace (`kubectl port-forward`).
+  # dnsmasq is also each egress network's resolver, and nft its packet filter
+  # (sandbox/docker/egress.py).
   command -v dnsmasq >/dev/null 2>&1 || [ -x /usr/sbin/dnsmasq ] || missing+=(dnsmasq-base)
+  command -v nft >/dev/null 2>&1 || [ -x /usr/sbin/nft ] || missing+=(nftables)
   command -v socat >/dev/null 2>&1 || missing+=(socat)
   if [ "${#missing[@]}" -eq 0 ]; then
     return

@@ -28,6 +28,7 @@ from orchestrator.environments.models import (
     SetupStep,
 )
 from orchestrator.sandbox.backend import ScratchDir
+from orchestrator.sandbox.egress import EgressPolicy
 from orchestrator.secrets import SecretSource
 from orchestrator.tenants import Quotas, TenantConfig
 
@@ -206,6 +207,13 @@ def configuration_markdown() -> str:
             "(docs/e2b.md).",
             E2BOptions,
             "e2b.",
+        ),
+        model_section(
+            "Egress",
+            "`egress:` of an environment: where its sandboxes may connect, nowhere by "
+            "default (docs/egress.md).",
+            EgressPolicy,
+            "egress.",
         ),
         model_section(
             "Custom tools",

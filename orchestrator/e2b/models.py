@@ -8,7 +8,7 @@ import base64
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 from orchestrator.sandbox.backend import FileEntry
 
@@ -29,6 +29,28 @@ class _Wire(BaseModel):
 # -- control plane ----------------------------------------------------------------------------
 
 
+class NetworkOptions(_Wire):
+    """``network`` of ``POST /sandboxes`` (the SDK's ``network=``): what of it this
+    deployment honours (docs/egress.md, "E2B")."""
+
+    allow_out: list[str] = Field(
+        default_factory=list,
+        alias="allowOut",
+        description="Domains, addresses, CIDRs: the sandbox's egress becomes these, each of "
+        "which the template's policy must allow.",
+    )
+    deny_out: list[str] = Field(
+        default_factory=list,
+        alias="denyOut",
+        description="0.0.0.0/0 (the SDK's ALL_TRAFFIC): no network, unless allowOut names "
+        "some; other entries must not overlap what the template allows (it denies the rest).",
+    )
+    rules: dict[str, Any] | None = Field(None, description="Refused: no transform rules here.")
+    egress_proxy: dict[str, Any] | None = Field(
+        None, alias="egressProxy", description="Refused: no SOCKS proxy here."
+    )
+
+
 class NewSandbox(_Wire):
     """``POST /sandboxes`` and ``/v2/sandboxes``."""
 
@@ -39,6 +61,13 @@ class NewSandbox(_Wire):
     auto_pause: bool = Field(
         False, alias="autoPause", description="The SDK's lifecycle on_timeout='pause'."
     )
+    allow_internet_access: bool | None = Field(
+        None,
+        validation_alias=AliasChoices("allow_internet_access", "allowInternetAccess"),
+        description="False: no network, whatever the template allows; true or unset: the "
+        "template's egress policy (deny by default: docs/egress.md).",
+    )
+    network: NetworkOptions | None = None
 
 
 class SnapshotBody(_Wire):

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
+import json
 import posixpath
 import secrets
 import time
@@ -31,6 +34,7 @@ from orchestrator.e2b.models import (
     epoch_to_datetime,
 )
 from orchestrator.environments.loader import ResolvedEnvironment
+from orchestrator.environments.models import EnvironmentConfig
 from orchestrator.outcomes import Cause
 from orchestrator.rollouts.errors import InfraError, Rejected, RejectedKind
 from orchestrator.rollouts.lookup import present
@@ -38,6 +42,7 @@ from orchestrator.rollouts.models import CallReply
 from orchestrator.rollouts.service import RolloutService
 from orchestrator.sandbox.agent.client import READ_FILE_TIMEOUT_S, REPLY_SLACK_S
 from orchestrator.sandbox.backend import FileAction, FileOpResult, FileRefused
+from orchestrator.sandbox.egress import ALL_TRAFFIC, NO_EGRESS, EgressPolicy, EgressRefused
 from orchestrator.state.e2b import E2BProcesses, E2BWatchers
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout
@@ -130,6 +135,7 @@ class E2BSandboxes:
         else:
             environment, codebase = self._template(body.template_id)
             resolved = await self._resolve(environment, codebase)
+        resolved = _with_egress(resolved, body)
         state = self._new_state(
             body.template_id, resolved, body.timeout, body.metadata, body.env_vars
         )
@@ -800,3 +806,58 @@ class FileProblem(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
+
+
+def asked_egress(policy: EgressPolicy, body: NewSandbox) -> EgressPolicy | None:
+    """The egress ``body`` asks for within the template's ``policy``: None for the
+    template's own. A request may narrow the policy, never widen it: what it cannot have is
+    a 400, not a sandbox with less or more than it asked for."""
+    network = body.network
+    if network is not None and (network.rules or network.egress_proxy):
+        raise BadRequest(
+            "network.rules and network.egressProxy are not supported: this deployment "
+            "enforces an allowlist only (docs/egress.md)"
+        )
+    if body.allow_internet_access is False:
+        return NO_EGRESS
+    if network is None:
+        return None
+    if network.allow_out:
+        try:
+            return policy.narrowed(network.allow_out)
+        except EgressRefused as exc:
+            raise BadRequest(str(exc)) from None
+    if ALL_TRAFFIC in network.deny_out:
+        return NO_EGRESS
+    for entry in network.deny_out:
+        try:
+            denied = ipaddress.ip_network(entry.strip(), strict=False)
+        except ValueError:
+            raise BadRequest(f"denyOut {entry!r} is not an address or CIDR") from None
+        overlapping = [str(n) for n in policy.networks if n.overlaps(denied)]
+        if overlapping:
+            raise BadRequest(
+                f"denyOut {entry!r} overlaps what the template allows ({', '.join(overlapping)})"
+                ": name what the sandbox may reach in allowOut instead (egress is deny by "
+                "default here)"
+            )
+    return None
+
+
+def _with_egress(resolved: ResolvedEnvironment, body: NewSandbox) -> ResolvedEnvironment:
+    """``resolved``, its egress narrowed as ``body`` asks. A narrowed environment is one of
+    its own (pinned with the rollout, so a fork or a resume keeps it), with no pool: a pool
+    sandbox sits on the template's network, and is never handed to it nor given back."""
+    env = resolved.environment
+    asked = asked_egress(env.egress, body)
+    if asked is None or asked == env.egress:
+        return resolved
+    fields = json.loads(env.snapshot) | {
+        "egress": asked.model_dump(mode="json"),
+        "pool_size": 0,
+        "expected_concurrency": 0,
+        "pool_autosize": False,
+        "pool_codebases": [],
+        "reuse": False,
+    }
+    return dataclasses.replace(resolved, environment=EnvironmentConfig.model_validate(fields))

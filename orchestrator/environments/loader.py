@@ -235,6 +235,7 @@ class ResolvedEnvironment:
             lifetime_s=env.effective_lifetime_s(settings),
             scratch_dirs=env.scratch_dirs,
             workspace=self.workspace,
+            egress=None if env.egress.allows_nothing else env.egress,
         )
 
     def tool_settings(self, settings: Settings) -> Settings:
@@ -599,6 +600,17 @@ def parse_environments(
                 f"environment {env.name!r}.runtime: kata (a VM per sandbox) needs "
                 f"ORCH_SANDBOX_BACKEND=kubernetes; this deployment runs {settings.sandbox_backend}"
             )
+        if not env.egress.allows_nothing:
+            if settings.sandbox_backend != "docker":
+                problems.append(
+                    f"environment {env.name!r}.egress: enforced by the Docker backend only; "
+                    f"this deployment runs {settings.sandbox_backend} (docs/egress.md)"
+                )
+            elif runtime == "runsc":
+                problems.append(
+                    f"environment {env.name!r}.egress: needs runtime runc (gVisor sandboxes "
+                    "run with no network on these hosts; docs/egress.md)"
+                )
         for index, entry in enumerate(env.tools):
             if isinstance(entry, str) or entry.timeout_s is None:
                 continue

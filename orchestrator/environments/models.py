@@ -43,6 +43,7 @@ from pydantic import (
 from orchestrator.config import Runtime, Settings
 from orchestrator.images.codebases import validate_name
 from orchestrator.sandbox.backend import SandboxLimits, ScratchDirs
+from orchestrator.sandbox.egress import EgressPolicy
 from orchestrator.secrets import SecretSource
 from orchestrator.tools.registry import TOOLS
 
@@ -436,6 +437,7 @@ class E2BOptions(BaseModel):
 # while at their defaults, so an environment that does not use them keeps its digest (a
 # rollout pinned before they existed still finds its environment).
 _LATER_FIELDS = (
+    "egress",
     "setup",
     "scratch_dirs",
     "e2b",
@@ -572,6 +574,13 @@ class EnvironmentConfig(BaseModel):
     )
     e2b: E2BOptions = Field(
         default_factory=E2BOptions, description="How the E2B API serves it (docs/e2b.md)."
+    )
+    egress: EgressPolicy = Field(
+        default_factory=EgressPolicy,
+        description="Where its sandboxes may connect: allowed domains (with their "
+        "subdomains) and IPv4 CIDRs, enforced outside the sandbox, DNS included; anything "
+        "else is refused as the agent's own failed connection. Empty (the default): no "
+        "network at all (docs/egress.md).",
     )
 
     @field_validator("codebase")

@@ -20,6 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from orchestrator.config import Runtime, Settings
 from orchestrator.sandbox.daemon_share import DaemonShare
+from orchestrator.sandbox.egress import EgressPolicy
 from orchestrator.secrets import SecretSource
 
 
@@ -187,6 +188,9 @@ class SandboxSpec(BaseModel):
         None,
         description="Start from this snapshot of the host's (sandbox/docker/snapshots.py): its "
         "/workspace and writable trees as they were; None: as the image (or commit) has them.",
+    )
+    egress: EgressPolicy | None = Field(
+        None, description="Where it may connect (sandbox/egress.py); None: nowhere."
     )
 
     @classmethod

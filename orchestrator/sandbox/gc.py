@@ -54,7 +54,7 @@ def collect_expired(
     leftovers = 0
     sweep = getattr(backend, "sweep_leftovers", None)
     if callable(sweep):
-        leftovers = int(sweep())
+        leftovers = int(sweep(everything=everything))
     return GcReport(
         examined=len(owned), destroyed=[h.sandbox_id for h in doomed], leftovers_removed=leftovers
     )

@@ -48,6 +48,7 @@ from orchestrator.sandbox.backend import (
     SnapshotTaken,
 )
 from orchestrator.sandbox.docker import containers, kernel_log, states
+from orchestrator.sandbox.docker.egress import EgressNetwork, EgressNetworks
 from orchestrator.sandbox.docker.run_as import extract_run_as
 from orchestrator.sandbox.docker.snapshots import ARCHIVE, LAYER, HostSnapshots, elapsed_ms
 from orchestrator.sandbox.docker.workspace import Workspaces
@@ -98,6 +99,7 @@ class DockerBackend(agent.AgentBackend):
         self.workspaces = Workspaces(self.client, settings.state_dir, settings.deployment)
         self.repos = HostRepos.of(settings)
         self.snapshots = HostSnapshots(settings.state_dir, settings.deployment)
+        self.egress = EgressNetworks(self.client, settings)
         self._oci_runtimes: dict[str, str] = {}
         # A fresh sandbox's manifest per spec (:func:`spec_key`), taken at the first create
         # of that spec in this process: what a reset sandbox is audited against.
@@ -217,8 +219,6 @@ class DockerBackend(agent.AgentBackend):
     def _start_container(
         self, spec: SandboxSpec, name: str, stamp: dict[str, str], socket_dir: Path
     ) -> None:
-        api = self.client.api
-        limits = spec.limits
         disk_mb = spec.limits.disk_mb_in(self.settings)
         sandbox_id = stamp[labels.SANDBOX]
         host_mounted = self._host_mounts_workspace(spec.runtime)
@@ -238,9 +238,40 @@ class DockerBackend(agent.AgentBackend):
                 labels=stamp,
                 driver_config=DriverConfig("local", options),
             )
+        with contextlib.ExitStack() as held:
+            network = None
+            if spec.egress is not None and not spec.egress.allows_nothing:
+                if spec.runtime == "runsc":
+                    # Registered with --network=none (DESIGN.md); gVisor's own network
+                    # stack refuses Docker's namespace on these hosts.
+                    raise SandboxError("an egress policy needs runtime runc, not runsc")
+                network = held.enter_context(self.egress.attached(spec.egress))
+            self._create_and_start(spec, name, stamp, socket_dir, workspace, disk_mb, network)
+        if host_mounted:
+            # Only now: the container's bind of the mount point exists, and the overlay
+            # propagates into it (mounted before, the bind would take the overlay itself,
+            # which a reset could not replace). The agent's working directory is the bind,
+            # so nothing of the sandbox ever holds the overlay but the agent's user.
+            self.workspaces.mount(sandbox_id)
+
+    def _create_and_start(
+        self,
+        spec: SandboxSpec,
+        name: str,
+        stamp: dict[str, str],
+        socket_dir: Path,
+        workspace: Mount,
+        disk_mb: int,
+        network: EgressNetwork | None,
+    ) -> None:
+        api = self.client.api
+        limits = spec.limits
         memory = f"{limits.memory_mb}m"
         host_config = api.create_host_config(
-            network_mode="none",
+            # No network, or the egress policy's (sandbox/docker/egress.py): its resolver
+            # is the network's own DNS server, which answers only the allowed names.
+            network_mode=network.name if network else "none",
+            dns=[network.gateway] if network else None,
             cap_drop=["ALL"],
             cap_add=AGENT_CAPABILITIES,
             security_opt=["no-new-privileges"],
@@ -284,19 +315,13 @@ class DockerBackend(agent.AgentBackend):
                 user="0:0",
                 working_dir="/workspace",
                 host_config=host_config,
-                network_disabled=True,
+                network_disabled=network is None,
             )
             api.start(container["Id"])
         except ImageNotFound as exc:
             raise SandboxError(f"sandbox image {spec.image!r} not found on {self.host}") from exc
         except DOCKER_FAILURES as exc:
             raise states.docker_fault("create sandbox", exc) from exc
-        if host_mounted:
-            # Only now: the container's bind of the mount point exists, and the overlay
-            # propagates into it (mounted before, the bind would take the overlay itself,
-            # which a reset could not replace). The agent's working directory is the bind,
-            # so nothing of the sandbox ever holds the overlay but the agent's user.
-            self.workspaces.mount(sandbox_id)
 
     def _wait_for_agent(self, handle: SandboxHandle) -> None:
         deadline = time.monotonic() + self.settings.sandbox_start_timeout_s
@@ -867,9 +892,11 @@ class DockerBackend(agent.AgentBackend):
             expires_at=labels.parse_time(stamp.get(labels.EXPIRES)),
         )
 
-    def sweep_leftovers(self) -> int:
+    def sweep_leftovers(self, *, everything: bool = False) -> int:
         """Remove volumes and socket directories whose sandbox container is gone (left by a
-        crash between creating and removing them). Returns how many were removed."""
+        crash between creating and removing them), and egress networks no sandbox is on
+        (idle for settings.egress_network_idle_s; with ``everything``, at once). Returns
+        how many were removed."""
         live = {h.sandbox_id for h in self.list_owned()}
         removed = 0
         # A volume, socket directory or workspace layer is made just before its container:
@@ -908,6 +935,9 @@ class DockerBackend(agent.AgentBackend):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed += 1
         removed += self.workspaces.sweep_uppers(live, settled)
+        removed += self.egress.prune(
+            idle_s=0 if everything else self.settings.egress_network_idle_s
+        )
         return removed + self.workspaces.sweep_layers()
 
     # -- naming ----------------------------------------------------------------------------

@@ -97,6 +97,9 @@ class KubernetesBackend(agent.AgentBackend):
     # -- lifecycle -------------------------------------------------------------------------
 
     def create(self, spec: SandboxSpec) -> SandboxHandle:
+        if spec.egress is not None and not spec.egress.allows_nothing:
+            # The environment loader refuses such environments here; this is the backstop.
+            raise SandboxError("egress policies are enforced by the Docker backend only")
         sandbox_id = "sbx-" + uuid.uuid4().hex[:SANDBOX_ID_HEX]
         created_at = datetime.now(UTC)
         identity = pods.SandboxIdentity(
@@ -489,10 +492,11 @@ class KubernetesBackend(agent.AgentBackend):
             expires_at=labels.parse_time(stamp.get(labels.EXPIRES)),
         )
 
-    def sweep_leftovers(self) -> int:
+    def sweep_leftovers(self, *, everything: bool = False) -> int:
         """Delete Secrets whose pod is gone (Kubernetes' garbage collector deletes them with
         their pod; this catches any it has not, e.g. one made without its owner). Returns
-        how many were removed."""
+        how many were removed. ``everything`` changes nothing: a pod has no network of its
+        own to remove."""
         live = {h.native_id for h in self.list_owned()}
         # The Secret is made just after its pod: a young one may belong to a pod being
         # created right now, listed after the pods were.
