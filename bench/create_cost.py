@@ -59,6 +59,7 @@ from orchestrator.sandbox import labels
 from orchestrator.sandbox.agent import AGENT_MODULES
 from orchestrator.sandbox.backend import SandboxHandle, SandboxSpec
 from orchestrator.sandbox.docker.backend import DockerBackend
+from orchestrator.sandbox.egress import EgressPolicy
 
 AGENT_IN_REPO = "orchestrator/sandbox/agent/exec_agent.py"
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
@@ -230,6 +231,7 @@ class Variant:
     label: str
     runtime: Runtime
     backend: DockerBackend
+    egress: EgressPolicy | None = None
 
 
 def run_variant(meter: Meter, variant: Variant, image: str, n: int) -> dict[str, Any]:
@@ -240,7 +242,7 @@ def run_variant(meter: Meter, variant: Variant, image: str, n: int) -> dict[str,
     backend = variant.backend
     spec = SandboxSpec.from_settings(
         backend.settings, image=image, runtime=variant.runtime, rollout_id="bench"
-    )
+    ).model_copy(update={"egress": variant.egress})
     # The agent of the commit before the reset existed has no manifest to audit with.
     resettable = backend.agent_modules == AGENT_MODULES
     try:
@@ -309,7 +311,12 @@ VARIANTS: dict[str, tuple[Runtime, dict[str, Any], bool]] = {
     "now-nodisk": ("runc", {"sandbox_disk_mb": 0}, False),
     "runsc-before": ("runsc", {}, True),
     "runsc-now": ("runsc", {}, False),
+    # now, on an egress policy's network (docs/egress.md): what a sandbox with network costs.
+    "now-egress": ("runc", {}, False),
 }
+EGRESS = EgressPolicy(allow_cidrs=["192.0.2.0/24"])
+"""now-egress's policy: an address block no one uses (TEST-NET-1), so nothing is reached;
+the network, its rules and its resolver are made as for any policy."""
 
 
 def baseline_agent() -> Path | None:
@@ -346,7 +353,7 @@ def variants_for(
                 print(f"no git history: {name} runs the current agent")
             else:
                 backend.agent_modules = {"exec_agent": old_agent}
-        found.append(Variant(name, runtime, backend))
+        found.append(Variant(name, runtime, backend, EGRESS if name == "now-egress" else None))
     return found
 
 
@@ -382,6 +389,8 @@ def main() -> None:
             for variant in variants:
                 run = run_variant(meter, variant, image, args.creates)
                 raw[variant.label].append(run)
+    for variant in variants:  # the egress network, its rules and resolver
+        variant.backend.egress.prune(idle_s=0)
     report: dict[str, Any] = {
         "image": image,
         "creates_per_phase": args.creates,

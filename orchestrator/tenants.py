@@ -52,6 +52,12 @@ class Quotas(BaseModel):
     sandboxes: int | None = Field(None, ge=0, description="Sandboxes held at once.")
     creations_per_s: float | None = Field(None, gt=0, description="Sandboxes made per second.")
     calls_per_s: float | None = Field(None, gt=0, description="Tool calls per second.")
+    warm_sandboxes: int | None = Field(
+        None,
+        ge=0,
+        description="Warm sandboxes (from pools) held at once; past it, a new rollout gets "
+        "a cold one, so one tenant's burst cannot empty the pools the others count on.",
+    )
 
 
 @dataclass(frozen=True)

@@ -151,3 +151,35 @@ def test_a_creations_rate_of_one_is_told_apart_from_the_sandboxes_quota(
 
     refused = asyncio.run(main())
     assert refused.quota == "creations_per_s" and refused.retry_after_s == 1
+
+
+def test_a_warm_share_is_exact_under_a_burst_and_given_back(unit: Settings) -> None:
+    """Ten rollouts of one tenant ask for a warm sandbox at once against a share of 3:
+    three may; one that leaves (or found its pool empty) makes room for another. A tenant
+    with no share never asks Redis."""
+    caller = Principal("w", quotas=Quotas(warm_sandboxes=3))
+
+    async def main() -> None:
+        store = RolloutStore.connect(unit, role="test")
+        quotas = TenantQuotas(store)
+        try:
+            results = await asyncio.gather(
+                *(quotas.enter_warm(caller, f"ro_{n}") for n in range(10))
+            )
+            assert results.count(True) == 3
+            inside = [f"ro_{n}" for n, ok in enumerate(results) if ok]
+            assert await quotas.enter_warm(caller, inside[0])  # in already
+            outside = next(f"ro_{n}" for n, ok in enumerate(results) if not ok)
+            assert not await quotas.enter_warm(caller, outside)
+            await quotas.leave(caller.tenant, inside[0])  # closed
+            assert await quotas.enter_warm(caller, outside)
+            await quotas.leave_warm(caller.tenant, inside[1])  # its pool was empty
+            assert await quotas.enter_warm(caller, "ro_late")
+            assert not await quotas.enter_warm(caller, "ro_later")
+            unbounded = Principal("free")
+            assert all([await quotas.enter_warm(unbounded, f"x{n}") for n in range(5)])
+            assert await store.redis.exists(store.keys.tenant_warm("free")) == 0
+        finally:
+            await store.close()
+
+    asyncio.run(main())

@@ -211,7 +211,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             store=store,
             queue=queue,
             service=rollouts,
-            e2b=E2BSandboxes(rollouts),
+            e2b=E2BSandboxes(rollouts, tenants),
             tenants=tenants,
             audit=audit,
         )

@@ -472,7 +472,8 @@ def _file_failure(exc: FileProblem | ConnectError | InfraError) -> JSONResponse:
     if isinstance(exc, FileProblem):
         return _file_error(_FILE_STATUS.get(exc.kind, 400), exc.message)
     if isinstance(exc, ConnectError):
-        return _file_error(502 if exc.code == Code.UNAVAILABLE else 400, exc.message)
+        status = {Code.UNAVAILABLE: 502, Code.RESOURCE_EXHAUSTED: 429}.get(exc.code, 400)
+        return _file_error(status, exc.message)
     return _file_error(502, failed(exc).message)
 
 

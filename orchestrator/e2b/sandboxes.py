@@ -43,6 +43,7 @@ from orchestrator.rollouts.service import RolloutService
 from orchestrator.sandbox.agent.client import READ_FILE_TIMEOUT_S, REPLY_SLACK_S
 from orchestrator.sandbox.backend import FileAction, FileOpResult, FileRefused
 from orchestrator.sandbox.egress import ALL_TRAFFIC, NO_EGRESS, EgressPolicy, EgressRefused
+from orchestrator.state.admission import AtCapacity
 from orchestrator.state.e2b import E2BProcesses, E2BWatchers
 from orchestrator.state.models import RolloutSource, RolloutState
 from orchestrator.state.records import Rollout
@@ -61,7 +62,7 @@ from orchestrator.state.wire import (
     Task,
     Tasks,
 )
-from orchestrator.tenants import Principal
+from orchestrator.tenants import DEFAULT_TENANT, Principal, Tenants
 from orchestrator.tools.command import COMMAND_TOOL
 
 # A sandbox id is a DNS label (E2B's clients may put it in a host name): lowercase
@@ -110,8 +111,9 @@ class E2BSandboxes:
     """The E2B API's view of rollouts: the control plane's operations, and what the
     sandbox plane needs of a sandbox (its record, its commands, its files)."""
 
-    def __init__(self, service: RolloutService) -> None:
+    def __init__(self, service: RolloutService, tenants: Tenants | None = None) -> None:
         self.service = service
+        self.tenants = tenants
         self.settings = service.settings
         self.store = service.store
         self.processes_table = E2BProcesses(service.store.redis, service.store.keys)
@@ -314,6 +316,7 @@ class E2BSandboxes:
             await self.service.snapshots.pause(
                 rollout, self.settings.e2b_paused_keep_s, fields, self._end_commands
             )
+            await self.service.starter.quotas.leave(rollout.tenant, rollout.rollout_id)
         return True
 
     def _snapshots_served(self) -> None:
@@ -333,7 +336,15 @@ class E2BSandboxes:
             left = timeout_s or state.left_s or self.settings.e2b_default_timeout_s
             state = state.model_copy(update={"left_s": None, "end_at": time.time() + left})
             fields = {"e2b": state.model_dump(mode="json")}
-            rollout = await self.service.snapshots.resume(rollout, fields)
+            # A paused sandbox holds no place in its tenant's sandboxes quota: its resume
+            # takes one again, or is refused as a new sandbox would be (429).
+            quotas = self.service.starter.quotas
+            await quotas.enter(self._principal(rollout.tenant), rollout.rollout_id)
+            try:
+                rollout = await self.service.snapshots.resume(rollout, fields)
+            except BaseException:
+                await quotas.leave(rollout.tenant, rollout.rollout_id)
+                raise
         return rollout, state
 
     async def _end_commands(self, rollout: Rollout) -> None:
@@ -505,6 +516,7 @@ class E2BSandboxes:
         timeout = min(timeout_s, cap) if timeout_s else cap
         if timeout <= 0:
             raise SandboxGone(rollout.rollout_id)
+        await self._charge(rollout)
         pid = await self.processes_table.next_pid(rollout.rollout_id)
         process = Process(
             pid=pid,
@@ -516,7 +528,12 @@ class E2BSandboxes:
             stdin=stdin,
             pty=pty,
         )
-        record = {**process.__dict__, "envs": {**state.env_vars, **envs}, "timeout_s": timeout}
+        record = {
+            **process.__dict__,
+            "envs": {**state.env_vars, **envs},
+            "timeout_s": timeout,
+            "tenant": rollout.tenant,
+        }
         await self.processes_table.put(rollout.rollout_id, pid, record)
         return process
 
@@ -541,6 +558,8 @@ class E2BSandboxes:
                 call_id=record["call_id"],
                 source=RolloutSource.E2B,
                 stream_key=self.store.keys.output_stream(rollout_id, record["call_id"]),
+                # Its tenant's, charged when it was started (:meth:`start_process`).
+                caller=Principal(str(record.get("tenant") or DEFAULT_TENANT)),
             )
         finally:
             await self.processes_table.drop(rollout_id, pid)
@@ -684,6 +703,7 @@ class E2BSandboxes:
         limit = self.settings.e2b_file_max_mb << 20
         if data is not None and len(data) > limit:
             raise FileProblem("too_large", f"{path}: more than {limit} bytes in one write")
+        await self._charge(rollout)
         request = FileOpRequest(
             handle=rollout.sandbox,
             action=action,
@@ -703,6 +723,26 @@ class E2BSandboxes:
         return reply.result
 
     # -- helpers -------------------------------------------------------------------------
+
+    def _principal(self, tenant: str) -> Principal:
+        """``tenant`` with its quotas as the tenants file says now: what a request with the
+        sandbox's own token (the sandbox plane's, or a resume) is charged to."""
+        quotas = self.tenants.quotas(tenant) if self.tenants is not None else None
+        return Principal(tenant, quotas=quotas) if quotas is not None else Principal(tenant)
+
+    async def _charge(self, rollout: Rollout) -> None:
+        """A command or a file operation is a tool call of the sandbox's tenant: taken from
+        its calls quota (docs/tenancy.md, "Quotas"), or refused as RESOURCE_EXHAUSTED (a
+        429) before anything runs."""
+        principal = self._principal(rollout.tenant)
+        if principal.quotas.calls_per_s is None:
+            return
+        try:
+            await self.service.starter.quotas.call(principal)
+        except AtCapacity as exc:
+            raise ConnectError(
+                Code.RESOURCE_EXHAUSTED, f"{exc.message}; try again in {exc.retry_after_s} s"
+            ) from exc
 
     async def _worker(
         self, task: Task[RequestT, ReplyT], rollout: Rollout, request: RequestT

@@ -158,7 +158,8 @@ RECYCLE_WAITS = Histogram(
 QUOTA_REFUSED = Counter(
     "orchestrator_quota_refused_total",
     "Requests refused because a tenant was at one of its quotas (docs/tenancy.md), by "
-    "tenant and quota: sandboxes, creations_per_s, calls_per_s.",
+    "tenant and quota: sandboxes, creations_per_s, calls_per_s; warm_sandboxes counts new "
+    "rollouts given a cold sandbox instead of a warm one.",
     ["tenant", "quota"],
 )
 ADMISSION_REJECTED = Counter(

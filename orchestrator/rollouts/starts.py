@@ -283,6 +283,7 @@ class Starter:
                 # either leaves nothing behind, and its retry starts afresh.
                 await self.quotas.enter(caller, rollout_id)
                 try:
+                    warm = await self.quotas.enter_warm(caller, rollout_id)
                     acquired = await self.acquire(
                         rollout_id,
                         resolved,
@@ -291,10 +292,13 @@ class Starter:
                         group=rollout_group(source, item),
                         only_host=snapshot.host if snapshot is not None else None,
                         tenant=caller.tenant,
+                        warm=warm,
                     )
                 finally:
                     if acquired is None:
                         await self.quotas.leave(caller.tenant, rollout_id)
+                if warm and acquired is not None and acquired.handle is None:
+                    await self.quotas.leave_warm(caller.tenant, rollout_id)
             record = new_record(
                 rollout_id,
                 source,
@@ -345,6 +349,7 @@ class Starter:
         only_host: str | None = None,
         new: bool = True,
         tenant: str = DEFAULT_TENANT,
+        warm: bool = True,
     ) -> Acquired | None:
         """A warm sandbox from the rollout's pool (probed first), else a host slot for a
         cold one, waiting within the admission bound (and the request's deadline, less
@@ -352,10 +357,11 @@ class Starter:
         concurrent first call made it). ``only_host``: a cold one on that host (a
         snapshot's: no pool holds its sandboxes). ``new`` False: for a rollout that exists
         (a paused one resuming), which waits for its slot however its record reads.
-        ``tenant``: whose fair share of the hosts it waits in (state/admission.py)."""
+        ``tenant``: whose fair share of the hosts it waits in (state/admission.py).
+        ``warm`` False: not from a pool (the tenant holds its warm sandboxes quota)."""
         started = time.monotonic()
         recycle_wait_s = deadline.cap(self.settings.pool_recycle_wait_s, reserve=reserve_s)
-        for _ in range(3 if only_host is None else 0):
+        for _ in range(3 if only_host is None and warm else 0):
             handle = await self.pools.take(resolved)
             if handle is None:  # a sandbox being reset for the pool is nearer than a cold one
                 handle = await self.pools.take_recycled(resolved, recycle_wait_s)

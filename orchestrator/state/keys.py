@@ -257,6 +257,11 @@ class Keys:
         when each took it (state/quotas.py)."""
         return f"{self.prefix}tenant:{tenant}:sandboxes"
 
+    def tenant_warm(self, tenant: str) -> str:
+        """Sorted set: the rollouts of ``tenant`` holding a sandbox taken from a pool,
+        scored by when each took it (state/quotas.py, ``warm_sandboxes``)."""
+        return f"{self.prefix}tenant:{tenant}:warm"
+
     def tenant_bucket(self, tenant: str, kind: str) -> str:
         """Hash: ``tenant``'s token bucket of ``kind`` (creations, calls): tokens, at."""
         return f"{self.prefix}tenant:{tenant}:bucket:{kind}"

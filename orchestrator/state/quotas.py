@@ -6,6 +6,9 @@
   from many API processes cannot pass the quota between two reads. A member whose rollout
   ended without leaving (its API process died in between) is found and removed when the
   tenant is at its quota, before anyone is refused.
+- **Warm sandboxes held at once**: a sorted set per tenant of the rollouts holding a
+  sandbox from a pool, entered in one step with its check before the rollout looks in a
+  pool; a tenant at its quota is not refused: its rollout gets a cold sandbox.
 - **Creations and calls per second**: a token bucket per tenant and kind, refilled at the
   rate, holding at most one second's worth (a burst of up to the rate, then the rate).
 
@@ -66,6 +69,16 @@ return 0
 """
 )
 
+# KEYS: the tenant's warm set. ARGV: now, rollout id, warm quota, a member older than this
+# is forgotten. Returns 1 when entered (or already in), 0 when at the quota.
+_ENTER_WARM = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])
+if redis.call('ZSCORE', KEYS[1], ARGV[2]) then return 1 end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
 # KEYS: the tenant's bucket. ARGV: now, rate. Returns the bucket's take.
 _TAKE = _BUCKET + "return take(KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[1]))\n"
 
@@ -97,13 +110,15 @@ class TenantQuotas:
         self.keys: Keys = store.keys
         self._enter = self.redis.register_script(_ENTER)
         self._take = self.redis.register_script(_TAKE)
+        self._enter_warm = self.redis.register_script(_ENTER_WARM)
 
     async def enter(self, caller: Principal, rollout_id: str) -> None:
         """Count ``rollout_id``'s sandbox against ``caller``'s tenant (again: nothing),
         or :class:`OverQuota`."""
         quotas = caller.quotas
         found = await self._try_enter(caller.tenant, rollout_id, quotas)
-        if found == "1" and await self._forget_ended(caller.tenant):
+        held = self.keys.tenant_sandboxes(caller.tenant)
+        if found == "1" and await self._forget_ended(held):
             found = await self._try_enter(caller.tenant, rollout_id, quotas)
         if found == "0":
             return
@@ -127,7 +142,30 @@ class TenantQuotas:
 
     async def leave(self, tenant: str, rollout_id: str) -> None:
         """``rollout_id`` holds no sandbox of ``tenant``'s any more (closed, paused)."""
-        await self.redis.zrem(self.keys.tenant_sandboxes(tenant), rollout_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.tenant_sandboxes(tenant), rollout_id)
+            pipe.zrem(self.keys.tenant_warm(tenant), rollout_id)
+            await pipe.execute()
+
+    async def enter_warm(self, caller: Principal, rollout_id: str) -> bool:
+        """Whether ``rollout_id`` may take a warm sandbox: ``caller``'s tenant has no
+        ``warm_sandboxes`` quota (no round trip), or is within it (entered). False: its
+        rollout makes a cold one (counted as refused, quota ``warm_sandboxes``)."""
+        limit = caller.quotas.warm_sandboxes
+        if limit is None:
+            return True
+        key = self.keys.tenant_warm(caller.tenant)
+        args: list[str | float] = [time.time(), rollout_id, limit, time.time() - MEMBER_MAX_S]
+        if int(await self._enter_warm(keys=[key], args=args)):
+            return True
+        if await self._forget_ended(key) and int(await self._enter_warm(keys=[key], args=args)):
+            return True
+        self._refused(caller.tenant, "warm_sandboxes")
+        return False
+
+    async def leave_warm(self, tenant: str, rollout_id: str) -> None:
+        """``rollout_id`` found no warm sandbox after all (its pool was empty)."""
+        await self.redis.zrem(self.keys.tenant_warm(tenant), rollout_id)
 
     async def call(self, caller: Principal) -> None:
         """Take a tool call from ``caller``'s tenant's bucket, or :class:`OverQuota`. Free
@@ -171,10 +209,10 @@ class TenantQuotas:
         )
         return _text(found) if isinstance(found, (bytes, str)) else str(found)
 
-    async def _forget_ended(self, tenant: str) -> bool:
-        """Remove the members whose rollout holds no sandbox any more (ended, failed and
-        closed, paused: its API process died before it left); whether any was."""
-        key = self.keys.tenant_sandboxes(tenant)
+    async def _forget_ended(self, key: str) -> bool:
+        """Remove the members of a tenant's set ``key`` whose rollout holds no sandbox any
+        more (ended, failed and closed, paused: its API process died before it left);
+        whether any was."""
         raw = await self.redis.zrange(key, 0, -1, withscores=True)
         scored = [(_text(member), float(at)) for member, at in cast(list[tuple[Any, Any]], raw)]
         records = await self.store.get_many([member for member, _ in scored])

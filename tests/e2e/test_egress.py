@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -133,6 +134,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
         )
         for address in (allowed, refused, by_cidr):
             _wait_for(address)
+        _wait_for_dns(allowed)
         yield Services(host=host, allowed=allowed, refused=refused, by_cidr=by_cidr)
     finally:
         for proc in procs:
@@ -153,6 +155,23 @@ def _wait_for(address: str) -> None:
     raise RuntimeError(f"the service at {address} did not come up")
 
 
+def _wait_for_dns(address: str) -> None:
+    """Until the DNS server at ``address`` answers a query for ALLOWED_NAME (a bare DNS
+    message: an id, recursion desired, one question of type A, class IN)."""
+    name = b"".join(bytes([len(p)]) + p.encode() for p in ALLOWED_NAME.split("."))
+    query = b"\x12\x34\x01\x00\x00\x01\x00\x00\x00\x00\x00\x00" + name + b"\x00\x00\x01\x00\x01"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(0.1)
+        for _ in range(200):
+            sock.sendto(query, (address, 53))
+            try:
+                if sock.recv(512)[:2] == query[:2]:
+                    return
+            except TimeoutError:
+                continue
+    raise RuntimeError(f"the DNS server at {address} did not come up")
+
+
 @pytest.fixture(scope="module")
 def egress_stack(
     stack: Stack, services: Services, tmp_path_factory: pytest.TempPathFactory
@@ -167,8 +186,15 @@ def egress_stack(
                 "egress": policy,
                 "grader": {"name": "file_f1"},
                 "reuse": False,
+                # No warm pool: test_an_unused_network_is_removed needs it empty.
+                "pool_autosize": False,
             },
-            {"name": "offline", "tools": ["shell"], "grader": {"name": "file_f1"}},
+            {
+                "name": "offline",
+                "tools": ["shell"],
+                "grader": {"name": "file_f1"},
+                "pool_autosize": False,
+            },
         ]
     }
     path = root / "environments.yaml"

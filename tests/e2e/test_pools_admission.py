@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import redis
 import yaml
 
 from orchestrator.state.keys import Keys
+from orchestrator.tenants import digest
 from tests.e2e.helpers import error_code, function_call, new_trace, wait_for
 from tests.stacks import Stack, deployment, running
 
@@ -45,11 +47,18 @@ def _environments(codebase: str) -> str:
     )
 
 
+SHARER = secrets.token_urlsafe(32)
+"""The token of a tenant whose warm sandboxes quota is 1 (test_a_tenant_at_its_warm_share)."""
+
+
 @pytest.fixture(scope="module")
 def pool_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("pool-stack")
     env_file = root / "environments.yaml"
     env_file.write_text(_environments(stack.codebase))
+    tenants = {"sharer": {"tokens": [digest(SHARER)], "quotas": {"warm_sandboxes": 1}}}
+    tenants_file = root / "tenants.yaml"
+    tenants_file.write_text(yaml.safe_dump({"tenants": tenants}))
     pooled = deployment(
         stack.settings,
         "p",
@@ -61,6 +70,7 @@ def pool_stack(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         host_max_sandboxes=CAPACITY,
         admission_wait_s=3.0,
         admission_retry_after_s=2.0,
+        tenants_file=tenants_file,
     )
     with running(pooled) as started:
         yield started
@@ -125,6 +135,32 @@ def test_a_new_rollout_takes_a_warm_sandbox_used_once_and_replaced(pool_stack: S
         _delete_all(client, [trace, second])
     ids = {c["Labels"]["orchestrator.sandbox"] for c in _containers(pool_stack)}
     assert used not in ids, "a pool sandbox is destroyed with its rollout, never reused"
+
+
+def test_a_tenant_at_its_warm_share_gets_cold_sandboxes(pool_stack: Stack) -> None:
+    """A tenant with a warm sandboxes quota of 1 takes one from the pool; its next rollout
+    gets a cold sandbox though the pool has more (they are the others'); once its warm
+    one is ended, it may take from the pool again."""
+    wait_for(lambda: _ready(pool_stack) == POOL, timeout_s=60, what="the pool to fill")
+    headers = {"Authorization": f"Bearer {SHARER}"}
+    made: list[str] = []
+    with pool_stack.client() as client:
+        client.headers.update(headers)
+        try:
+            for _ in range(2):
+                answer = _rollout(client, pool_stack, "pooled")
+                assert answer.status_code == 201, answer.text
+                made.append(answer.json()["rollout_id"])
+            hits = [client.get(f"/v1/rollouts/{r}").json()["pool_hit"] for r in made]
+            assert hits == [True, False], hits
+            assert client.delete(f"/v1/rollouts/{made[0]}").status_code == 200
+            wait_for(lambda: _ready(pool_stack) == POOL, timeout_s=30, what="the pool to refill")
+            again = _rollout(client, pool_stack, "pooled")
+            assert again.status_code == 201, again.text
+            made.append(again.json()["rollout_id"])
+            assert client.get(f"/v1/rollouts/{made[-1]}").json()["pool_hit"] is True
+        finally:
+            _delete_all(client, made)
 
 
 def test_a_dead_pool_sandbox_is_never_handed_out(pool_stack: Stack) -> None:

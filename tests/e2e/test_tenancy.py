@@ -20,6 +20,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ import pytest
 import redis
 import yaml
 from e2b import Sandbox
-from e2b.exceptions import NotFoundException
+from e2b.exceptions import NotFoundException, RateLimitException
 from starlette.routing import Route
 
 from orchestrator.api.app import ROUTERS, create_app
@@ -130,6 +131,8 @@ def tenancy(side: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[T
         _tenant("burst-b", sandboxes=QUOTA),
         _tenant("slow-maker", creations_per_s=2),
         _tenant("slow-caller", calls_per_s=2),
+        _tenant("e2b-caller", calls_per_s=2),
+        _tenant("one-box", sandboxes=1),
     ]
     tenants_file = root / "tenants.yaml"
     write_tenants(tenants_file, a, b, *limited)
@@ -641,6 +644,57 @@ def test_quotas_of_creations_and_calls_per_second(tenancy: Tenancy, side: Stack)
         )
         assert again.status_code == 200, again.text
         client.delete(f"/v1/rollouts/{trace}")
+
+
+def test_an_e2b_sandboxes_commands_and_resume_keep_its_tenants_quotas(tenancy: Tenancy) -> None:
+    """An E2B sandbox's commands and file operations are its tenant's tool calls, though
+    they carry the sandbox's token: past the calls quota they are refused before they run
+    (the SDK's RateLimitException). A paused sandbox holds no place in the sandboxes quota;
+    its resume takes one again, or is refused as a new sandbox would be."""
+    url = tenancy.url
+    caller = tenancy.tenant("e2b-caller")
+
+    def create(key: str) -> Sandbox:
+        return Sandbox.create(
+            template="base", api_key=key, api_url=url, sandbox_url=url, timeout=120
+        )
+
+    sbx = create(caller.token)
+    try:
+
+        def run(n: int) -> str:
+            try:
+                return sbx.commands.run(f"echo {n}").stdout.strip()
+            except RateLimitException as exc:
+                return str(exc)
+
+        with ThreadPoolExecutor(8) as pool:
+            outcomes = list(pool.map(run, range(8)))
+        ran = [o for o in outcomes if o.isdigit()]
+        refused = [o for o in outcomes if "faster than its quota of 2.0/s" in o]
+        assert len(ran) >= 2 and refused and len(ran) + len(refused) == 8, outcomes
+        with pytest.raises(RateLimitException, match="faster than its quota"):
+            for n in range(8):
+                sbx.files.write(f"/workspace/f{n}", b"x")
+    finally:
+        sbx.kill()
+
+    one = tenancy.tenant("one-box")
+    first = create(one.token)
+    second = None
+    try:
+        first.files.write("/workspace/kept", b"kept")
+        assert first.pause() is True
+        second = create(one.token)  # the paused one holds no place
+        with pytest.raises(RateLimitException, match="holds its quota of 1 sandboxes"):
+            Sandbox.connect(first.sandbox_id, api_key=one.token, api_url=url, sandbox_url=url)
+        second.kill()
+        resumed = Sandbox.connect(first.sandbox_id, api_key=one.token, api_url=url, sandbox_url=url)
+        assert resumed.files.read("/workspace/kept") == "kept"
+    finally:
+        for sandbox in (first, second):
+            if sandbox is not None:
+                Sandbox.kill(sandbox.sandbox_id, api_key=one.token, api_url=url, sandbox_url=url)
 
 
 def _audit(side: Stack, *args: str) -> list[dict[str, Any]]:

@@ -195,14 +195,20 @@ class EgressNetworks:
     def _network(self, policy: EgressPolicy, name: str, bridge: str) -> tuple[str, str]:
         """The Docker network ``name``: found, or made on a free /22. Returns its subnet and
         gateway."""
-        api = self.client.api
         try:
-            found = api.inspect_network(name)
+            found = self.client.api.inspect_network(name)
         except NotFound:
             found = None
         except APIError as exc:
             raise states.docker_fault("inspect an egress network", exc) from exc
         if found is None:
+            return self._create_network(policy, name, bridge)
+        config = (found.get("IPAM") or {}).get("Config") or [{}]
+        return str(config[0].get("Subnet", "")), str(config[0].get("Gateway", ""))
+
+    def _create_network(self, policy: EgressPolicy, name: str, bridge: str) -> tuple[str, str]:
+        api = self.client.api
+        for attempt in range(3):
             with self._allocation_lock():
                 subnet = self._free_subnet()
                 gateway = str(next(subnet.hosts()))
@@ -218,19 +224,20 @@ class EgressNetworks:
                             pool_configs=[IPAMPool(subnet=str(subnet), gateway=gateway)]
                         ),
                         labels={
-                            **dict(
-                                label.split("=", 1)
-                                for label in labels.deployment_filter(self.settings.deployment)
-                            ),
+                            labels.MANAGED: "true",
+                            labels.DEPLOYMENT: self.settings.deployment,
                             POLICY_LABEL: policy.model_dump_json(),
                         },
                         check_duplicate=True,
                     )
                 except APIError as exc:
+                    # Another deployment's (with a state_dir of its own, so another lock)
+                    # took the same subnet in between: choose again.
+                    if "overlap" in str(exc).lower() and attempt < 2:
+                        continue
                     raise states.docker_fault(f"create egress network {name}", exc) from exc
             return str(subnet), gateway
-        config = (found.get("IPAM") or {}).get("Config") or [{}]
-        return str(config[0].get("Subnet", "")), str(config[0].get("Gateway", ""))
+        raise AssertionError("unreachable")
 
     @contextlib.contextmanager
     def _allocation_lock(self) -> Iterator[None]:
@@ -406,7 +413,9 @@ def nft_rules(key: str, bridge: str, gateway: str, policy: EgressPolicy) -> str:
         f"add rule {table} forward iifname vmap @out_of",
         f"add rule {table} forward oifname vmap @into",
         f"add rule {table} input iifname vmap @host_from",
-        f"add set {table} allow_{key} {{ type ipv4_addr; flags interval; }}",
+        # auto-merge: an allowed name's address inside an allowed CIDR (added by dnsmasq
+        # after the CIDR), or the CIDRs added again over it, is no overlap error.
+        f"add set {table} allow_{key} {{ type ipv4_addr; flags interval; auto-merge; }}",
     ]
     if elements:
         lines.append(f"add element {table} allow_{key} {{ {elements} }}")
