@@ -7,7 +7,10 @@ of two tenants, A and B, each with a quota of ``--quota`` sandboxes, on the benc
 codebase (this Python's standard library). Per round, in an order turned each round:
 
 - ``alone``: A bursts ``quota`` new rollouts at once (``POST /v1/rollouts``), then B does;
-- ``together``: A bursts ``factor × quota`` while B bursts ``quota``, at the same moment.
+- ``together``: A bursts ``factor × quota`` while B bursts ``quota``, at the same moment;
+- ``unbounded``: the same, with C (a tenant with no quota) in A's place: what B meets
+  without the quotas (the host holds ``2 × quota + 2`` sandboxes; admission's fair share
+  is all that is left between them, and a rollout that waits 10 s for a slot is refused).
 
 Acquisition is the client's request to its 201 (the sandbox made and answering). Every
 burst's rollouts are ended before the next. Reports, per tenant and phase, the rollouts
@@ -39,6 +42,8 @@ from bench.common import (
 )
 from orchestrator.local import local_stack
 from orchestrator.tenants import digest
+
+ADMISSION_WAIT_S = 10.0
 
 
 @dataclass
@@ -102,17 +107,23 @@ async def run(base: str, tokens: dict[str, str], quota: int, rounds: int, factor
                     await end(client, tokens[tenant], [one])
                     phases.setdefault((tenant, "alone"), []).append(one)
 
-            async def together() -> None:
-                a, b = await asyncio.gather(
-                    burst(client, tokens["a"], factor * quota), burst(client, tokens["b"], quota)
+            async def beside(other: str, phase: str) -> None:
+                big, b = await asyncio.gather(
+                    burst(client, tokens[other], factor * quota), burst(client, tokens["b"], quota)
                 )
-                await end(client, tokens["a"], [a])
+                await end(client, tokens[other], [big])
                 await end(client, tokens["b"], [b])
-                phases.setdefault(("a", "together"), []).append(a)
-                phases.setdefault(("b", "together"), []).append(b)
+                phases.setdefault((other, phase), []).append(big)
+                phases.setdefault(("b", phase), []).append(b)
 
-            order = [alone, together] if number % 2 == 0 else [together, alone]
-            for phase in order:
+            async def together() -> None:
+                await beside("a", "together")
+
+            async def unbounded() -> None:
+                await beside("c", "unbounded")
+
+            order = [alone, together, unbounded]
+            for phase in order[number % 3 :] + order[: number % 3]:
                 await phase()
     return phases
 
@@ -125,7 +136,7 @@ def main() -> None:
     args = parser.parse_args()
 
     settings = throwaway_stack_settings("bench-tenants", STACK_ENVIRONMENTS)
-    tokens = {"a": secrets.token_urlsafe(32), "b": secrets.token_urlsafe(32)}
+    tokens = {name: secrets.token_urlsafe(32) for name in ("a", "b", "c")}
     tenants_file = settings.state_dir / "tenants.yaml"
     tenants_file.write_text(
         yaml.safe_dump(
@@ -133,7 +144,7 @@ def main() -> None:
                 "tenants": {
                     f"tenant-{name}": {
                         "tokens": [digest(token)],
-                        "quotas": {"sandboxes": args.quota},
+                        "quotas": {"sandboxes": args.quota} if name != "c" else {},
                     }
                     for name, token in tokens.items()
                 }
@@ -145,6 +156,9 @@ def main() -> None:
             "tenants_file": tenants_file,
             # Room for both quotas at once: what is measured is the quotas, not the host.
             "host_max_sandboxes": 2 * args.quota + 2,
+            # Past the host's room (the unbounded phase), a new rollout waits this long for
+            # a slot, then is refused (429): the seated ones are ended only after the burst.
+            "admission_wait_s": ADMISSION_WAIT_S,
         }
     )
     ensure_bench_codebase(settings)
@@ -174,14 +188,16 @@ def main() -> None:
             }
         )
     by = {(r["tenant"], r["phase"]): r for r in rows}
+
+    def p99(tenant: str, phase: str) -> float:
+        return float(by[(tenant, phase)]["acquisition_ms"]["p99"])
+
     ratio = {
-        tenant: round(
-            by[(tenant, "together")]["acquisition_ms"]["p99"]
-            / by[(tenant, "alone")]["acquisition_ms"]["p99"],
-            2,
-        )
-        for tenant in ("a", "b")
+        "a_together": round(p99("a", "together") / p99("a", "alone"), 2),
+        "b_together": round(p99("b", "together") / p99("b", "alone"), 2),
+        "b_unbounded": round(p99("b", "unbounded") / p99("b", "alone"), 2),
     }
+    b_seated_unbounded = by[("b", "unbounded")]["seated"]
     lines = [
         f"# Two tenants, quota {args.quota} sandboxes each, {args.rounds} rounds "
         f"(A bursts {args.factor}x its quota together)",
@@ -199,8 +215,9 @@ def main() -> None:
         )
     lines += [
         "",
-        f"p99 together / alone: A {ratio['a']}x, B {ratio['b']}x "
-        "(B's is the starvation figure: near 1 means A's burst did not reach it)",
+        f"B's p99 over its p99 alone: {ratio['b_together']}x beside A (quota {args.quota}), "
+        f"{ratio['b_unbounded']}x beside C (no quota; B seated {b_seated_unbounded} of "
+        f"{by[('b', 'unbounded')]['asked']}). A's own: {ratio['a_together']}x.",
         "",
     ]
     markdown = "\n".join(lines)
