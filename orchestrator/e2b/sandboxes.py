@@ -62,7 +62,7 @@ from orchestrator.state.wire import (
     Task,
     Tasks,
 )
-from orchestrator.tenants import DEFAULT_TENANT, Principal, Tenants
+from orchestrator.tenants import OPERATOR, Principal, Tenants
 from orchestrator.tools.command import COMMAND_TOOL
 
 # A sandbox id is a DNS label (E2B's clients may put it in a host name): lowercase
@@ -558,8 +558,9 @@ class E2BSandboxes:
                 call_id=record["call_id"],
                 source=RolloutSource.E2B,
                 stream_key=self.store.keys.output_stream(rollout_id, record["call_id"]),
-                # Its tenant's, charged when it was started (:meth:`start_process`).
-                caller=Principal(str(record.get("tenant") or DEFAULT_TENANT)),
+                # Its tenant's, charged when it was started (:meth:`start_process`); a
+                # command numbered by an API from before tenants were kept with it: ours.
+                caller=Principal(str(record["tenant"])) if record.get("tenant") else OPERATOR,
             )
         finally:
             await self.processes_table.drop(rollout_id, pid)

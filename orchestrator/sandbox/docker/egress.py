@@ -354,9 +354,14 @@ class EgressNetworks:
                     return False
                 try:
                     details = self.client.api.inspect_network(name)
+                    # Stopped containers too (a reset restarting one): the network's own
+                    # view lists only those with a live endpoint.
+                    on_it = self.client.api.containers(all=True, filters={"network": name})
                 except NotFound:
-                    details = {}
-                if details.get("Containers"):
+                    details, on_it = {}, []
+                except APIError as exc:
+                    raise states.docker_fault("inspect an egress network", exc) from exc
+                if on_it:
                     return False
                 self._tear_down(key, name, details)
                 return True
