@@ -14,6 +14,7 @@ from orchestrator.config import Settings
 from orchestrator.e2b.models import NewSandbox
 from orchestrator.e2b.sandboxes import BadRequest, asked_egress
 from orchestrator.environments.loader import EnvironmentConfigError, parse_environments
+from orchestrator.sandbox.backend import SandboxSpec
 from orchestrator.sandbox.docker.egress import nft_rules
 from orchestrator.sandbox.egress import NO_EGRESS, EgressPolicy, EgressRefused
 
@@ -125,3 +126,9 @@ def test_an_environment_without_egress_keeps_its_digest() -> None:
         Settings(),
     ).get("net")
     assert with_policy.digest != config.digest
+
+
+def test_a_spec_says_no_network_one_way() -> None:
+    """An empty policy is made None, so a backend asks one question (spec.egress is None)."""
+    assert SandboxSpec(image="i", egress=EgressPolicy()).egress is None
+    assert SandboxSpec(image="i", egress=POLICY).egress == POLICY

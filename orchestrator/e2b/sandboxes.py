@@ -111,7 +111,7 @@ class E2BSandboxes:
     """The E2B API's view of rollouts: the control plane's operations, and what the
     sandbox plane needs of a sandbox (its record, its commands, its files)."""
 
-    def __init__(self, service: RolloutService, tenants: Tenants | None = None) -> None:
+    def __init__(self, service: RolloutService, tenants: Tenants) -> None:
         self.service = service
         self.tenants = tenants
         self.settings = service.settings
@@ -728,8 +728,7 @@ class E2BSandboxes:
     def _principal(self, tenant: str) -> Principal:
         """``tenant`` with its quotas as the tenants file says now: what a request with the
         sandbox's own token (the sandbox plane's, or a resume) is charged to."""
-        quotas = self.tenants.quotas(tenant) if self.tenants is not None else None
-        return Principal(tenant, quotas=quotas) if quotas is not None else Principal(tenant)
+        return Principal(tenant, quotas=self.tenants.quotas(tenant))
 
     async def _charge(self, rollout: Rollout) -> None:
         """A command or a file operation is a tool call of the sandbox's tenant: taken from

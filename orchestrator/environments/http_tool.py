@@ -35,8 +35,7 @@ from orchestrator.environments.models import SECRET_REF, HttpToolConfig
 from orchestrator.outcomes import Outcome
 from orchestrator.sandbox.backend import ExecOp, OpResult, ReadOp
 from orchestrator.secrets import SecretSource, SecretUnreadable, read_secret
-from orchestrator.tools.base import ToolResult, agent_error
-from orchestrator.tools.shaping import fit
+from orchestrator.tools.base import ToolResult, agent_error, within_budget
 
 SHOWN_ERROR_BYTES = 2000
 """Of a 4xx answer's body, what the model is shown."""
@@ -142,13 +141,7 @@ class HttpTool(SchemaTool[HttpArgs]):
         result = ToolResult(
             output=text, outcome=Outcome.OK, truncated=truncated, duration_ms=elapsed_ms
         )
-        return self._fitted(result, budget)
-
-    @staticmethod
-    def _fitted(result: ToolResult, budget: int | None) -> ToolResult:
-        if budget is None or len(result.output.encode()) <= budget:
-            return result
-        return result.model_copy(update={"output": fit(result.output, budget), "truncated": True})
+        return within_budget(result, budget)
 
     def _filled(self, value: str) -> str:
         return SECRET_REF.sub(lambda m: self._secret(m.group(1)), value)

@@ -235,7 +235,7 @@ class ResolvedEnvironment:
             lifetime_s=env.effective_lifetime_s(settings),
             scratch_dirs=env.scratch_dirs,
             workspace=self.workspace,
-            egress=None if env.egress.allows_nothing else env.egress,
+            egress=env.egress,
         )
 
     def tool_settings(self, settings: Settings) -> Settings:

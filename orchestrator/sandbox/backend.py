@@ -168,6 +168,11 @@ class CommitWorkspace(BaseModel):
         return f"{self.repo}@{self.commit}"
 
 
+def _something_allowed(policy: EgressPolicy | None) -> EgressPolicy | None:
+    # One way to say "no network": a backend checks for None alone.
+    return None if policy is None or policy.allows_nothing else policy
+
+
 class SandboxSpec(BaseModel):
     """Everything needed to create one sandbox."""
 
@@ -189,8 +194,10 @@ class SandboxSpec(BaseModel):
         description="Start from this snapshot of the host's (sandbox/docker/snapshots.py): its "
         "/workspace and writable trees as they were; None: as the image (or commit) has them.",
     )
-    egress: EgressPolicy | None = Field(
-        None, description="Where it may connect (sandbox/egress.py); None: nowhere."
+    egress: Annotated[EgressPolicy | None, AfterValidator(_something_allowed)] = Field(
+        None,
+        description="Where it may connect (sandbox/egress.py); None (an empty policy is "
+        "made None): nowhere.",
     )
 
     @classmethod

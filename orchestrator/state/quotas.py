@@ -29,7 +29,7 @@ from orchestrator.state.admission import AtCapacity
 from orchestrator.state.keys import Keys
 from orchestrator.state.models import RolloutState
 from orchestrator.state.records import Rollout, RolloutStore
-from orchestrator.tenants import Principal, Quotas
+from orchestrator.tenants import Principal
 
 _BUCKET = """
 local function take(key, rate, now)
@@ -47,10 +47,10 @@ end
 one is there (a string: Lua's numbers are cut to integers on their way out, and a bare
 "1" would read as another answer)."""
 
-# KEYS: the tenant's held set, its creations bucket, the tenants seen. ARGV: now, rollout
-# id, sandboxes quota (-1: none), creations per second (-1: none), a member older than this
-# (Unix time) is forgotten, the tenant. Returns 0 when entered (or already in), 1 when at
-# the sandboxes quota, else the bucket's ``wait:<seconds>``.
+# KEYS: the tenant's held set (or its warm set), its creations bucket, the tenants seen.
+# ARGV: now, rollout id, the set's quota (-1: none), creations per second (-1: none), a
+# member older than this (Unix time) is forgotten, the tenant. Returns 0 when entered (or
+# already in), 1 when at the set's quota, else the bucket's ``wait:<seconds>``.
 _ENTER = (
     _BUCKET
     + """
@@ -68,16 +68,6 @@ redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
 return 0
 """
 )
-
-# KEYS: the tenant's warm set. ARGV: now, rollout id, warm quota, a member older than this
-# is forgotten. Returns 1 when entered (or already in), 0 when at the quota.
-_ENTER_WARM = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])
-if redis.call('ZSCORE', KEYS[1], ARGV[2]) then return 1 end
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[1], ARGV[2])
-return 1
-"""
 
 # KEYS: the tenant's bucket. ARGV: now, rate. Returns the bucket's take.
 _TAKE = _BUCKET + "return take(KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[1]))\n"
@@ -110,16 +100,16 @@ class TenantQuotas:
         self.keys: Keys = store.keys
         self._enter = self.redis.register_script(_ENTER)
         self._take = self.redis.register_script(_TAKE)
-        self._enter_warm = self.redis.register_script(_ENTER_WARM)
 
     async def enter(self, caller: Principal, rollout_id: str) -> None:
         """Count ``rollout_id``'s sandbox against ``caller``'s tenant (again: nothing),
         or :class:`OverQuota`."""
         quotas = caller.quotas
-        found = await self._try_enter(caller.tenant, rollout_id, quotas)
         held = self.keys.tenant_sandboxes(caller.tenant)
+        rate = quotas.creations_per_s
+        found = await self._try_enter(held, caller.tenant, rollout_id, quotas.sandboxes, rate)
         if found == "1" and await self._forget_ended(held):
-            found = await self._try_enter(caller.tenant, rollout_id, quotas)
+            found = await self._try_enter(held, caller.tenant, rollout_id, quotas.sandboxes, rate)
         if found == "0":
             return
         if found == "1":
@@ -154,11 +144,14 @@ class TenantQuotas:
         limit = caller.quotas.warm_sandboxes
         if limit is None:
             return True
-        key = self.keys.tenant_warm(caller.tenant)
-        args: list[str | float] = [time.time(), rollout_id, limit, time.time() - MEMBER_MAX_S]
-        if int(await self._enter_warm(keys=[key], args=args)):
+        # The held set's script on the warm set, with no rate: one check-and-enter.
+        warm = self.keys.tenant_warm(caller.tenant)
+        if await self._try_enter(warm, caller.tenant, rollout_id, limit, None) == "0":
             return True
-        if await self._forget_ended(key) and int(await self._enter_warm(keys=[key], args=args)):
+        if (
+            await self._forget_ended(warm)
+            and await self._try_enter(warm, caller.tenant, rollout_id, limit, None) == "0"
+        ):
             return True
         self._refused(caller.tenant, "warm_sandboxes")
         return False
@@ -190,19 +183,19 @@ class TenantQuotas:
         """Sandboxes ``tenant``'s rollouts hold (or are making) now."""
         return int(await self.redis.zcard(self.keys.tenant_sandboxes(tenant)))
 
-    async def _try_enter(self, tenant: str, rollout_id: str, quotas: Quotas) -> str:
+    async def _try_enter(
+        self, key: str, tenant: str, rollout_id: str, limit: int | None, rate: float | None
+    ) -> str:
+        """Enter ``rollout_id`` into the tenant's set ``key`` within ``limit`` members, and
+        take a creation at ``rate`` (None: no bound): the script's answer (_ENTER)."""
         now = time.time()
         found = await self._enter(
-            keys=[
-                self.keys.tenant_sandboxes(tenant),
-                self.keys.tenant_bucket(tenant, "creations"),
-                self.keys.tenants_seen,
-            ],
+            keys=[key, self.keys.tenant_bucket(tenant, "creations"), self.keys.tenants_seen],
             args=[
                 now,
                 rollout_id,
-                -1 if quotas.sandboxes is None else quotas.sandboxes,
-                -1 if quotas.creations_per_s is None else quotas.creations_per_s,
+                -1 if limit is None else limit,
+                -1 if rate is None else rate,
                 now - MEMBER_MAX_S,
                 tenant,
             ],

@@ -87,6 +87,14 @@ def agent_error(
     )
 
 
+def within_budget(result: ToolResult, budget: int | None) -> ToolResult:
+    """``result`` with its output cut to ``budget`` bytes (head and tail kept, marked
+    truncated); as it is when it fits or there is no budget."""
+    if budget is None or len(result.output.encode()) <= budget:
+        return result
+    return result.model_copy(update={"output": fit(result.output, budget), "truncated": True})
+
+
 def sandbox_killed(cause: str, detail: str, budget: int | None) -> ToolResult:
     """The result of a call during which the agent's own doing took its whole sandbox down
     (gVisor ends the sandbox at its memory limit): the agent's mistake, named ``cause``."""
@@ -249,18 +257,8 @@ class Tool(ABC, Generic[ArgsT]):
     ) -> ToolResult:
         """What the model is given for what :meth:`operation` did: :meth:`shape`'s result,
         whatever it made, within the output budget, lasting ``duration_ms``."""
-        result = self.shape(args, settings, ran)
-        budget = self.fitted_budget(settings)
-        output = result.output
-        if budget is not None and len(output.encode()) > budget:
-            output = fit(output, budget)
-        return result.model_copy(
-            update={
-                "output": output,
-                "truncated": result.truncated or output != result.output,
-                "duration_ms": duration_ms,
-            }
-        )
+        fitted = within_budget(self.shape(args, settings, ran), self.fitted_budget(settings))
+        return fitted.model_copy(update={"duration_ms": duration_ms})
 
     @abstractmethod
     def operation(self, args: ArgsT, settings: Settings) -> ExecOp | ReadOp:

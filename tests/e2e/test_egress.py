@@ -17,10 +17,10 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -31,7 +31,7 @@ from orchestrator.sandbox.docker.backend import DockerBackend
 from orchestrator.sandbox.docker.egress import TABLE
 from orchestrator.sandbox.egress import EgressPolicy
 from tests.e2e.conftest import side_stack
-from tests.e2e.helpers import function_call, new_trace
+from tests.e2e.helpers import function_call, new_trace, wait_for
 from tests.stacks import TOKEN, Stack
 
 pytestmark = pytest.mark.xdist_group("e2e")
@@ -133,7 +133,7 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
             )
         )
         for address in (allowed, refused, by_cidr):
-            _wait_for(address)
+            wait_for(partial(_answers, address), timeout_s=10, what=f"the service at {address}")
         _wait_for_dns(allowed)
         yield Services(host=host, allowed=allowed, refused=refused, by_cidr=by_cidr)
     finally:
@@ -144,15 +144,13 @@ def services(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
         subprocess.run(["ip", "netns", "delete", netns], check=False)
 
 
-def _wait_for(address: str) -> None:
-    """Until the service at ``address`` answers from the host (the veth's other end)."""
-    for _ in range(200):
-        try:
-            httpx.get(f"http://{address}:{PORT}/", timeout=1)
-            return
-        except httpx.HTTPError:
-            time.sleep(0.05)
-    raise RuntimeError(f"the service at {address} did not come up")
+def _answers(address: str) -> bool:
+    """Whether the service at ``address`` answers from the host (the veth's other end)."""
+    try:
+        httpx.get(f"http://{address}:{PORT}/", timeout=1)
+    except httpx.HTTPError:
+        return False
+    return True
 
 
 def _wait_for_dns(address: str) -> None:
@@ -352,7 +350,11 @@ def test_an_unused_network_is_removed_with_its_rules_and_resolver(
         assert client.delete(f"/v1/rollouts/{trace}").status_code in (200, 204)
     policy = EgressPolicy(allow_domains=["allowed.test"], allow_cidrs=[services.by_cidr])
     name = backend.egress.network_name(policy)
-    _wait_no_sandbox_on(backend, name)
+    wait_for(
+        lambda: not backend.client.api.inspect_network(name).get("Containers"),
+        timeout_s=10,
+        what=f"no sandbox on {name}",
+    )
     assert backend.egress.prune(idle_s=0) >= 1
     assert not backend.client.api.networks(names=[name])
     table = subprocess.run(
@@ -374,12 +376,3 @@ def _gateway(stack: Stack) -> str:
     backend = DockerBackend(stack.settings)
     found = backend.client.api.networks(filters={"name": f"orch-{stack.settings.deployment}"})
     return str(found[0]["IPAM"]["Config"][0]["Gateway"]) if found else "10.231.0.1"
-
-
-def _wait_no_sandbox_on(backend: DockerBackend, name: str) -> None:
-    for _ in range(200):
-        details = backend.client.api.inspect_network(name)
-        if not details.get("Containers"):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"sandboxes still on {name}: {list(details['Containers'])}")

@@ -240,7 +240,7 @@ class DockerBackend(agent.AgentBackend):
             )
         with contextlib.ExitStack() as held:
             network = None
-            if spec.egress is not None and not spec.egress.allows_nothing:
+            if spec.egress is not None:
                 if spec.runtime == "runsc":
                     # Registered with --network=none (DESIGN.md); gVisor's own network
                     # stack refuses Docker's namespace on these hosts.

@@ -51,7 +51,8 @@ TABLE = "orchestrator_egress"
 POLICY_LABEL = labels.PREFIX + "egress"
 SUBNET_PREFIX = 22
 """Each network's size: 1,021 sandboxes of one policy at once on one host."""
-NFT_TIMEOUT_S = 10.0
+TOOL_TIMEOUT_S = 10.0
+"""How long nft or dnsmasq may take to answer."""
 
 
 @dataclass(frozen=True)
@@ -63,26 +64,38 @@ class EgressNetwork:
     """The bridge's address: the sandbox's resolver."""
 
 
-def _nft(script: str) -> None:
-    """Apply ``script`` as one nftables transaction (all of it or nothing)."""
-    nft = shutil.which("nft") or "/usr/sbin/nft"
+def _host_tool(
+    argv: list[str], *, what: str, package: str, stdin: str | None = None, detach: bool = False
+) -> None:
+    """Run one of the host's own tools (nft, dnsmasq) for an egress network; its failure,
+    or its absence, is a :class:`SandboxError` saying ``what`` failed and why. ``detach``:
+    in a session of its own (a daemon that outlives the worker)."""
+    found = shutil.which(argv[0]) or f"/usr/sbin/{argv[0]}"
     try:
         subprocess.run(
-            [nft, "-f", "-"],
-            input=script,
+            [found, *argv[1:]],
+            input=stdin,
             text=True,
             capture_output=True,
             check=True,
-            timeout=NFT_TIMEOUT_S,
+            timeout=TOOL_TIMEOUT_S,
+            start_new_session=detach,
         )
     except FileNotFoundError:
         raise SandboxError(
-            "egress needs nftables on the sandbox host (Debian: apt-get install nftables)"
+            f"egress needs {argv[0]} on the sandbox host (Debian's {package})"
         ) from None
     except subprocess.CalledProcessError as exc:
-        raise SandboxError(f"nft refused the egress rules: {exc.stderr.strip()}") from exc
+        raise SandboxError(f"{what}: {exc.stderr.strip()}") from exc
     except subprocess.TimeoutExpired as exc:
-        raise SandboxError(f"nft did not answer in {NFT_TIMEOUT_S:.0f} s") from exc
+        raise SandboxError(f"{what}: no answer in {TOOL_TIMEOUT_S:.0f} s") from exc
+
+
+def _nft(script: str) -> None:
+    """Apply ``script`` as one nftables transaction (all of it or nothing)."""
+    _host_tool(
+        ["nft", "-f", "-"], what="nft refused the egress rules", package="nftables", stdin=script
+    )
 
 
 def upstream_servers(settings: Settings) -> list[str]:
@@ -295,27 +308,13 @@ class EgressNetworks:
                 return  # a worker's restart leaves the resolver its sandboxes use alone
             _stop(running)
         conf.write_text(text)
-        dnsmasq = shutil.which("dnsmasq") or "/usr/sbin/dnsmasq"
-        try:
-            # dnsmasq forks once it listens; its own exit status says whether it could.
-            subprocess.run(
-                [dnsmasq, f"--conf-file={conf}"],
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=NFT_TIMEOUT_S,
-                start_new_session=True,
-            )
-        except FileNotFoundError:
-            raise SandboxError(
-                "egress needs dnsmasq on the sandbox host (Debian: dnsmasq-base)"
-            ) from None
-        except subprocess.CalledProcessError as exc:
-            raise SandboxError(
-                f"the egress DNS server did not start: {exc.stderr.strip()}"
-            ) from exc
-        except subprocess.TimeoutExpired as exc:
-            raise SandboxError("the egress DNS server did not start in time") from exc
+        # dnsmasq forks once it listens; its own exit status says whether it could.
+        _host_tool(
+            ["dnsmasq", f"--conf-file={conf}"],
+            what="the egress DNS server did not start",
+            package="dnsmasq-base",
+            detach=True,
+        )
 
     # -- removal ---------------------------------------------------------------------------
 

@@ -97,7 +97,7 @@ class KubernetesBackend(agent.AgentBackend):
     # -- lifecycle -------------------------------------------------------------------------
 
     def create(self, spec: SandboxSpec) -> SandboxHandle:
-        if spec.egress is not None and not spec.egress.allows_nothing:
+        if spec.egress is not None:
             # The environment loader refuses such environments here; this is the backstop.
             raise SandboxError("egress policies are enforced by the Docker backend only")
         sandbox_id = "sbx-" + uuid.uuid4().hex[:SANDBOX_ID_HEX]
