@@ -395,6 +395,10 @@ def test_a_lost_node_is_an_infrastructure_fault(
 def test_an_image_that_cannot_be_pulled_fails_the_create_and_leaves_nothing(
     k8s: KubernetesBackend, cluster: RealCluster
 ) -> None:
+    # Settled first: an earlier test's pod may still be leaving the node, and what the
+    # settle below removes of it must not read as this create's doing (seen: its pause
+    # container listed before, gone after).
+    cluster.settle()
     pods_before, secrets_before = cluster.names("pods"), cluster.names("secrets")
     objects_before = set(cluster.docker_objects())
     with pytest.raises(SandboxError) as failed:
